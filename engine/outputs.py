@@ -1,0 +1,44 @@
+"""Typed results that leave the engine: one `StepOutput` per request per step, and the
+offline API's `RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one `EngineCore.step()` produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None  # set on the request's last output
+    # Prefill-only mode: the request's prompt KV is complete and its first token sampled;
+    # its blocks stay held until `EngineCore.release(request_id)`.
+    prefill_done: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Offline API result for one prompt (vLLM-like, flattened to the single completion)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,47 @@
+"""What the scheduler hands to the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's slice of a step: tokens [start_pos, start_pos + num_new_tokens)."""
+
+    request: Request
+    token_ids: list[int]  # the tokens to run this step
+    start_pos: int  # position of token_ids[0] (= request.num_computed_tokens when scheduled)
+    block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids))
+    # True when this chunk reaches the end of the request's known tokens, so the step samples
+    # its next token. False for a non-final chunk of a chunked prefill.
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Runs prompt tokens (first or later chunk, or a recompute after preemption)."""
+        return self.start_pos < self.request.prompt_len or len(self.token_ids) > 1
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

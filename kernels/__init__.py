@@ -1,0 +1,1 @@
+"""pdserve kernels: attention backends and GPU kernels, each beside its torch reference."""

@@ -1,0 +1,38 @@
+"""The attention backend interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from kernels.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a flat varlen batch.
+
+    `forward` first writes this step's K/V into the paged cache at `meta.slot_mapping`, then
+    computes causal attention of every query token over its request's whole context (cached
+    prefix + this step's tokens), with grouped-query heads (num_heads % num_kv_heads == 0).
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+        return True
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
