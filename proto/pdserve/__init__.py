@@ -1,0 +1,1 @@
+"""pdserve: wire schemas (`pdserve.v1`) and the project-wide environment (`pdserve.envs`)."""

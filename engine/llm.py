@@ -1,0 +1,175 @@
+"""The offline API (vLLM-like): `LLM(model=...).generate(prompts, params)`.
+
+    prompts (text or token ids) -> Tokenizer.encode -> EngineCore.add_request
+    loop EngineCore.step():
+        new tokens -> IncrementalDetokenizer -> StopStringMatcher (a match aborts the request)
+    -> one RequestOutput per prompt, in prompt order
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.engine_core import EngineCore
+from engine.outputs import RequestOutput, StepOutput
+from engine.request import FinishReason
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class _Tracked:
+    output: RequestOutput
+    detokenizer: IncrementalDetokenizer | None
+    stop_matcher: StopStringMatcher | None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        device: str = "auto",
+        dtype: str = "auto",
+        *,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        attention_backend: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                seed=seed,
+                attention_backend=attention_backend,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.engine = EngineCore(config)
+        tokenizer_dir = self.engine.loaded.tokenizer_dir
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings, or lists of token ids) in one continuous batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequestError(
+                f"got {len(prompts)} prompts but {len(sampling_params)} sampling params"
+            )
+        # Validate everything before admitting anything, so a bad prompt adds nothing.
+        requests = [
+            self._make_request(prompt, params) for prompt, params in zip(prompts, sampling_params)
+        ]
+        tracked: dict[str, _Tracked] = {}
+        for request, prompt in zip(requests, prompts):
+            tracked[request.request_id] = self._track(request, prompt)
+            self.engine.add_request(request)
+        while self.engine.has_unfinished():
+            for step_output in self.engine.step():
+                self._apply(tracked[step_output.request_id], step_output)
+        return [tracked[r.request_id].output for r in requests]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        tokenizer = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tokenizer.apply_chat_template(list(m)) for m in conversations]
+        return self.generate(prompts, sampling_params)
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams):
+        if isinstance(prompt, str):
+            token_ids = self._require_tokenizer().encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        return self.engine.make_request(str(next(self._ids)), token_ids, params)
+
+    def _track(self, request, prompt: Prompt) -> _Tracked:
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(request.prompt_token_ids),
+            logprobs=[] if request.sampling_params.logprobs is not None else None,
+        )
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        stop = request.sampling_params.stop
+        matcher = StopStringMatcher(stop) if stop and detokenizer is not None else None
+        return _Tracked(output, detokenizer, matcher)
+
+    def _apply(self, tracked: _Tracked, step_output: StepOutput) -> None:
+        output = tracked.output
+        output.token_ids.extend(step_output.new_token_ids)
+        output.num_cached_tokens = step_output.num_cached_tokens
+        if output.logprobs is not None and step_output.new_logprobs:
+            output.logprobs.extend(step_output.new_logprobs)
+        if tracked.detokenizer is None:
+            if step_output.finish_reason is not None:
+                output.finish_reason = step_output.finish_reason.value
+            return
+        text = tracked.detokenizer.update(step_output.new_token_ids)
+        if step_output.finish_reason is not None:
+            text += tracked.detokenizer.flush()
+        if tracked.stop_matcher is not None:
+            text, matched = tracked.stop_matcher.feed(text, final=step_output.finished)
+            if matched:
+                output.text += text
+                output.finish_reason = FinishReason.STOP.value
+                self.engine.abort(output.request_id)
+                return
+        output.text += text
+        if step_output.finish_reason is not None:
+            output.finish_reason = step_output.finish_reason.value
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer (synthetic weights): pass prompts as token-id lists"
+            )
+        return self.tokenizer

@@ -1,0 +1,90 @@
+"""Rotary position embedding (the "rotate half" / GPT-NeoX form Hugging Face Llama uses).
+
+```
+inv_freq [head_dim / 2]            default, linear (inv_freq / factor) or llama3 (smoothed bands)
+cos_sin_cache [max_pos, head_dim]  cos | sin of positions x inv_freq, float32, built once
+forward(positions [T], q, k)       gather rows by position; x1, x2 = halves of each head:
+                                   (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+```
+
+The frequencies are computed exactly as transformers computes them, so fp32 results match it
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.model.arch_config import RopeConfig
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
+    """The inverse frequency of each rotated pair, after the configured scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.scaling_type == "default":
+        return inv_freq
+    if rope.scaling_type == "linear":
+        return inv_freq / rope.factor
+    if rope.scaling_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    raise ValueError(
+        f"rope scaling type {rope.scaling_type!r} is not supported; "
+        "supported: 'default', 'linear', 'llama3'"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths / factor, short ones kept, a smooth band between."""
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / rope.low_freq_factor
+    high_freq_wavelen = old_context_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k of a flat token batch, looking positions up in a cached table."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position: int) -> None:
+        super().__init__()
+        if rope.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {rope.partial_rotary_factor} is not supported (only 1.0)"
+            )
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, rope)  # [head_dim // 2]
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim // 2]
+        # [max_position, head_dim]: cos | sin, kept in float32 (cast to q's dtype when applied)
+        cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D / 2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2] float32
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2] float32
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

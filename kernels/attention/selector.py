@@ -1,0 +1,100 @@
+"""Pick an attention backend by name, or the fastest one that fits ("auto").
+
+```
+auto on CUDA: flash_attn (installed, fp16/bf16, block_size % 256 == 0) > triton (installed) > torch
+auto on CPU:  torch
+```
+
+Backends that need optional packages (triton, flash_attn) are imported only when chosen, so
+importing `kernels.attention` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from kernels.attention.backend import AttentionBackend
+
+BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+
+# name -> (module of the backend class, class name, the package it needs or None)
+_BACKENDS: dict[str, tuple[str, str, str | None]] = {
+    "torch": ("kernels.attention.torch_backend", "TorchAttentionBackend", None),
+    "triton": ("kernels.attention.triton_backend", "TritonAttentionBackend", "triton"),
+    "flash_attn": ("kernels.attention.flash_attn_backend", "FlashAttnBackend", "flash_attn"),
+}
+
+
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+) -> AttentionBackend:
+    """A backend instance for `name` ("auto" | "torch" | "triton" | "flash_attn").
+
+    Raises ValueError saying why when the named backend cannot run here, and what to use.
+    """
+    return _load(resolve_backend_name(name, torch.device(device), dtype, block_size))()
+
+
+def resolve_backend_name(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+) -> str:
+    """The concrete backend name `name` stands for here; ValueError if it cannot run."""
+    if name == "auto":
+        return _auto_name(device, dtype, block_size)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    reason = unavailable_reason(name, device, dtype, block_size)
+    if reason is not None:
+        fallback = _auto_name(device, dtype, block_size)
+        raise ValueError(
+            f"attention backend {name!r} cannot run here: {reason}; "
+            f"use {fallback!r} (or 'auto') instead"
+        )
+    return name
+
+
+def unavailable_reason(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+) -> str | None:
+    """Why backend `name` cannot run with these settings, or None if it can."""
+    _, _, package = _BACKENDS[name]
+    if package is None:
+        return None
+    if device.type != "cuda":
+        return f"it needs a CUDA device (got {device})"
+    if name == "flash_attn" and dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16 or bfloat16 (got {dtype})"
+    if name == "flash_attn" and block_size % 256 != 0:
+        return f"flash-attn paged KV needs block_size % 256 == 0 (got {block_size})"
+    if name == "triton" and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the triton kernels support float16, bfloat16 and float32 (got {dtype})"
+    if not is_installed(package):
+        return f"the {package!r} package is not installed"
+    return None
+
+
+def is_installed(package: str) -> bool:
+    """Whether `package` can be imported (without importing it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+def _auto_name(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    for name in ("flash_attn", "triton"):
+        if unavailable_reason(name, device, dtype, block_size) is None:
+            return name
+    return "torch"
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module_name, class_name, package = _BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"attention backend {name!r} failed to import ({exc}); "
+            f"check the {package!r} installation or use 'torch'"
+        ) from exc
+    return getattr(module, class_name)
