@@ -3,7 +3,8 @@
 ```
 inv_freq [head_dim / 2]            default, linear (inv_freq / factor) or llama3 (smoothed bands)
 cos_sin_cache [max_pos, head_dim]  cos | sin of positions x inv_freq, float32, built once
-forward(positions [T], q, k)       gather rows by position; x1, x2 = halves of each head:
+forward(positions [T])             gather the step's rows once (shared by all layers)
+apply_rotary(x, cos, sin)          x1, x2 = halves of each head:
                                    (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 ```
 
@@ -53,7 +54,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k of a flat token batch, looking positions up in a cached table."""
+    """The cos/sin table of every position, looked up per step by the flat batch's positions."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position: int) -> None:
         super().__init__()
@@ -61,30 +62,26 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"partial_rotary_factor {rope.partial_rotary_factor} is not supported (only 1.0)"
             )
-        self.head_dim = head_dim
         inv_freq = rope_inv_freq(head_dim, rope)  # [head_dim // 2]
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim // 2]
-        # [max_position, head_dim]: cos | sin, kept in float32 (cast to q's dtype when applied)
+        # [max_position, head_dim]: cos | sin, built in float32 (cast per step)
         cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D / 2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim // 2]
+        """The cos and sin rows of a step's positions, once for all layers."""
+        cos_sin = self.cos_sin_cache[positions].to(dtype)  # [num_tokens, head_dim]
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
 
-def _rotate(
+def apply_rotary(
     x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2] float32
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2] float32
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

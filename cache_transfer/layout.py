@@ -1,0 +1,71 @@
+"""`KVLayout`: the shape of a model's paged KV cache, compared by both ends of a transfer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer cache `k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_dtype(cls, dtype: torch.dtype, **fields: object) -> KVLayout:
+        """Build from a torch dtype instead of its name."""
+        names = {v: k for k, v in _DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"unsupported KV cache dtype {dtype}; use one of {sorted(_DTYPES)}")
+        return cls(dtype=names[dtype], **fields)  # type: ignore[arg-type]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of one of K or V: (block_size, num_kv_heads, head_dim)."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one layer, K and V together."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        """Bytes of one packed layer of a request holding `num_blocks` blocks."""
+        return num_blocks * self.bytes_per_block
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def layout_hash(self) -> str:
+        """Stable sha256 hex of the fields: equal hashes mean byte-compatible caches."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,45 @@
+"""The control messages of `transfer.proto`, as transport headers.
+
+Every header is one serialized `TransferMessage` envelope: transfer id, a per-sender sequence
+number (0, 1, 2, ... per transfer and direction) and one kind of message.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+from pdserve.v1 import transfer_pb2
+
+PROTOCOL_VERSION: int = transfer_pb2.PROTOCOL_VERSION_CURRENT
+
+TransferMessage = transfer_pb2.TransferMessage
+
+# Which end of a transfer reads each kind ("result" travels both ways).
+TO_RECEIVER_KINDS = frozenset({"handshake", "layer_manifest", "first_token", "result"})
+TO_SENDER_KINDS = frozenset({"handshake_ack", "result"})
+
+
+class ProtocolError(ValueError):
+    """A header that is not a well-formed TransferMessage."""
+
+
+def encode(transfer_id: str, seq: int, **kind: object) -> bytes:
+    """Serialize an envelope carrying exactly one kind, e.g. `handshake=TransferHandshake(...)`."""
+    if len(kind) != 1:
+        raise ValueError(f"a TransferMessage carries exactly one kind, got {sorted(kind)}")
+    return TransferMessage(transfer_id=transfer_id, seq=seq, **kind).SerializeToString()
+
+
+def decode(header: bytes) -> TransferMessage:
+    """Parse a header; raise ProtocolError when it is not a TransferMessage with an id and kind."""
+    msg = TransferMessage()
+    try:
+        msg.ParseFromString(header)
+    except DecodeError as e:
+        raise ProtocolError(f"undecodable transfer header ({len(header)} bytes): {e}") from e
+    if not msg.transfer_id or msg.WhichOneof("kind") is None:
+        raise ProtocolError("transfer header lacks a transfer_id or a message kind")
+    return msg
+
+
+def kind_of(msg: TransferMessage) -> str:
+    return msg.WhichOneof("kind") or ""

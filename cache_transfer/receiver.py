@@ -1,0 +1,237 @@
+"""`KVReceiver`: the decode side of one KV hand-off.
+
+    created (blocks reserved) ── ticket() ──► router ──► prefill node
+    BOOTSTRAPPING ── handshake ok ──► WAITING ── layer lands ──► TRANSFERRING
+                  ── every layer complete + first token ──► SUCCESS (result ok sent to P)
+    any refused message, the deadline, or P's failed result ──► FAILED (blocks untouched since
+    the refusal; the node frees them once wait() returns)
+
+Every message is checked against the ticket before its payload lands: the peer that
+handshook, the sequence number, the layer index, the exact token span and block range, the
+byte count. Payloads are scattered only into this session's own `dst_block_ids`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pdserve.v1 import node_pb2, transfer_pb2
+
+from cache_transfer.layout import KVLayout
+from cache_transfer.packing import alloc_staging, unpack_layer
+from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
+from cache_transfer.session import TransferSession
+from cache_transfer.state import TransferState
+from cache_transfer.transport import KVTransport
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
+
+class KVReceiver(TransferSession):
+    role = "receiver"
+
+    def __init__(
+        self,
+        transport: KVTransport,
+        layout: KVLayout,
+        kv_caches: KVCaches,
+        transfer_id: str,
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float,
+    ) -> None:
+        """`dst_block_ids`: every block reserved for the request (the first
+        ceil(num_tokens / block_size) receive the KV); `num_tokens`: prompt tokens to receive."""
+        _check_ticket(layout, kv_caches, dst_block_ids, num_tokens)
+        super().__init__(transport, transfer_id, timeout_s)
+        self.layout = layout
+        self.dst_block_ids = list(dst_block_ids)
+        self.num_tokens = num_tokens
+        self.num_blocks = layout.num_blocks_for(num_tokens)
+        self.first_token: transfer_pb2.FirstToken | None = None
+        self.num_bytes_received = 0
+        self._kv_caches = kv_caches
+        self._layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
+        self._num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
+        self._peer_id: str | None = None
+        self._device = transport.buffer_device(kv_caches[0][0].device)
+        self._staging: list[torch.Tensor] = []  # free whole-layer buffers
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer a payload is landing in
+        self.add_finish_callback(lambda _: self._staging.clear())
+
+    def ticket(self) -> node_pb2.TransferTicket:
+        """What the prefill node needs to send this session its KV."""
+        return node_pb2.TransferTicket(
+            transfer_id=self.transfer_id,
+            dst_address=self._transport.address,
+            dst_block_ids=self.dst_block_ids,
+            layout_hash=self.layout.layout_hash(),
+            num_tokens=self.num_tokens,
+        )
+
+    def prepare(self, peer_id: str, msg: TransferMessage, payload_bytes: int) -> torch.Tensor | None:
+        """A message with a payload: accept a valid layer and hand out its staging buffer."""
+        reason = self._check_sender(peer_id, msg)
+        if reason is None:
+            if kind_of(msg) != "layer_manifest":
+                reason = f"a {kind_of(msg)} message must not carry a payload"
+            else:
+                reason = self._check_layer(msg.layer_manifest, payload_bytes)
+        if reason is not None:
+            self.fail(f"refused a message from {peer_id}: {reason}")
+            return None
+        manifest = msg.layer_manifest
+        self._layer_token_end[manifest.layer_idx] = manifest.token_end
+        self._num_landing += 1
+        return self._lend_staging(payload_bytes)
+
+    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
+        """A whole message: land a layer prepare() accepted, or handle a header-only message."""
+        kind = kind_of(msg)
+        if payload is not None:
+            self._land_layer(msg.layer_manifest, payload)
+            return
+        reason = self._check_sender(peer_id, msg)
+        if reason is None and kind == "layer_manifest":
+            reason = "a layer manifest without its payload"
+        if reason is not None:
+            self.fail(f"refused a message from {peer_id}: {reason}")
+        elif kind == "handshake":
+            self._on_handshake(peer_id, msg.handshake)
+        elif kind == "first_token":
+            self._on_first_token(msg.first_token)
+        elif msg.result.ok:
+            self.fail("refused the sender's result: only the receiver reports success")
+        else:
+            self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False)
+
+    def _check_sender(self, peer_id: str, msg: TransferMessage) -> str | None:
+        """Why this message may not come from `peer_id` now, or None (and count its seq)."""
+        kind = kind_of(msg)
+        if self.finished:
+            return f"the session is already {self.state.name}"
+        if self._peer_id is None and kind not in ("handshake", "result"):
+            return f"{kind} before the handshake"
+        if self._peer_id is not None and peer_id != self._peer_id:
+            return f"not from the peer that handshook ({self._peer_id})"
+        if kind == "handshake" and self._peer_id is not None:
+            return "a second handshake"
+        return self._check_envelope(msg)
+
+    def _check_layer(self, manifest: transfer_pb2.LayerManifest, payload_bytes: int) -> str | None:
+        """Why a layer manifest does not fit the ticket, or None."""
+        layer_idx, token_end = manifest.layer_idx, manifest.token_end
+        if self.first_token is not None:
+            return "a layer after the first token"
+        if layer_idx >= self.layout.num_layers:
+            return f"layer index {layer_idx} outside [0, {self.layout.num_layers})"
+        prev_end = self._layer_token_end[layer_idx]
+        if not prev_end < token_end <= self.num_tokens:
+            return (
+                f"layer {layer_idx}: token_end {token_end} must exceed {prev_end} (already "
+                f"received) and not exceed {self.num_tokens}"
+            )
+        block_offset = prev_end // self.layout.block_size
+        num_blocks = self.layout.num_blocks_for(token_end) - block_offset
+        if (manifest.block_offset, manifest.num_blocks) != (block_offset, num_blocks):
+            return (
+                f"layer {layer_idx}: blocks [{manifest.block_offset}, +{manifest.num_blocks}) "
+                f"for tokens [{prev_end}, {token_end}), expected [{block_offset}, +{num_blocks})"
+            )
+        num_bytes = self.layout.layer_bytes(num_blocks)
+        if manifest.num_bytes != num_bytes or payload_bytes != num_bytes:
+            return (
+                f"layer {layer_idx}: {payload_bytes} payload bytes (manifest says "
+                f"{manifest.num_bytes}) for {num_blocks} blocks of {num_bytes} bytes"
+            )
+        return None
+
+    def _on_handshake(self, peer_id: str, handshake: transfer_pb2.TransferHandshake) -> None:
+        self._peer_id = peer_id
+        self._peer_address = handshake.src_address or None
+        reason = self._check_handshake(handshake)
+        if reason is not None:
+            self.fail(f"refused the handshake from {peer_id}: {reason}", notify_peer=False)
+            if self._peer_address is not None:
+                ack = transfer_pb2.HandshakeAck(
+                    accepted=False, reason=reason, protocol_version=PROTOCOL_VERSION
+                )
+                self.spawn(self._notify(handshake_ack=ack))
+            return
+        self._advance(TransferState.WAITING)
+        ack = transfer_pb2.HandshakeAck(accepted=True, protocol_version=PROTOCOL_VERSION)
+        self.spawn(self._send(handshake_ack=ack))
+
+    def _check_handshake(self, handshake: transfer_pb2.TransferHandshake) -> str | None:
+        expected = {
+            "protocol_version": PROTOCOL_VERSION,
+            "layout_hash": self.layout.layout_hash(),
+            "num_layers": self.layout.num_layers,
+            "num_tokens": self.num_tokens,
+            "num_blocks": self.num_blocks,
+        }
+        for field, want in expected.items():
+            got = getattr(handshake, field)
+            if got != want:
+                return f"{field} is {got!r}, this receiver expects {want!r}"
+        if not handshake.src_address:
+            return "no src_address to reply to"
+        return None
+
+    def _on_first_token(self, first_token: transfer_pb2.FirstToken) -> None:
+        if self.first_token is not None:
+            self.fail("refused a second first token")
+            return
+        missing = [i for i, end in enumerate(self._layer_token_end) if end != self.num_tokens]
+        if missing:
+            self.fail(f"refused the first token: layers {missing[:8]} are incomplete")
+            return
+        self.first_token = first_token
+        self._maybe_succeed()
+
+    def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
+        self._num_landing -= 1
+        if not self.finished:  # a failed session never writes, even bytes accepted earlier
+            k_cache, v_cache = self._kv_caches[manifest.layer_idx]
+            end = manifest.block_offset + manifest.num_blocks
+            unpack_layer(payload, k_cache, v_cache, self.dst_block_ids[manifest.block_offset : end])
+            self.num_bytes_received += payload.numel()
+            self._advance(TransferState.TRANSFERRING)
+            self._maybe_succeed()
+        buffer = self._lent.pop(payload.data_ptr(), None)
+        if buffer is not None and not self.finished and len(self._staging) < 2:
+            self._staging.append(buffer)
+
+    def _maybe_succeed(self) -> None:
+        if self.first_token is not None and self._num_landing == 0 and not self.finished:
+            self._succeed()
+            self.spawn(self._notify(result=transfer_pb2.TransferResult(ok=True)))
+
+    def _lend_staging(self, num_bytes: int) -> torch.Tensor:
+        """A `num_bytes` view of a free whole-layer buffer, remembered until it lands."""
+        if self._staging:
+            buffer = self._staging.pop()
+        else:
+            buffer = alloc_staging(self.layout.layer_bytes(self.num_blocks), self._device)
+        self._lent[buffer.data_ptr()] = buffer
+        return buffer[:num_bytes]
+
+
+def _check_ticket(
+    layout: KVLayout, kv_caches: KVCaches, dst_block_ids: Sequence[int], num_tokens: int
+) -> None:
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0 (the prompt length), got {num_tokens}")
+    needed = layout.num_blocks_for(num_tokens)
+    if len(dst_block_ids) < needed:
+        raise ValueError(
+            f"{num_tokens} tokens need {needed} blocks of {layout.block_size}; "
+            f"only {len(dst_block_ids)} dst_block_ids were reserved"
+        )
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise ValueError(f"dst_block_ids must be distinct, got {list(dst_block_ids)}")
+    pool_size = kv_caches[0][0].shape[0]
+    bad = [b for b in dst_block_ids if not 0 <= b < pool_size]
+    if bad:
+        raise ValueError(f"dst_block_ids {bad[:8]} are outside the cache's [0, {pool_size}) blocks")

@@ -1,0 +1,157 @@
+"""`TransferSession`: what the sender and receiver of one KV hand-off share.
+
+    BOOTSTRAPPING ─► WAITING ─► TRANSFERRING ─► SUCCESS
+          └────────────┴─────────────┴────────► FAILED  (refusal, deadline, abort, lost peer)
+
+A deadline timer armed at creation fails the session if it has not finished by then, whether
+or not anyone waits on it. Outgoing messages carry this side's sequence numbers; incoming ones
+must carry the peer's next number, so a lost, repeated or injected message fails the transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from cache_transfer import protocol
+from cache_transfer.protocol import TransferMessage
+from cache_transfer.state import TransferState
+from cache_transfer.transport import KVTransport, TransportError
+
+logger = logging.getLogger(__name__)
+
+NOTIFY_TIMEOUT_S = 1.0  # telling the peer about a failure is best effort, bounded by this
+
+
+class TransferSession:
+    role = "session"
+
+    def __init__(self, transport: KVTransport, transfer_id: str, timeout_s: float) -> None:
+        if not transfer_id:
+            raise ValueError("transfer_id must be a non-empty string")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.transfer_id = transfer_id
+        self.timeout_s = timeout_s
+        self.state = TransferState.BOOTSTRAPPING
+        self.error: str | None = None
+        self._transport = transport
+        self._peer_address: str | None = None
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._loop = asyncio.get_running_loop()
+        self._start_s = self._loop.time()
+        self._done = asyncio.Event()
+        self._timer = self._loop.call_later(timeout_s, self._on_deadline)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._finish_callbacks: list[Callable[[TransferSession], None]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._loop.time() - self._start_s
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.timeout_s - self.elapsed_s)
+
+    def add_finish_callback(self, callback: Callable[[TransferSession], None]) -> None:
+        """Call `callback(self)` once, when the session reaches SUCCESS or FAILED."""
+        self._finish_callbacks.append(callback)
+
+    async def wait(self, timeout_s: float | None = None) -> TransferState:
+        """The final state; FAILED when it is not reached within `timeout_s` (default: the
+        session's remaining deadline)."""
+        limit_s = self.remaining_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(self._done.wait(), limit_s)
+        except TimeoutError:
+            self.fail(f"no result within {limit_s:.3g}s of waiting")
+        return self.state
+
+    def abort(self, reason: str) -> None:
+        """End the session as FAILED and tell the peer (no-op once finished)."""
+        self.fail(f"aborted: {reason}")
+
+    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
+        """Mark FAILED (logged) and, unless the peer ended it, send it a failed result."""
+        if self.finished:
+            return
+        self.state = TransferState.FAILED
+        self.error = reason
+        logger.warning("%s %s failed: %s", self.role, self.transfer_id, reason)
+        if notify_peer and self._peer_address is not None:
+            result = protocol.transfer_pb2.TransferResult(ok=False, error=reason)
+            self.spawn(self._notify(result=result))
+        self._finish()
+
+    def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` in the background, owned by this session."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _advance(self, state: TransferState) -> None:
+        if not self.finished and state > self.state:
+            self.state = state
+
+    def _succeed(self) -> None:
+        if not self.finished:
+            self.state = TransferState.SUCCESS
+            self._finish()
+
+    def _finish(self) -> None:
+        self._timer.cancel()
+        self._done.set()
+        for callback in self._finish_callbacks:
+            callback(self)
+
+    def _on_deadline(self) -> None:
+        self.fail(f"timed out after {self.timeout_s:.3g}s in state {self.state.name}")
+
+    def _check_envelope(self, msg: TransferMessage) -> str | None:
+        """Why an incoming message is out of sequence, or None (and count it)."""
+        if msg.seq != self._recv_seq:
+            return f"message seq {msg.seq} out of order: expected {self._recv_seq}"
+        self._recv_seq += 1
+        return None
+
+    async def _send(self, payload: torch.Tensor | None = None, **kind: object) -> bool:
+        """Send one message to the peer within the deadline; on failure fail the session."""
+        assert self._peer_address is not None
+        header = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        self._send_seq += 1
+        try:
+            await asyncio.wait_for(
+                self._transport.send(self._peer_address, header, payload), self.remaining_s
+            )
+        except TimeoutError:
+            self.fail(f"send to {self._peer_address} timed out", notify_peer=False)
+            return False
+        except TransportError as e:
+            self.fail(f"send to {self._peer_address} failed: {e}", notify_peer=False)
+            return False
+        return True
+
+    async def _notify(self, **kind: object) -> None:
+        """Best-effort message once the session is finished (its deadline no longer applies)."""
+        assert self._peer_address is not None
+        header = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        self._send_seq += 1
+        try:
+            await asyncio.wait_for(
+                self._transport.send(self._peer_address, header), NOTIFY_TIMEOUT_S
+            )
+        except (TimeoutError, TransportError) as e:
+            logger.info("%s %s: could not tell the peer (%s)", self.role, self.transfer_id, e)

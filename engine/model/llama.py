@@ -1,0 +1,236 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a flat varlen batch.
+
+```
+input_ids [T], positions [T]           all tokens of the step, requests concatenated
+  embed_tokens -> hidden [T, hidden]
+  per layer:  h = h + o_proj(attn(rope(qk_norm?(qkv_proj(norm(h))))))   KV written to the paged
+              on_layer_done(layer_idx)                                 cache, then the hook
+              h = h + down_proj(silu(gate) * up)   (gate|up fused in gate_up_proj)
+  norm -> hidden [T, hidden]            compute_logits(hidden[rows]) -> [rows, vocab] float32
+```
+
+q/k/v and gate/up are fused Linear layers; `load_weights` stacks Hugging Face's separate tensors
+into them. Attention itself is the injected `AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.arch_config import ModelArchConfig
+from engine.model.layers import RMSNorm, silu_and_mul
+from engine.model.rope import RotaryEmbedding, apply_rotary
+from kernels.attention.backend import AttentionBackend
+from kernels.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, D]
+
+# Fused module name -> the Hugging Face modules stacked into it, in row order.
+_FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Checkpoint tensors that carry no weights (old checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.attn_backend = attn_backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, attn_backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        on_kv_written: Callable[[], None] | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        if on_kv_written is not None:
+            on_kv_written()
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, attn_backend) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
+            )
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, head_dim // 2] each
+        for layer_idx, layer in enumerate(self.layers):
+            on_kv_written = None if on_layer_done is None else partial(on_layer_done, layer_idx)
+            hidden = layer(hidden, cos, sin, kv_caches[layer_idx], meta, on_kv_written)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM: one `forward` per engine step, `compute_logits` on chosen rows.
+
+    Parameters are created on the current default device and dtype (the loader sets both).
+    """
+
+    def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, attn_backend)
+        # Tied checkpoints reuse the embedding as the output projection.
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        q_size = arch.num_heads * arch.head_dim
+        kv_size = arch.num_kv_heads * arch.head_dim
+        # Rows of each Hugging Face tensor inside a fused parameter, in _FUSED_MODULES order.
+        self._fused_rows: dict[str, tuple[int, ...]] = {
+            "qkv_proj": (q_size, kv_size, kv_size),
+            "gate_up_proj": (arch.intermediate_size, arch.intermediate_size),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
+        """One pass over the step's flat batch; `on_layer_done(i)` runs once layer i's KV is
+        in the cache (before that layer's MLP)."""
+        return self.model(input_ids, positions, kv_caches, meta, on_layer_done)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> [num_rows, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (any dtype/device), stacking fused ones.
+
+        Raises ValueError naming unexpected, mis-shaped or missing tensors.
+        """
+        slots = self._checkpoint_slots()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if name not in slots:
+                unexpected.append(name)
+                continue
+            param, first_row, num_rows = slots[name]
+            target = param.narrow(0, first_row, num_rows)
+            if tensor.shape != target.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, but this "
+                    f"{self.arch.architecture} config expects {tuple(target.shape)}: "
+                    "do config.json and the weights belong to the same model?"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        if unexpected:
+            raise ValueError(
+                f"{len(unexpected)} checkpoint tensors are not part of {self.arch.architecture} "
+                f"as configured, e.g. {sorted(unexpected)[:5]}"
+            )
+        missing = sorted(slots.keys() - loaded)
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks {len(missing)} tensors of {self.arch.architecture}, "
+                f"e.g. {missing[:5]}"
+            )
+
+    def _checkpoint_slots(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Hugging Face tensor name -> (our parameter, first row, number of rows) it fills."""
+        slots: dict[str, tuple[nn.Parameter, int, int]] = {}
+        for name, param in self.named_parameters():
+            module_path, _, param_kind = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf not in _FUSED_MODULES:
+                slots[name] = (param, 0, param.shape[0])
+                continue
+            first_row = 0
+            for hf_leaf, num_rows in zip(_FUSED_MODULES[leaf], self._fused_rows[leaf]):
+                slots[f"{parent}.{hf_leaf}.{param_kind}"] = (param, first_row, num_rows)
+                first_row += num_rows
+        return slots

@@ -1,0 +1,121 @@
+"""Build a `LlamaForCausalLM` on the target device and dtype and fill its weights.
+
+```
+ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
+  -> LlamaForCausalLM built directly on device, in dtype
+  -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic)
+  -> LoadedModel(model, arch, name, tokenizer_dir)
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model.arch_config import ModelArchConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.model.sources import resolve_model_source
+from engine.model.synthetic import init_synthetic_weights
+from kernels.attention.backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    name: str  # stable display name (alias, synthetic string, folder or GGUF stem)
+    tokenizer_dir: Path | None  # holds tokenizer.json + tokenizer_config.json; None if absent
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> CUDA when available, else CPU; an explicit CUDA device must exist."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith(("cpu", "cuda")):
+        raise ValueError(f"device {device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available; use 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device, model: str | None = None) -> torch.dtype:
+    """The torch dtype for ModelConfig.dtype.
+
+    "auto": float32 on CPU; on CUDA the checkpoint's dtype when it is float16 or bfloat16
+    (read from `model` when given), otherwise bfloat16.
+    """
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {list(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    checkpoint_dtype = resolve_model_source(model).arch.torch_dtype if model else None
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def load_model(
+    model_config: ModelConfig,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    """Resolve `model_config.model`, build the model on `device` in `dtype`, load its weights."""
+    start_s = time.perf_counter()
+    source = resolve_model_source(model_config.model)
+    arch = source.arch
+    with _default_dtype(dtype), torch.device(device):
+        model = LlamaForCausalLM(arch, attn_backend)
+    if source.hf_dir is None:
+        init_synthetic_weights(model, arch, model_config.seed)
+    else:
+        model.load_weights(iter_safetensors(source.hf_dir))
+    model.requires_grad_(False).eval()
+    logger.info(
+        "loaded %s (%s, %d layers) on %s in %s in %.2f s",
+        source.name, arch.architecture, arch.num_layers, device, dtype,
+        time.perf_counter() - start_s,
+    )  # fmt: skip
+    return LoadedModel(model, arch, source.name, source.tokenizer_dir)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of every tensor in the folder's safetensors files (sharded too)."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    else:
+        files = sorted(path.name for path in model_dir.glob("*.safetensors"))
+    for file_name in files:
+        with safe_open(model_dir / file_name, framework="pt", device="cpu") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, tensors.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

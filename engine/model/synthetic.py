@@ -1,0 +1,140 @@
+"""`synthetic:<shape>[:key=value,...]`: seeded random weights of a named real model shape.
+
+```
+synthetic:llama3-8b                 the full Llama-3-8B shape
+synthetic:llama3-8b:layers=2        the same layers, only two of them (one-layer benchmarks)
+synthetic:tiny-llama:vocab=1024     a tiny test model with a bigger vocabulary
+```
+
+Weights are drawn on the target device in the target dtype from a generator seeded with
+`ModelConfig.seed`, so two processes with the same seed, device type and dtype (a prefill and a
+decode node) hold identical weights. Scales keep activations O(1) through the depth, so logits
+are finite, spread and input-dependent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from engine.model.arch_config import ModelArchConfig, RopeConfig
+
+PREFIX = "synthetic:"
+
+_LLAMA3_ROPE = RopeConfig(
+    theta=500000.0,
+    scaling_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+SHAPES: dict[str, ModelArchConfig] = {
+    "llama3-8b": ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope=_LLAMA3_ROPE,
+        torch_dtype="bfloat16", eos_token_ids=(128001, 128008, 128009), bos_token_id=128000,
+    ),
+    "qwen2.5-7b": ModelArchConfig(
+        architecture="Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0),
+        attention_bias=True, torch_dtype="bfloat16", eos_token_ids=(151645, 151643),
+        bos_token_id=151643,
+    ),
+    "qwen3-8b": ModelArchConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0),
+        qk_norm=True, torch_dtype="bfloat16", eos_token_ids=(151645, 151643),
+        bos_token_id=151643,
+    ),
+    "smollm2-135m": ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0),
+        tie_word_embeddings=True, torch_dtype="bfloat16", eos_token_ids=(2,), bos_token_id=1,
+    ),
+    "tiny-llama": ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, eos_token_ids=(2,), bos_token_id=1,
+    ),
+    "tiny-qwen2": ModelArchConfig(
+        architecture="Qwen2ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        attention_bias=True, tie_word_embeddings=True, eos_token_ids=(2,), bos_token_id=1,
+    ),
+    "tiny-qwen3": ModelArchConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1024,
+        qk_norm=True, eos_token_ids=(2,), bos_token_id=1,
+    ),
+}  # fmt: skip
+
+# override key -> ModelArchConfig field (integer fields only)
+OVERRIDES: dict[str, str] = {
+    "layers": "num_layers",
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "max_len": "max_position_embeddings",
+}
+
+
+def is_synthetic(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def parse_synthetic(model: str) -> ModelArchConfig:
+    """The architecture `synthetic:<shape>[:key=value,...]` names."""
+    shape, *override_groups = model.removeprefix(PREFIX).split(":")
+    if shape not in SHAPES:
+        raise ValueError(
+            f"unknown synthetic shape {shape!r} in {model!r}; known: {', '.join(SHAPES)}"
+        )
+    changes: dict[str, int] = {}
+    for item in ",".join(override_groups).split(","):
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        if key not in OVERRIDES or not value.isdigit() or int(value) <= 0:
+            raise ValueError(
+                f"bad synthetic override {item!r} in {model!r}: use key=<positive int> "
+                f"with key one of {', '.join(OVERRIDES)}"
+            )
+        changes[OVERRIDES[key]] = int(value)
+    arch = dataclasses.replace(SHAPES[shape], **changes)
+    if arch.num_heads % arch.num_kv_heads != 0:
+        raise ValueError(f"{model!r}: heads ({arch.num_heads}) must be a multiple of kv_heads")
+    return arch
+
+
+@torch.no_grad()
+def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -> None:
+    """Fill every parameter in place (on its device, in its dtype) from one seeded generator.
+
+    Norm weights are 1; projections into the residual stream are scaled down by the depth;
+    every other matrix has std 1/sqrt(fan_in), so each layer's output is O(1).
+    """
+    params = list(model.named_parameters())
+    generator = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    residual_scale = 1.0 / math.sqrt(2 * max(arch.num_layers, 1))
+    for name, param in params:
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.normal_(0.0, 0.02, generator=generator)
+        else:
+            std = 1.0 / math.sqrt(param.shape[-1])
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std *= residual_scale
+            param.normal_(0.0, std, generator=generator)

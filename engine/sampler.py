@@ -1,0 +1,271 @@
+"""Turns one step's logits into next tokens, one row per request, vectorized over the batch.
+
+```
+logits [num_reqs, vocab] (raw)
+  ├─ repetition penalty (prompt + output), presence / frequency penalties (output)
+  ├─ min_tokens: EOS and stop_token_ids masked while the output is shorter
+  ├─ greedy rows: argmax                      (all greedy, no penalties: argmax alone)
+  ├─ random rows: / temperature -> top-k -> top-p -> softmax -> min-p
+  │               -> argmax(probs / Exp(1) noise)
+  │               noise: one batched draw for unseeded rows; a seeded row's noise for output
+  │               index n comes from a generator seeded with (seed, n)
+  └─ rows that asked for logprobs: log_softmax of the RAW logits -> logprob, rank, top-n
+```
+
+Seeded draws depend only on (seed, n, vocab size, device type), so a seeded request gets the
+same tokens alone, in any batch, after preemption, or after a hand-off to another engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per request, in batch order
+    logprobs: list[TokenLogprobs | None]  # None for requests that did not ask
+
+
+def seeded_generator_seed(seed: int, output_index: int) -> int:
+    """The generator seed for a seeded request's draw at `output_index`: (seed, n) mixed
+    through splitmix64, so nearby seeds and indices give unrelated noise."""
+    x = (seed * 1_000_003 + output_index + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each list: [len(token_lists), vocab_size] float32."""
+    num_rows = len(token_lists)
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)  # [num_rows]
+    flat_ids = torch.tensor(
+        list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device
+    )  # [total_tokens]
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    counts.scatter_add_(
+        0, rows * vocab_size + flat_ids, torch.ones_like(flat_ids, dtype=torch.float32)
+    )
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (divides positive logits, multiplies
+    negative ones), then frequency and presence penalties over output tokens (vLLM order).
+    Only rows with a penalty are touched; returns a new tensor when any row is."""
+    rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
+    if not rows:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    params = [requests[i].sampling_params for i in rows]
+    row_idx = torch.tensor(rows, device=device)
+    penalized = logits[row_idx]  # [num_rows, vocab]
+    output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
+    output_seen = output_counts > 0  # [num_rows, vocab]
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _token_counts(
+            [requests[i].prompt_token_ids for i in rows], vocab_size, device
+        )
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+        repetition = torch.where(output_seen | (prompt_counts > 0), repetition.unsqueeze(1), 1.0)
+        penalized = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)
+    penalized = penalized - frequency.unsqueeze(1) * output_counts
+    penalized = penalized - presence.unsqueeze(1) * output_seen
+    return logits.index_copy(0, row_idx, penalized)
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Mask EOS (unless ignore_eos) and stop_token_ids while a request's output is shorter
+    than min_tokens. Returns a new tensor when any row is masked."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        if len(request.output_token_ids) >= params.min_tokens:
+            continue
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.update(request.eos_token_ids)
+        banned_ids = [t for t in banned if t < vocab_size]
+        rows += [i] * len(banned_ids)
+        token_ids += banned_ids
+    if not rows:
+        return logits
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask with -inf what lies outside each row's top-k (ties with the k-th value kept) and
+    outside its top-p nucleus (the smallest top set whose probability reaches top_p).
+    top_k: [num_rows] long in [1, vocab]; top_p: [num_rows] float in (0, 1]."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1)  # ascending, [num_rows, vocab]
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [num_rows, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending mass
+        drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens whose probability is below min_p times the row's top probability.
+    probs: [num_rows, vocab]; min_p: [num_rows]."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+class Sampler:
+    """Samples one token per request from `[num_reqs, vocab]` float32 logits (CPU or CUDA)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed  # unseeded draws: one generator per device, seeded once
+        self._unseeded: dict[torch.device, torch.Generator] = {}
+        self._seeded: dict[torch.device, torch.Generator] = {}  # reseeded for every draw
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [num_reqs, vocab] with one row per request; got shape "
+                f"{tuple(logits.shape)} for {len(requests)} requests"
+            )
+        raw_logits = logits
+        logits = apply_penalties(logits.float(), requests)
+        logits = apply_min_tokens(logits, requests)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if random_rows:
+            token_ids = self._sample_random_rows(logits, requests, random_rows)
+        else:
+            token_ids = logits.argmax(dim=-1)  # [num_reqs]
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=_compute_logprobs(raw_logits, token_ids, requests),
+        )
+
+    def _sample_random_rows(
+        self, logits: torch.Tensor, requests: Sequence[Request], random_rows: list[int]
+    ) -> torch.Tensor:
+        """Token ids for all rows: argmax for greedy rows, a random draw for `random_rows`."""
+        if len(random_rows) == len(requests):
+            return self._sample(logits, requests)
+        row_idx = torch.tensor(random_rows, device=logits.device)
+        sampled = self._sample(logits[row_idx], [requests[i] for i in random_rows])
+        return logits.argmax(dim=-1).index_copy(0, row_idx, sampled)  # [num_reqs]
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race. All rows random."""
+        device, vocab_size = logits.device, logits.shape[1]
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        # Clamped so that a vanishing temperature cannot overflow the scaled logits.
+        temperature = temperature.clamp_min(_MIN_TEMPERATURE)
+        logits = logits / temperature.unsqueeze(1)  # [num_rows, vocab]
+        top_k = top_p = None
+        if any(p.top_k > 0 for p in params):
+            k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+            top_k = torch.tensor(k, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+        if any(p.min_p > 0.0 for p in params):
+            probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], device=device))
+        noise = self._exponential_noise(probs, requests)  # [num_rows, vocab]
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Exp(1) noise shaped like probs: argmax(probs / noise) samples from probs. Seeded
+        rows draw their own row from (seed, output index); the rest share one batched draw."""
+        device, vocab_size = probs.device, probs.shape[1]
+        noise = torch.empty_like(probs)
+        seeded_rows = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+        if len(seeded_rows) < len(requests):
+            noise.exponential_(generator=self._generator(self._unseeded, device, self._seed))
+        generator = self._generator(self._seeded, device, 0)
+        for i in seeded_rows:
+            request = requests[i]
+            seed = seeded_generator_seed(
+                request.sampling_params.seed, len(request.output_token_ids)
+            )
+            generator.manual_seed(seed)
+            row = torch.empty(vocab_size, dtype=probs.dtype, device=device)
+            noise[i] = row.exponential_(generator=generator)
+        # exponential_ may return exactly 0; keep the division finite.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _generator(cache: dict, device: torch.device, seed: int) -> torch.Generator:
+        generator = cache.get(device)
+        if generator is None:
+            generator = cache[device] = torch.Generator(device=device)
+            generator.manual_seed(seed)
+        return generator
+
+
+def _compute_logprobs(
+    raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+) -> list[TokenLogprobs | None]:
+    """For rows that asked: the sampled token's logprob and rank under the raw logits, and the
+    top-n alternatives. Other rows get None."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(requests)
+    if not rows:
+        return result
+    device, vocab_size = raw_logits.device, raw_logits.shape[1]
+    row_idx = torch.tensor(rows, device=device)
+    logprobs = torch.log_softmax(raw_logits[row_idx].float(), dim=-1)  # [num_rows, vocab]
+    sampled = token_ids[row_idx].unsqueeze(1)  # [num_rows, 1]
+    sampled_logprobs = logprobs.gather(1, sampled)  # [num_rows, 1]
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [num_rows]
+    num_top = min(max(requests[i].sampling_params.logprobs for i in rows), vocab_size)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
+
+    sampled_list, ranks_list = sampled_logprobs.squeeze(1).tolist(), ranks.tolist()
+    top_ids_list, top_logprobs_list = top_ids.tolist(), top_logprobs.tolist()
+    token_list = sampled.squeeze(1).tolist()
+    for j, i in enumerate(rows):
+        num = requests[i].sampling_params.logprobs
+        result[i] = TokenLogprobs(
+            token_id=token_list[j],
+            logprob=sampled_list[j],
+            rank=ranks_list[j],
+            top=tuple(zip(top_ids_list[j][:num], top_logprobs_list[j][:num])),
+        )
+    return result

@@ -1,0 +1,326 @@
+"""`Scheduler`: continuous batching under a token budget, with chunked prefill, prefix-cache
+hits at admission and preemption by recompute.
+
+    add_request ──> waiting (FCFS) ──admit──> running ──stop/length──> finished (blocks freed)
+                      ^                        │   │
+                      └── preempt (to front) ──┘   └─ prefill-only: first token ──> prefilled
+    add_prefilled ───────────────────────────> running           release / abort ──> freed
+
+One step schedules every running request first, in admission order (a decode, or the next
+chunk of a chunked prefill), then admits waiting requests FCFS, until `max_num_batched_tokens`
+or `max_num_seqs` runs out. A running request that cannot get a block preempts the most
+recently admitted running request (possibly itself); a preempted request keeps its output
+tokens and, when readmitted, recomputes the KV of prompt + output before sampling the next one.
+
+With chunked prefill disabled, a prompt waits until it fits the step's remaining budget whole;
+`max_num_batched_tokens >= max_model_len` is then required (checked at construction), so that
+every request, including a preempted one recomputing its output, fits an empty step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from engine.block_hash import request_token_ids
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import StepOutput
+from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.sampling_params import InvalidRequestError
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+SampledTokens = Mapping[str, tuple[int, TokenLogprobs | None]]  # request_id -> (token, logprobs)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be >= 1, got "
+                f"{config.max_num_batched_tokens} and {config.max_num_seqs}"
+            )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
+                f"({max_model_len}) with chunked prefill disabled, so a long prompt could never be "
+                "scheduled: enable chunked prefill, raise max_num_batched_tokens or lower "
+                "max_model_len"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.num_preemptions = 0  # total since construction
+        self._requests: dict[str, Request] = {}  # every request not finished or released
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
+        self._prefilled: dict[str, Request] = {}  # prefill-only: blocks held until release()
+        self._pending_outputs: list[StepOutput] = []  # finished outside a step
+
+    # ---- queues ---------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_prefilled_held(self) -> int:
+        return len(self._prefilled)
+
+    def has_unfinished(self) -> bool:
+        """True while a step has work or outputs to report (held PREFILLED requests need none)."""
+        return bool(self._waiting or self._running or self._pending_outputs)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a fresh request; it prefills from scratch or from a prefix-cache hit."""
+        if request.status is not RequestStatus.WAITING or request.block_ids:
+            raise ValueError(
+                f"request {request.request_id!r} must be new (WAITING, no blocks), "
+                f"got status {request.status.name} with {len(request.block_ids)} blocks"
+            )
+        self._check_admissible(request)
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def add_prefilled(self, request: Request) -> None:
+        """Admit a request whose prompt KV already sits in `request.block_ids`, with
+        `num_computed_tokens` covering every token but its last (the first sampled one).
+
+        If that first token already finishes the request, it finishes at once; its
+        StepOutput (no new tokens) comes with the next step's outputs.
+        """
+        num_kv_slots = len(request.block_ids) * self.kv_cache_manager.block_size
+        if request.num_computed_tokens != request.num_tokens - 1 or num_kv_slots < (
+            request.num_computed_tokens
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: add_prefilled needs num_computed_tokens == "
+                f"num_tokens - 1 and block_ids covering them; got {request.num_computed_tokens} "
+                f"computed of {request.num_tokens} tokens, {len(request.block_ids)} blocks"
+            )
+        self._check_admissible(request)
+        self._requests[request.request_id] = request
+        self.kv_cache_manager.cache_full_blocks(request)
+        status = self._stop_status(request)
+        if status is not None:
+            self._finish(request, status)
+            self._pending_outputs.append(self._step_output(request, None))
+            return
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks; None if it is unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            del self._running[request_id]
+        elif request.status is RequestStatus.PREFILLED:
+            del self._prefilled[request_id]
+        else:
+            self._waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    def release(self, request_id: str) -> Request | None:
+        """Prefill-only: free a PREFILLED request's held blocks; None if it is unknown."""
+        request = self._prefilled.pop(request_id, None)
+        if request is None:
+            if request_id in self._requests:
+                raise ValueError(
+                    f"request {request_id!r} is {self._requests[request_id].status.name}, not "
+                    "PREFILLED: release() follows a finished prefill; use abort() to stop it"
+                )
+            return None
+        del self._requests[request_id]
+        self.kv_cache_manager.free(request)
+        return request
+
+    def drain_finished_outputs(self) -> list[StepOutput]:
+        """Outputs of requests that finished outside a step (see `add_prefilled`)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks: running requests first, then waiting ones FCFS."""
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # After a preemption the pool is short: admitting more would only preempt again.
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: SampledTokens
+    ) -> list[StepOutput]:
+        """Advance every scheduled request, append sampled tokens and apply stop checks.
+
+        `sampled` holds one (token, logprobs) per chunk with `sample=True`.
+        """
+        outputs = self.drain_finished_outputs()
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = chunk.end_pos
+            self.kv_cache_manager.cache_full_blocks(request)
+            if chunk.sample:
+                token_id, logprobs = sampled[request.request_id]
+                outputs.append(self._append_token(request, token_id, logprobs))
+        return outputs
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        for request in list(self._running.values()):
+            if budget == 0 or len(output.chunks) == self.config.max_num_seqs:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                break  # preempted (from the back) to make room for an earlier request
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, output):
+                break
+            output.chunks.append(self._make_chunk(request, num_new_tokens))
+            budget -= num_new_tokens
+        return budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, output: SchedulerOutput
+    ) -> bool:
+        """Blocks for `request`'s next tokens, preempting from the back of the running queue
+        until they fit. False when `request` itself had to be preempted."""
+        while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+            _, victim = self._running.popitem()
+            self._preempt(victim)
+            output.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        kv_cache_manager = self.kv_cache_manager
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            computed_block_ids, num_hit_tokens = kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new_tokens = budget
+            if not kv_cache_manager.allocate_slots(request, num_new_tokens, computed_block_ids):
+                break
+            self._waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.status is RequestStatus.WAITING:  # first admission, not a readmission
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self._running[request.request_id] = request
+            output.chunks.append(self._make_chunk(request, num_new_tokens))
+            budget -= num_new_tokens
+
+    def _make_chunk(self, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        start_pos = request.num_computed_tokens
+        end_pos = start_pos + num_new_tokens
+        return ScheduledChunk(
+            request=request,
+            token_ids=request_token_ids(request, start_pos, end_pos),
+            start_pos=start_pos,
+            block_ids=request.block_ids,  # not copied: only appended to until the step ends
+            sample=end_pos == request.num_tokens,
+        )
+
+    # ---- request transitions --------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    def _append_token(
+        self, request: Request, token_id: int, logprobs: TokenLogprobs | None
+    ) -> StepOutput:
+        request.output_token_ids.append(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        status = self._stop_status(request)
+        prefill_done = False
+        if status is not None:
+            self._finish(request, status)
+        elif self.config.prefill_only:
+            request.status = RequestStatus.PREFILLED
+            del self._running[request.request_id]
+            self._prefilled[request.request_id] = request
+            prefill_done = True
+        return self._step_output(request, token_id, logprobs, prefill_done)
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        """Stop checks on the request's last output token: "stop" wins over "length"."""
+        params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            last_token_id = request.output_token_ids[-1]
+            if (not params.ignore_eos and last_token_id in request.eos_token_ids) or (
+                last_token_id in params.stop_token_ids
+            ):
+                return RequestStatus.FINISHED_STOPPED
+        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._running.pop(request.request_id, None)
+        del self._requests[request.request_id]
+        self.kv_cache_manager.free(request)
+
+    def _check_admissible(self, request: Request) -> None:
+        """Refuse a request that could never run, rather than let it wait forever."""
+        request_id = request.request_id
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not 0 < request.prompt_len <= self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: the prompt has {request.prompt_len} tokens; it needs "
+                f"between 1 and max_model_len ({self.max_model_len})"
+            )
+        # The last token is never run, so the KV covers at most num_tokens - 1 tokens.
+        max_kv_len = min(
+            request.prompt_len + request.sampling_params.max_tokens - 1, self.max_model_len
+        )
+        block_size = self.kv_cache_manager.block_size
+        num_total_blocks = self.kv_cache_manager.num_total_blocks
+        if max_kv_len > num_total_blocks * block_size:
+            raise InvalidRequestError(
+                f"request {request_id!r} may need KV for {max_kv_len} tokens but the whole cache "
+                f"holds {num_total_blocks * block_size}; lower max_tokens or enlarge the cache"
+            )
+
+    @staticmethod
+    def _step_output(
+        request: Request,
+        token_id: int | None,
+        logprobs: TokenLogprobs | None = None,
+        prefill_done: bool = False,
+    ) -> StepOutput:
+        return StepOutput(
+            request_id=request.request_id,
+            new_token_ids=[] if token_id is None else [token_id],
+            new_logprobs=None if logprobs is None else [logprobs],
+            finish_reason=request.finish_reason,
+            prefill_done=prefill_done,
+            num_cached_tokens=request.num_cached_tokens,
+        )

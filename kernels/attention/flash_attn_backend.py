@@ -1,0 +1,73 @@
+"""Paged attention through flash-attn 2 (imported only when this backend is chosen).
+
+Decodes go to `flash_attn_with_kvcache` (split-KV decode over the block table), prefills to
+`flash_attn_varlen_func` with `block_table`, whose causal mask is aligned bottom-right: query i
+of a request with context c sees keys [0, c + i], as the contract requires. FA2's paged KV
+needs block_size % 256 == 0 and fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+from kernels.attention.backend import AttentionBackend
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.torch_backend import write_kv_cache
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn 2 paged decode and varlen prefill."""
+
+    name = "flash_attn"
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+        return (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and block_size % 256 == 0
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decodes
+        if num_decodes > 0:
+            out[:num_decodes] = flash_attn_with_kvcache(
+                q[:num_decodes, None],  # [num_decodes, 1, num_heads, head_dim]
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens[:num_decodes],
+                block_table=meta.block_tables[:num_decodes],
+                softmax_scale=scale,
+                causal=True,
+            )[:, 0]
+        if meta.num_reqs > num_decodes:
+            seq_lens = meta.seq_lens[num_decodes:]
+            # [num_prefills + 1] int32 each; decode d owns token d, so prefills start there.
+            cu_seqlens_q = meta.query_start_loc[num_decodes:] - num_decodes
+            cu_seqlens_k = F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+            out[num_decodes:] = flash_attn_varlen_func(
+                q[num_decodes:],
+                k_cache,
+                v_cache,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max(meta.query_lens_cpu[num_decodes:]),
+                max_seqlen_k=max(meta.seq_lens_cpu[num_decodes:]),
+                softmax_scale=scale,
+                causal=True,
+                block_table=meta.block_tables[num_decodes:],
+            )
+        return out

@@ -1,0 +1,393 @@
+"""Triton paged attention kernels: split-K decode and varlen causal prefill over a block table.
+
+Both read K/V only from the paged cache `[num_blocks, block_size, num_kv_heads, head_dim]`
+(this step's tokens are written there first), addressing each key token through the request's
+block table, so any block size works. Softmax is online (flash-attention style) in base 2.
+
+```
+decode   grid (num_decodes, num_kv_heads, num_splits): one program = one request, one kv head,
+         one slice of the context; all q heads of the group share each K/V tile load.
+         num_splits > 1: partial (out, lse) per slice, then _decode_reduce_kernel merges them.
+prefill  grid (num_heads, num_q_tiles, num_prefills): one program = BLOCK_M queries of one
+         request and head; keys up to the tile's last position, causal mask on the diagonal.
+```
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    block_table_ptr,  # this request's row of block_tables
+    offs_n,  # [BLOCK_N] key positions
+    offs_d,  # [HEAD_DIM_PAD]
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    end_n,  # keys >= end_n read as 0
+    MASKED: tl.constexpr,
+):
+    """K or V rows for key positions `offs_n`: [BLOCK_N, HEAD_DIM_PAD]."""
+    in_range = offs_n < end_n
+    if MASKED:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
+    row_offs = (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (offs_n % BLOCK_SIZE) * stride_cache_token
+        + kv_head * stride_cache_head
+    )
+    ptrs = cache_ptr + row_offs[:, None] + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if HEAD_DIM != HEAD_DIM_PAD:
+        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _scores(q, k, scale_log2, DOT_PRECISION: tl.constexpr):
+    """q [M, HEAD_DIM_PAD] . k [BLOCK_N, HEAD_DIM_PAD] -> [M, BLOCK_N] fp32, log2 domain."""
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+
+
+@triton.jit
+def _online_softmax_step(
+    acc,  # [M, HEAD_DIM_PAD] fp32, unnormalized output
+    m_i,  # [M] running max (log2 domain)
+    l_i,  # [M] running sum of exp2
+    s,  # [M, BLOCK_N] scores (log2 domain), -inf where hidden
+    v,  # [BLOCK_N, HEAD_DIM_PAD]
+    DOT_PRECISION: tl.constexpr,
+):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]; used when NUM_SPLITS == 1
+    partial_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32, log2 domain
+    q_ptr,  # [num_tokens, num_heads, head_dim]; decode d owns row d
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req]
+    seq_lens_ptr,  # [num_reqs]
+    scale_log2,
+    partition_len,  # keys per split, a multiple of BLOCK_N
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_block_table,
+    NUM_SPLITS: tl.constexpr,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # q heads of a group, padded to >= 16 for tl.dot
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start_n = split * partition_len
+    if start_n >= seq_len:
+        return  # the reduce kernel skips splits past the context
+    end_n = tl.minimum(seq_len, start_n + partition_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * NUM_QUERIES_PER_KV + offs_g
+    g_mask = offs_g < NUM_QUERIES_PER_KV
+    qo_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    q = tl.load(q_ptrs + offs_d[None, :], mask=qo_mask, other=0.0)  # [BLOCK_G, HEAD_DIM_PAD]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], tl.float32)
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    full_end = start_n + (end_n - start_n) // BLOCK_N * BLOCK_N
+    for tile_n in range(start_n, full_end, BLOCK_N):
+        offs_n = tile_n + tl.arange(0, BLOCK_N)
+        k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, False)  # fmt: skip
+        v = _load_kv_tile(v_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, False)  # fmt: skip
+        s = _scores(q, k, scale_log2, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    if full_end < end_n:
+        offs_n = full_end + tl.arange(0, BLOCK_N)
+        k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
+        v = _load_kv_tile(v_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
+        s = _scores(q, k, scale_log2, DOT_PRECISION)
+        s = tl.where((offs_n < end_n)[None, :], s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+        out = acc / l_i[:, None]
+        tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        row = (req * tl.num_programs(1) * NUM_QUERIES_PER_KV + heads) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=g_mask)
+        partial_ptrs = partial_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(partial_ptrs, acc / l_i[:, None], mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    partial_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32
+    seq_lens_ptr,
+    partition_len,
+    stride_out_token,
+    stride_out_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Merge the splits of one (request, head): softmax-weighted by each split's lse."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    num_valid = tl.cdiv(tl.load(seq_lens_ptr + req), partition_len)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < num_valid
+    row0 = (req * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)  # [SPLITS_PAD]
+    partial_ptrs = partial_out_ptr + (row0 + offs_s)[:, None].to(tl.int64) * HEAD_DIM_PAD
+    partial = tl.load(partial_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(partial * weights[:, None], 0)  # [HEAD_DIM_PAD]
+    out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req]
+    query_start_loc_ptr,  # [num_reqs + 1]
+    seq_lens_ptr,  # [num_reqs]
+    first_req,  # index of the first prefill request
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_block_table,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    req = first_req + tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    # Last tiles first: they see the most keys, so the long programs start early.
+    tile_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    if tile_m * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+    kv_head = head // NUM_QUERIES_PER_KV
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    qo_mask = (offs_m < query_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tokens = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=qo_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
+    positions = context_len + offs_m  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_table
+    # Keys below the tile's first position are visible to every row: no mask there.
+    end_n = tl.minimum(seq_len, context_len + (tile_m + 1) * BLOCK_M)
+    full_end = (context_len + tile_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    for tile_n in range(0, full_end, BLOCK_N):
+        offs_n = tile_n + tl.arange(0, BLOCK_N)
+        k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, False)  # fmt: skip
+        v = _load_kv_tile(v_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, False)  # fmt: skip
+        s = _scores(q, k, scale_log2, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    for tile_n in range(full_end, end_n, BLOCK_N):
+        offs_n = tile_n + tl.arange(0, BLOCK_N)
+        k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
+        v = _load_kv_tile(v_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
+                          stride_cache_block, stride_cache_token, stride_cache_head,
+                          BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
+        s = _scores(q, k, scale_log2, DOT_PRECISION)
+        s = tl.where(offs_n[None, :] <= positions[:, None], s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+    out_ptrs = out_ptr + tokens[:, None] * stride_out_token + head * stride_out_head
+    out = acc / l_i[:, None]
+    tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches (tests, debugging) get exact products; fp16/bf16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(
+            "k_cache and v_cache need the same strides and a contiguous head_dim; "
+            f"got {k_cache.stride()} and {v_cache.stride()}"
+        )
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+def _decode_config(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
+    return (32, 4, 2) if dtype == torch.float32 else (64, 4, 3)
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
+    if dtype == torch.float32 or head_dim > 128:
+        return 64, 32, 4, 2
+    return 128, 64, 8, 3
+
+
+def decode_partition_len(
+    num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
+) -> int:
+    """Keys per split: enough splits that the grid fills the GPU about twice over."""
+    num_programs = num_decodes * num_kv_heads
+    num_splits = max(1, min(triton.cdiv(2 * num_sms, num_programs), triton.cdiv(max_seq_len, 256)))
+    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+
+
+def paged_decode_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows [0, num_decodes) written
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    num_decodes: int,
+    max_seq_len: int,  # over the decodes
+    scale: float,
+    partition_len: int | None = None,  # keys per split; None: sized to fill the GPU
+) -> None:
+    """One query per request (the first `num_decodes`) over its whole paged context."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    block_n, num_warps, num_stages = _decode_config(q.dtype)
+    if partition_len is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        partition_len = decode_partition_len(
+            num_decodes, num_kv_heads, max_seq_len, num_sms, block_n
+        )
+    elif partition_len % block_n != 0:
+        raise ValueError(f"partition_len must be a multiple of {block_n}, got {partition_len}")
+    num_splits = triton.cdiv(max_seq_len, partition_len)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    partial_out = partial_lse = out  # unused placeholders when there is one split
+    if num_splits > 1:
+        partial_out = q.new_empty(
+            num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32
+        )
+        partial_lse = q.new_empty(num_decodes, num_heads, num_splits, dtype=torch.float32)
+    group = num_heads // num_kv_heads
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens,
+        scale * LOG2E, partition_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        NUM_SPLITS=num_splits, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            out, partial_out, partial_lse, seq_lens, partition_len,
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+        )  # fmt: skip
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; prefill rows written
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    first_req: int,
+    max_query_len: int,  # over the prefills
+    scale: float,
+) -> None:
+    """Causal attention of requests [first_req, num_reqs) over cached prefix + new tokens."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    num_prefills = seq_lens.shape[0] - first_req
+    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
+    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_prefills)
+    _prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, first_req,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

@@ -1,0 +1,91 @@
+from pdserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_CURRENT: ProtocolVersion
+
+class TransferMessage(_message.Message):
+    __slots__ = ("transfer_id", "seq", "handshake", "handshake_ack", "layer_manifest", "first_token", "result")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_ACK_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    seq: int
+    handshake: TransferHandshake
+    handshake_ack: HandshakeAck
+    layer_manifest: LayerManifest
+    first_token: FirstToken
+    result: TransferResult
+    def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+
+class TransferHandshake(_message.Message):
+    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    layout_hash: str
+    src_address: str
+    num_layers: int
+    num_tokens: int
+    num_blocks: int
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class HandshakeAck(_message.Message):
+    __slots__ = ("accepted", "reason", "protocol_version")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    protocol_version: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class LayerManifest(_message.Message):
+    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end")
+    LAYER_IDX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    layer_idx: int
+    block_offset: int
+    num_blocks: int
+    num_bytes: int
+    token_end: int
+    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "finish_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _generation_pb2.TokenLogprob
+    finish_reason: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,77 @@
+"""Triton paged attention against the torch reference, on CPU through the Triton interpreter.
+
+Tiny shapes: the interpreter runs every program in numpy. tests/gpu/test_attention_gpu.py runs
+the compiled kernels at realistic sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from attention_batch import make_batch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (imported)
+pytest.importorskip("triton", reason="triton is not installed (pip install --no-deps triton)")
+
+from kernels.attention import TorchAttentionBackend  # noqa: E402
+from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# decodes first; prefills cross the 64-query tile and have cached prefixes (chunked prefill)
+MIXED = ([1, 1, 1, 70, 1, 9], [0, 45, 100, 30, 64, 0], 3)
+
+
+def compare(batch, backend, atol: float, rtol: float) -> None:
+    k_cache, v_cache = batch.clone_caches()
+    expected = TorchAttentionBackend().forward(
+        batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale
+    )
+    out = backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+    )
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(batch.k_cache, k_cache, atol=0, rtol=0)
+    torch.testing.assert_close(batch.v_cache, v_cache, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("partition_len", [32, 4096], ids=["split", "one-split"])
+def test_mixed_batch_fp32(block_size: int, group: int, partition_len: int) -> None:
+    query_lens, context_lens, num_decodes = MIXED
+    batch = make_batch(
+        query_lens, context_lens, num_decodes, num_heads=2 * group, num_kv_heads=2,
+        head_dim=16, block_size=block_size, device=DEVICE, seed=group,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(partition_len), atol=1e-5, rtol=1e-5)
+
+
+def test_head_dim_not_power_of_two() -> None:
+    query_lens, context_lens, num_decodes = MIXED
+    batch = make_batch(
+        query_lens, context_lens, num_decodes, num_heads=4, num_kv_heads=2, head_dim=24,
+        block_size=16, device=DEVICE, seed=5,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(32), atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_mixed_batch() -> None:
+    query_lens, context_lens, num_decodes = MIXED
+    batch = make_batch(
+        query_lens, context_lens, num_decodes, num_heads=8, num_kv_heads=2, head_dim=32,
+        block_size=16, dtype=torch.float16, device=DEVICE, seed=9,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(64), atol=2e-3, rtol=2e-3)
+
+
+def test_decode_partition_len_must_match_tile() -> None:
+    batch = make_batch([1], [40], 1, num_heads=2, num_kv_heads=2, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        TritonAttentionBackend(48).forward(
+            batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+        )

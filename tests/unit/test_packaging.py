@@ -1,0 +1,38 @@
+"""The project's top-level packages import from this checkout. `kernels`, `router` and `proto` are
+also names of other PyPI distributions, which must not shadow ours."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (
+    "engine",
+    "kernels",
+    "cache_transfer",
+    "prefill_node",
+    "decode_node",
+    "router",
+    "pdserve",
+    "pdserve.v1",
+)
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_package_resolves_to_this_repo(name: str) -> None:
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        pytest.fail(f"`import {name}` failed ({error}): install this project (pip install -e .)")
+    assert module.__file__ is not None, (
+        f"{name} is a namespace package spread over {list(module.__path__)}: "
+        f"add {name.replace('.', '/')}/__init__.py"
+    )
+    path = Path(module.__file__).resolve()
+    assert path.is_relative_to(REPO_ROOT), (
+        f"`import {name}` loads {path}, outside {REPO_ROOT}: another distribution provides "
+        f"`{name}`; uninstall it, or install this project (pip install -e .)"
+    )
