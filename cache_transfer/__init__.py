@@ -1,0 +1,22 @@
+"""Moving a request's KV cache from a prefill node to a decode node (see README.md)."""
+
+from cache_transfer.kv_transfer_manager import KVTransferManager
+from cache_transfer.layout import KVLayout
+from cache_transfer.packing import pack_layer, unpack_layer
+from cache_transfer.receiver import KVReceiver
+from cache_transfer.sender import KVSender
+from cache_transfer.state import TransferState
+from cache_transfer.transport import KVTransport, TransportError, make_transport
+
+__all__ = [
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferManager",
+    "KVTransport",
+    "TransferState",
+    "TransportError",
+    "make_transport",
+    "pack_layer",
+    "unpack_layer",
+]

@@ -7,6 +7,7 @@ number (0, 1, 2, ... per transfer and direction) and one kind of message.
 from __future__ import annotations
 
 from google.protobuf.message import DecodeError
+
 from pdserve.v1 import transfer_pb2
 
 PROTOCOL_VERSION: int = transfer_pb2.PROTOCOL_VERSION_CURRENT

@@ -92,7 +92,11 @@ class TransferSession:
             self.spawn(self._notify(result=result))
         self._finish()
 
-    def cancel_tasks(self) -> None:
+    async def settle(self, timeout_s: float) -> None:
+        """Give background sends (results, failure notices) `timeout_s` to finish; cancel the
+        rest."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
         for task in list(self._tasks):
             task.cancel()
 

@@ -141,7 +141,9 @@ class TcpTransport(KVTransport):
                 logger.exception("tcp transport %s: receive failed", self._address)
                 continue
             if len(frames) not in (2, 3):
-                logger.warning("tcp transport %s: dropped a %d-frame message", self._address, len(frames))
+                logger.warning(
+                    "tcp transport %s: dropped a %d-frame message", self._address, len(frames)
+                )
                 continue
             peer_id = frames[0].bytes.decode(errors="replace")
             payload = frames[2].buffer if len(frames) == 3 else None

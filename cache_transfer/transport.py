@@ -98,7 +98,9 @@ def dispatch_message(
         if dst is None:
             return
         if check_payload(dst) != payload_bytes:
-            raise ValueError(f"prepare returned {dst.numel()} bytes for a {payload_bytes}-byte payload")
+            raise ValueError(
+                f"prepare returned {dst.numel()} bytes for a {payload_bytes}-byte payload"
+            )
         fill(dst)
         handler.complete(peer_id, header, dst)
     except Exception:

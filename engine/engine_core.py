@@ -15,8 +15,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
@@ -71,13 +69,11 @@ class EngineCore:
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.model.seed)
         self.runner = ModelRunner(
             self.loaded.model,
             self.pool.kv_caches,
             block_size,
-            Sampler(generator=generator),
+            Sampler(seed=config.model.seed),
             self.device,
         )
         self._reservations: dict[str, list[int]] = {}

@@ -157,7 +157,9 @@ class LLM:
         if step_output.finish_reason is not None:
             text += tracked.detokenizer.flush()
         if tracked.stop_matcher is not None:
-            text, matched = tracked.stop_matcher.feed(text, final=step_output.finished)
+            text, matched = tracked.stop_matcher.feed(text)
+            if not matched and step_output.finished:
+                text += tracked.stop_matcher.flush()
             if matched:
                 output.text += text
                 output.finish_reason = FinishReason.STOP.value

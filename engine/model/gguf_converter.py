@@ -48,7 +48,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -71,7 +75,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
     key = f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
-    dst = envs.cache_dir() / "models" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    dst = envs.cache_dir() / "models" / f"{gguf_path.stem}-{digest}"
     if dst.is_dir():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +84,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     try:
         start_s = time.perf_counter()
         write_hf_folder(gguf_path, tmp)
+        _make_readable(tmp)
         try:
             tmp.rename(dst)
         except OSError:
@@ -88,6 +94,13 @@ def convert_gguf(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp and safetensors create owner-only files; a shared cache must be readable."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
 
 
 def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
@@ -200,9 +213,7 @@ def _llama3_scaling(freq_factors: np.ndarray, head_dim: int, rope_theta: float) 
     return scaling
 
 
-def _hf_tensors(
-    reader: GGUFReader, config: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every weight; llama's Q/K rows back in HF order."""
     unpermute = config["model_type"] == "llama"
     num_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}

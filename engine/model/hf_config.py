@@ -84,7 +84,9 @@ def _architecture(config: dict[str, Any]) -> str:
     if not architectures:
         raise ValueError(f"config.json names no 'architectures'; supported: {supported}")
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {architectures[0]!r} is not supported; supported: {supported}")
+        raise ValueError(
+            f"architecture {architectures[0]!r} is not supported; supported: {supported}"
+        )
     return architectures[0]
 
 

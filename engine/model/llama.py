@@ -51,7 +51,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        # As in transformers: attention_bias also biases o_proj, except in Qwen2 (QKV only).
+        o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.attn_backend = attn_backend
@@ -193,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                self.lm_head is None and name == "lm_head.weight"
+            ):
                 continue
             if name not in slots:
                 unexpected.append(name)

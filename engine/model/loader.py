@@ -46,11 +46,13 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> CUDA when available, else CPU; an explicit CUDA device must exist."""
+    """ "auto" -> CUDA when available, else CPU; an explicit CUDA device must exist."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith(("cpu", "cuda")):
-        raise ValueError(f"device {device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        raise ValueError(
+            f"device {device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        )
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available; use 'cpu'")
@@ -65,7 +67,9 @@ def resolve_dtype(dtype: str, device: torch.device, model: str | None = None) ->
     """
     if dtype != "auto":
         if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {list(DTYPES)}")
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; use 'auto' or one of {list(DTYPES)}"
+            )
         return DTYPES[dtype]
     if device.type != "cuda":
         return torch.float32
@@ -92,9 +96,13 @@ def load_model(
     model.requires_grad_(False).eval()
     logger.info(
         "loaded %s (%s, %d layers) on %s in %s in %.2f s",
-        source.name, arch.architecture, arch.num_layers, device, dtype,
+        source.name,
+        arch.architecture,
+        arch.num_layers,
+        device,
+        dtype,
         time.perf_counter() - start_s,
-    )  # fmt: skip
+    )
     return LoadedModel(model, arch, source.name, source.tokenizer_dir)
 
 

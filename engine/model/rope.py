@@ -70,7 +70,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens] int64
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,  # positions: [num_tokens] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim // 2]
         """The cos and sin rows of a step's positions, once for all layers."""
         cos_sin = self.cos_sin_cache[positions].to(dtype)  # [num_tokens, head_dim]

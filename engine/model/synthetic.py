@@ -77,6 +77,8 @@ SHAPES: dict[str, ModelArchConfig] = {
     ),
 }  # fmt: skip
 
+_LOGIT_STD = 4.0
+
 # override key -> ModelArchConfig field (integer fields only)
 OVERRIDES: dict[str, str] = {
     "layers": "num_layers",
@@ -122,14 +124,19 @@ def parse_synthetic(model: str) -> ModelArchConfig:
 def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -> None:
     """Fill every parameter in place (on its device, in its dtype) from one seeded generator.
 
-    Norm weights are 1; projections into the residual stream are scaled down by the depth;
-    every other matrix has std 1/sqrt(fan_in), so each layer's output is O(1).
+    Every matrix has std 1/sqrt(fan_in), so each layer's output is O(1); projections into the
+    residual stream are scaled down by the depth. Layer norms are 1 and the final norm is
+    `_LOGIT_STD`, giving logits of std ~4: peaked enough that greedy picks are rarely near-ties
+    that half-precision noise would flip. (Scaling the embedding instead would make tied models
+    echo their last input token: its self dot product would dominate.)
     """
     params = list(model.named_parameters())
     generator = torch.Generator(device=params[0][1].device).manual_seed(seed)
     residual_scale = 1.0 / math.sqrt(2 * max(arch.num_layers, 1))
     for name, param in params:
-        if "norm" in name:
+        if name == "model.norm.weight":
+            param.fill_(_LOGIT_STD)
+        elif "norm" in name:
             param.fill_(1.0)
         elif name.endswith("bias"):
             param.normal_(0.0, 0.02, generator=generator)

@@ -82,9 +82,9 @@ def _online_softmax_step(
 
 @triton.jit
 def _decode_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]; used when NUM_SPLITS == 1
-    partial_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
-    partial_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32, log2 domain
+    out_ptr,  # [num_tokens, num_heads, head_dim]; used when SINGLE_SPLIT
+    partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32, log2 domain
     q_ptr,  # [num_tokens, num_heads, head_dim]; decode d owns row d
     k_cache_ptr,
     v_cache_ptr,
@@ -100,7 +100,7 @@ def _decode_kernel(
     stride_cache_token,
     stride_cache_head,
     stride_block_table,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -153,12 +153,13 @@ def _decode_kernel(
         s = tl.where((offs_n < end_n)[None, :], s, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
         out = acc / l_i[:, None]
         tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
-        row = (req * tl.num_programs(1) * NUM_QUERIES_PER_KV + heads) * NUM_SPLITS + split
+        num_heads = tl.num_programs(1) * NUM_QUERIES_PER_KV
+        row = (req * num_heads + heads) * tl.num_programs(2) + split
         tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=g_mask)
         partial_ptrs = partial_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM_PAD + offs_d[None, :]
         tl.store(partial_ptrs, acc / l_i[:, None], mask=g_mask[:, None])
@@ -167,13 +168,13 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr,
-    partial_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
-    partial_lse_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32
+    partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32
     seq_lens_ptr,
     partition_len,
     stride_out_token,
     stride_out_head,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -185,7 +186,7 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_valid
-    row0 = (req * tl.num_programs(1) + head) * NUM_SPLITS
+    row0 = (req * tl.num_programs(1) + head) * num_splits
     lse = tl.load(partial_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)  # [SPLITS_PAD]
@@ -297,10 +298,14 @@ def _decode_config(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel.
+
+    bf16, llama3-8b layer on an H200: 64/64/4/2 ran at 285-368 TFLOP/s, the best of a sweep of
+    BLOCK_M 64/128, BLOCK_N 32/64/128, 4/8 warps, 2-4 stages.
+    """
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    return 128, 64, 8, 3
+    return 64, 64, 4, 2
 
 
 def decode_partition_len(
@@ -349,7 +354,7 @@ def paged_decode_attention(
         scale * LOG2E, partition_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
-        NUM_SPLITS=num_splits, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
+        SINGLE_SPLIT=num_splits == 1, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
@@ -357,8 +362,8 @@ def paged_decode_attention(
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             out, partial_out, partial_lse, seq_lens, partition_len,
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
         )  # fmt: skip
 

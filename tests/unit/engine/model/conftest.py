@@ -38,12 +38,17 @@ _LLAMA3_ROPE = {
 # variant -> (model_type, config overrides, rewrite config.json in the pre-5.0 rope form)
 HF_VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "llama": ("llama", dict(tie_word_embeddings=False), False),
+    "llama-attention-bias": ("llama", dict(attention_bias=True), False),  # q/k/v and o_proj
     "llama-linear-rope": (
         "llama",
         dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
         False,
     ),
-    "llama3-rope-tied": ("llama", dict(rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=True), False),
+    "llama3-rope-tied": (
+        "llama",
+        dict(rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=True),
+        False,
+    ),
     "llama3-rope-legacy-config": ("llama", dict(rope_parameters=_LLAMA3_ROPE), True),
     "mistral": ("mistral", dict(sliding_window=None), False),
     "qwen2-bias-tied": ("qwen2", dict(tie_word_embeddings=True), False),
@@ -101,10 +106,15 @@ def make_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fresh zeroed paged cache: per layer k, v [num_blocks, block_size, kv_heads, head_dim]."""
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        for _ in range(arch.num_layers)
+    ]
 
 
-def assign_blocks(total_lens: list[int], block_size: int, seed: int = 0) -> tuple[list[list[int]], int]:
+def assign_blocks(
+    total_lens: list[int], block_size: int, seed: int = 0
+) -> tuple[list[list[int]], int]:
     """Shuffled, non-contiguous block ids for requests that will hold `total_lens` tokens.
 
     Returns (block ids per request, pool size); the pool has two spare blocks.
@@ -145,7 +155,9 @@ def build_step(
     for i, ids in enumerate(block_ids):
         block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+        ),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         block_tables=block_tables,

@@ -113,7 +113,13 @@ def test_qwen2_implies_qkv_bias_and_qwen3_qk_norm():
 
 def test_defaults_for_optional_keys():
     config = llama_config()
-    for key in ("num_key_value_heads", "rms_norm_eps", "hidden_act", "eos_token_id", "bos_token_id"):
+    for key in (
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "hidden_act",
+        "eos_token_id",
+        "bos_token_id",
+    ):
         del config[key]
     arch = arch_config_from_hf(config)
     assert arch.num_kv_heads == 32
@@ -135,15 +141,24 @@ def test_tied_embeddings_and_eos_lists():
 
 def test_sliding_window_caps_the_context():
     mistral = arch_config_from_hf(
-        llama_config(architectures=["MistralForCausalLM"], max_position_embeddings=32768, sliding_window=4096)
+        llama_config(
+            architectures=["MistralForCausalLM"], max_position_embeddings=32768, sliding_window=4096
+        )
     )
     assert mistral.max_position_embeddings == 4096
     mistral_v3 = arch_config_from_hf(
-        llama_config(architectures=["MistralForCausalLM"], max_position_embeddings=32768, sliding_window=None)
+        llama_config(
+            architectures=["MistralForCausalLM"], max_position_embeddings=32768, sliding_window=None
+        )
     )
     assert mistral_v3.max_position_embeddings == 32768
     qwen_off = arch_config_from_hf(
-        llama_config(architectures=["Qwen2ForCausalLM"], max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False)
+        llama_config(
+            architectures=["Qwen2ForCausalLM"],
+            max_position_embeddings=32768,
+            sliding_window=4096,
+            use_sliding_window=False,
+        )
     )
     assert qwen_off.max_position_embeddings == 32768
 
@@ -158,12 +173,24 @@ def test_read_arch_config_merges_generation_config(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        ),
         ({"architectures": []}, r"no 'architectures'; supported: LlamaForCausalLM"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'yarn' is not supported; supported: default, linear, llama3"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, r"'dynamic' is not supported; supported: default"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            r"'yarn' is not supported; supported: default, linear, llama3",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
+            r"'dynamic' is not supported; supported: default",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported; supported: 'silu'"),
-        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0.5 is not supported; supported: 1.0"),
+        (
+            {"partial_rotary_factor": 0.5},
+            r"partial_rotary_factor 0.5 is not supported; supported: 1.0",
+        ),
         ({"num_key_value_heads": 5}, r"multiple of num_key_value_heads \(5\)"),
         ({"hidden_size": None}, r"lacks 'hidden_size'"),
         ({"quantization_config": {"quant_method": "awq"}}, r"quantized checkpoints"),

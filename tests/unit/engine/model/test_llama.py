@@ -64,7 +64,9 @@ def test_decode_and_chunked_prefill_read_the_cache(variant, hf_checkpoints):
     c_split = 13
     block_ids, num_blocks = assign_blocks([12, 7, 21], BLOCK_SIZE, seed=3)
     kv_caches = make_kv_caches(loaded.arch, num_blocks, BLOCK_SIZE)
-    step1 = build_step([(prompt_a, 0), (prompt_b, 0), (prompt_c[:c_split], 0)], block_ids, BLOCK_SIZE)
+    step1 = build_step(
+        [(prompt_a, 0), (prompt_b, 0), (prompt_c[:c_split], 0)], block_ids, BLOCK_SIZE
+    )
     step2 = build_step(
         [([next_a], 11), ([next_b], 6), (prompt_c[c_split:], c_split)], block_ids, BLOCK_SIZE
     )
@@ -75,9 +77,15 @@ def test_decode_and_chunked_prefill_read_the_cache(variant, hf_checkpoints):
         logits = loaded.model.compute_logits(hidden)
     assert step2.meta.num_decodes == 2
 
-    torch.testing.assert_close(logits[0], hf_logits(checkpoint.model, [*prompt_a, next_a])[-1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(logits[1], hf_logits(checkpoint.model, [*prompt_b, next_b])[-1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(logits[2:], hf_logits(checkpoint.model, prompt_c)[c_split:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        logits[0], hf_logits(checkpoint.model, [*prompt_a, next_a])[-1], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        logits[1], hf_logits(checkpoint.model, [*prompt_b, next_b])[-1], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        logits[2:], hf_logits(checkpoint.model, prompt_c)[c_split:], atol=1e-4, rtol=1e-4
+    )
 
 
 def test_on_layer_done_runs_after_each_layer_wrote_its_kv(hf_checkpoints):
@@ -133,7 +141,9 @@ def test_load_weights_names_missing_unexpected_and_misshaped(hf_checkpoints):
         model.load_weights(missing.items())
 
     with pytest.raises(ValueError, match=r"not part of.*model\.layers\.2\.mlp\.up_proj\.weight"):
-        model.load_weights([*weights.items(), ("model.layers.2.mlp.up_proj.weight", torch.zeros(1))])
+        model.load_weights(
+            [*weights.items(), ("model.layers.2.mlp.up_proj.weight", torch.zeros(1))]
+        )
 
     misshaped = dict(weights, **{"model.norm.weight": torch.ones(3)})
     with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(3,\).*expects \(64,\)"):

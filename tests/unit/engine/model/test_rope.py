@@ -68,7 +68,9 @@ def test_apply_rotary_equals_rotate_half_form():
 
 
 def test_unsupported_rope_settings_raise():
-    with pytest.raises(ValueError, match="'yarn' is not supported; supported: 'default', 'linear', 'llama3'"):
+    with pytest.raises(
+        ValueError, match="'yarn' is not supported; supported: 'default', 'linear', 'llama3'"
+    ):
         rope_inv_freq(64, RopeConfig(scaling_type="yarn"))
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not supported"):
         RotaryEmbedding(64, RopeConfig(partial_rotary_factor=0.5), max_position=8)

@@ -8,13 +8,29 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from attention_batch import make_batch
 
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2])
+
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (imported)
-pytest.importorskip("triton", reason="triton is not installed (pip install --no-deps triton)")
+triton = pytest.importorskip(
+    "triton", reason="triton is not installed (pip install --no-deps 'triton>=3.7')"
+)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETING and _version(triton.__version__) < (3, 7) and _version(np.__version__) >= (2, 4):
+    # Older interpreters call int() on 1-element arrays, which numpy >= 2.4 refuses.
+    pytest.skip(
+        f"the triton {triton.__version__} interpreter needs numpy < 2.4; "
+        "pip install --no-deps 'triton>=3.7'",
+        allow_module_level=True,
+    )
 
 from kernels.attention import TorchAttentionBackend  # noqa: E402
 from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402

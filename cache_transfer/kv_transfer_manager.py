@@ -1,0 +1,189 @@
+"""`KVTransferManager`: one per node; one transport, every live KV hand-off keyed by transfer_id.
+
+    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s)
+                  send receiver.ticket() to the router; await receiver.wait(); free on FAILED
+    prefill node: sender = manager.create_sender(ticket, timeout_s)
+                  await sender.send_layer(...) per layer; await sender.send_first_token(...)
+                  await sender.wait(); release the blocks either way
+
+Incoming messages are decoded once and routed to their session by transfer id and kind.
+Headers that do not decode, or name no live session, are refused and logged; no session is
+touched. A session leaves the manager the moment it finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+from cache_transfer import protocol
+from cache_transfer.layout import KVLayout
+from cache_transfer.packing import check_kv_cache
+from cache_transfer.receiver import KVCaches, KVReceiver
+from cache_transfer.sender import KVSender
+from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
+from cache_transfer.state import TransferState
+from cache_transfer.transport import KVTransport
+from pdserve.v1 import node_pb2
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S", KVReceiver, KVSender)
+
+
+class KVTransferManager:
+    def __init__(
+        self, transport: KVTransport, layout: KVLayout, kv_caches: KVCaches | None = None
+    ) -> None:
+        """Start receiving on `transport` (call inside the running event loop). `kv_caches`
+        (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
+        may omit it."""
+        if kv_caches is not None:
+            if len(kv_caches) != layout.num_layers:
+                raise ValueError(
+                    f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}"
+                )
+            for k_cache, v_cache in kv_caches:
+                check_kv_cache(layout, k_cache, v_cache)
+        self.layout = layout
+        self.num_succeeded = 0
+        self.num_failed = 0
+        self._transport = transport
+        self._kv_caches = kv_caches
+        self._receivers: dict[str, KVReceiver] = {}
+        self._senders: dict[str, KVSender] = {}
+        transport.start(self)
+
+    @property
+    def address(self) -> str:
+        """This node's KV transport address (what tickets carry)."""
+        return self._transport.address
+
+    @property
+    def num_pending(self) -> int:
+        """Transfers in flight: sending, or awaiting KV."""
+        return len(self._receivers) + len(self._senders)
+
+    def create_receiver(
+        self,
+        dst_block_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float,
+        transfer_id: str | None = None,
+    ) -> KVReceiver:
+        """A session receiving `num_tokens` tokens of KV into blocks reserved for it."""
+        if self._kv_caches is None:
+            raise ValueError("this manager has no kv_caches to receive into; pass them at init")
+        transfer_id = transfer_id or uuid.uuid4().hex
+        self._check_new(transfer_id)
+        receiver = KVReceiver(
+            self._transport,
+            self.layout,
+            self._kv_caches,
+            transfer_id,
+            dst_block_ids,
+            num_tokens,
+            timeout_s,
+        )
+        return self._register(receiver, self._receivers)
+
+    def create_sender(self, ticket: node_pb2.TransferTicket, timeout_s: float) -> KVSender:
+        """A session sending to the receiver that issued `ticket` (FAILED at once, and the
+        receiver told, when the ticket does not match this node's layout)."""
+        self._check_new(ticket.transfer_id)
+        return self._register(
+            KVSender(self._transport, self.layout, ticket, timeout_s), self._senders
+        )
+
+    def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
+        return self._receivers.get(transfer_id) or self._senders.get(transfer_id)
+
+    def abort(self, transfer_id: str, reason: str) -> bool:
+        """Fail a live transfer and tell its peer; False when none has that id."""
+        session = self.get(transfer_id)
+        if session is None:
+            return False
+        session.abort(reason)
+        return True
+
+    def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor | None:
+        """TransportHandler: where a payload may land (only a receiver's accepted layer)."""
+        routed = self._route(peer_id, header)
+        if routed is None:
+            return None
+        session, msg = routed
+        if isinstance(session, KVReceiver):
+            return session.prepare(peer_id, msg, payload_bytes)
+        session.fail(f"refused a {payload_bytes}-byte payload from {peer_id}: senders take none")
+        return None
+
+    def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
+        """TransportHandler: a whole message for a session."""
+        routed = self._route(peer_id, header)
+        if routed is not None:
+            session, msg = routed
+            session.complete(peer_id, msg, payload)
+
+    async def close(self) -> None:
+        """Fail every live transfer (peers are told, within NOTIFY_TIMEOUT_S), then close the
+        transport."""
+        sessions = [*self._receivers.values(), *self._senders.values()]
+        for session in sessions:
+            session.abort("the transfer manager is closing")
+        await asyncio.gather(*(session.settle(NOTIFY_TIMEOUT_S) for session in sessions))
+        await self._transport.close()
+
+    def _route(
+        self, peer_id: str, header: bytes
+    ) -> tuple[KVReceiver | KVSender, protocol.TransferMessage] | None:
+        try:
+            msg = protocol.decode(header)
+        except protocol.ProtocolError as e:
+            logger.warning("refused a message from %s: %s", peer_id, e)
+            return None
+        kind = protocol.kind_of(msg)
+        session: KVReceiver | KVSender | None = None
+        if kind in protocol.TO_RECEIVER_KINDS:
+            session = self._receivers.get(msg.transfer_id)
+        if session is None and kind in protocol.TO_SENDER_KINDS:
+            session = self._senders.get(msg.transfer_id)
+        if session is None:
+            stray = self.get(msg.transfer_id)
+            if stray is not None:
+                stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
+            else:
+                logger.warning(
+                    "refused a %s message from %s: no live transfer %r",
+                    kind,
+                    peer_id,
+                    msg.transfer_id,
+                )
+            return None
+        return session, msg
+
+    def _check_new(self, transfer_id: str) -> None:
+        if self.get(transfer_id) is not None:
+            raise ValueError(f"transfer {transfer_id!r} is already in progress on this node")
+
+    def _register(self, session: S, table: dict[str, S]) -> S:
+        if session.finished:
+            self._count(session)
+            return session
+        table[session.transfer_id] = session
+        session.add_finish_callback(lambda s: self._on_finish(s, table))
+        return session
+
+    def _on_finish(self, session: TransferSession, table: dict[str, TransferSession]) -> None:
+        table.pop(session.transfer_id, None)
+        self._count(session)
+
+    def _count(self, session: TransferSession) -> None:
+        if session.state == TransferState.SUCCESS:
+            self.num_succeeded += 1
+        else:
+            self.num_failed += 1

@@ -1,0 +1,205 @@
+"""`KVSender`: the prefill side of one KV hand-off.
+
+    created from the ticket ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
+    send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order)
+        ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
+    refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
+
+Layers wait for the handshake's ack before they are packed, so a refused layout costs no
+bandwidth. The node releases the request's blocks once `wait()` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from cache_transfer.layout import KVLayout
+from cache_transfer.packing import alloc_staging, check_kv_cache, pack_layer
+from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
+from cache_transfer.session import TransferSession
+from cache_transfer.state import TransferState
+from cache_transfer.transport import KVTransport
+from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
+
+
+class KVSender(TransferSession):
+    role = "sender"
+
+    def __init__(
+        self,
+        transport: KVTransport,
+        layout: KVLayout,
+        ticket: node_pb2.TransferTicket,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(transport, ticket.transfer_id, timeout_s)
+        self.layout = layout
+        self.num_tokens = ticket.num_tokens
+        self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
+        self.num_bytes_sent = 0
+        self._peer_address = ticket.dst_address or None
+        self._layer_token_end = [0] * layout.num_layers  # tokens of each layer handed to send
+        self._handshake_resolved = asyncio.Event()  # acked, or the session finished
+        self.add_finish_callback(lambda _: self._handshake_resolved.set())
+        self._first_token_sent = False
+        self._sending: set[asyncio.Future[None]] = set()  # send_layer calls in progress
+        self._staging: list[torch.Tensor] = []
+        reason = self._check_ticket(ticket)
+        if reason is not None:
+            self.fail(f"refused the ticket: {reason}")
+        else:
+            self.spawn(self._handshake())
+
+    async def send_layer(
+        self,
+        layer_idx: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: Sequence[int],
+        token_end: int | None = None,
+    ) -> None:
+        """Send layer `layer_idx`'s KV of the prompt up to `token_end` (default: all of it).
+
+        `src_block_ids` is the request's block table; the blocks not yet sent for this layer
+        go out (a chunked prefill calls this once per chunk). A no-op once finished."""
+        token_end = self.num_tokens if token_end is None else token_end
+        block_offset, block_end = self._reserve_layer(layer_idx, token_end, len(src_block_ids))
+        check_kv_cache(self.layout, k_cache, v_cache)
+        if self.finished:
+            return
+        sending = self._loop.create_future()
+        self._sending.add(sending)
+        try:
+            if not await self._wait_acked():
+                return
+            num_bytes = self.layout.layer_bytes(block_end - block_offset)
+            staging = self._take_staging(k_cache.device)
+            packed = pack_layer(
+                k_cache, v_cache, src_block_ids[block_offset:block_end], staging[:num_bytes]
+            )
+            manifest = transfer_pb2.LayerManifest(
+                layer_idx=layer_idx,
+                block_offset=block_offset,
+                num_blocks=block_end - block_offset,
+                num_bytes=num_bytes,
+                token_end=token_end,
+            )
+            self._advance(TransferState.TRANSFERRING)
+            if await self._send(packed, layer_manifest=manifest):
+                self.num_bytes_sent += num_bytes
+                if len(self._staging) < 2:  # reuse only buffers the transport let go of
+                    self._staging.append(staging)
+        finally:
+            self._sending.discard(sending)
+            sending.set_result(None)
+
+    async def send_first_token(
+        self,
+        token_id: int,
+        logprob: generation_pb2.TokenLogprob | None = None,
+        finish_reason: str = "",
+    ) -> None:
+        """Send the sampled first token, after every layer's KV. A no-op once finished."""
+        if self.finished:
+            return
+        if self._first_token_sent:
+            raise ValueError(f"transfer {self.transfer_id}: the first token was already sent")
+        missing = [i for i, end in enumerate(self._layer_token_end) if end != self.num_tokens]
+        if missing:
+            raise ValueError(
+                f"transfer {self.transfer_id}: send every layer's KV of all {self.num_tokens} "
+                f"tokens before the first token; layers {missing[:8]} are incomplete"
+            )
+        self._first_token_sent = True
+        if self._sending:
+            await asyncio.wait(set(self._sending), timeout=self.remaining_s)
+        if not self.finished:
+            first_token = transfer_pb2.FirstToken(
+                token_id=token_id, logprob=logprob, finish_reason=finish_reason
+            )
+            await self._send(first_token=first_token)
+
+    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
+        """A message from the receiver: the handshake's ack or the transfer's result."""
+        reason = self._check_envelope(msg)
+        if reason is None and payload is not None:
+            reason = "a payload sent to the sender"
+        if reason is not None:
+            self.fail(f"refused a message from {peer_id}: {reason}")
+        elif kind_of(msg) == "handshake_ack":
+            self._on_ack(msg.handshake_ack)
+        elif not msg.result.ok:
+            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
+        elif not self._first_token_sent:
+            self.fail("refused a success result before the first token was sent")
+        else:
+            self._succeed()
+
+    def _check_ticket(self, ticket: node_pb2.TransferTicket) -> str | None:
+        if not ticket.dst_address:
+            return "no dst_address"
+        if ticket.layout_hash != self.layout.layout_hash():
+            return f"layout_hash {ticket.layout_hash!r} differs from this node's {self.layout}"
+        if ticket.num_tokens <= 0:
+            return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
+        if len(ticket.dst_block_ids) < self.num_blocks:
+            return f"{len(ticket.dst_block_ids)} dst blocks for {self.num_blocks} blocks of KV"
+        return None
+
+    def _reserve_layer(
+        self, layer_idx: int, token_end: int, num_src_blocks: int
+    ) -> tuple[int, int]:
+        """Claim tokens [previous end, token_end) of a layer; its (first, end) block indices."""
+        if not 0 <= layer_idx < self.layout.num_layers:
+            raise ValueError(f"layer_idx {layer_idx} outside [0, {self.layout.num_layers})")
+        prev_end = self._layer_token_end[layer_idx]
+        if not prev_end < token_end <= self.num_tokens:
+            raise ValueError(
+                f"layer {layer_idx}: token_end must be in ({prev_end}, {self.num_tokens}] "
+                f"(tokens already sent, prompt length), got {token_end}"
+            )
+        block_end = self.layout.num_blocks_for(token_end)
+        if num_src_blocks < block_end:
+            raise ValueError(
+                f"{token_end} tokens span {block_end} blocks; src_block_ids has {num_src_blocks}"
+            )
+        self._layer_token_end[layer_idx] = token_end
+        return prev_end // self.layout.block_size, block_end
+
+    async def _handshake(self) -> None:
+        handshake = transfer_pb2.TransferHandshake(
+            protocol_version=PROTOCOL_VERSION,
+            layout_hash=self.layout.layout_hash(),
+            src_address=self._transport.address,
+            num_layers=self.layout.num_layers,
+            num_tokens=self.num_tokens,
+            num_blocks=self.num_blocks,
+        )
+        await self._send(handshake=handshake)
+
+    async def _wait_acked(self) -> bool:
+        """True once the receiver accepted the handshake; False if the session ended first."""
+        if not self._handshake_resolved.is_set():
+            try:
+                await asyncio.wait_for(self._handshake_resolved.wait(), self.remaining_s)
+            except TimeoutError:
+                self.fail("no handshake ack before the deadline")
+        return not self.finished
+
+    def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
+        if self._handshake_resolved.is_set():
+            self.fail("refused a second handshake ack")
+        elif not ack.accepted:
+            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
+        else:
+            self._advance(TransferState.WAITING)
+            self._handshake_resolved.set()
+
+    def _take_staging(self, cache_device: torch.device) -> torch.Tensor:
+        if self._staging:
+            return self._staging.pop()
+        device = self._transport.buffer_device(cache_device)
+        return alloc_staging(self.layout.layer_bytes(self.num_blocks), device)

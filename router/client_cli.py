@@ -1,0 +1,127 @@
+"""pd-client: send one prompt to a pdserve router and stream the completion to stdout.
+
+    pd-client "The capital of France is" --max-tokens 16 --temperature 0
+    pd-client --chat --system "Be brief." "What is KV caching?" --json
+
+A gRPC error prints "pd-client: STATUS: details" to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from router.client import GenerationClient, GenerationResult
+
+# (flag, type, help) of SamplingParams fields; unset flags leave the engine's default.
+_SAMPLING_FLAGS = (
+    ("--max-tokens", int, "tokens to generate at most"),
+    ("--temperature", float, "0: greedy"),
+    ("--top-p", float, "nucleus sampling mass, in (0, 1]"),
+    ("--top-k", int, "0 or -1: disabled"),
+    ("--min-p", float, "in [0, 1]"),
+    ("--repetition-penalty", float, "> 0; 1 disables"),
+    ("--presence-penalty", float, "in [-2, 2]"),
+    ("--frequency-penalty", float, "in [-2, 2]"),
+    ("--seed", int, "same seed, same tokens"),
+    ("--min-tokens", int, "no stop before this many tokens"),
+    ("--logprobs", int, "0: the sampled token's; n: plus the top n"),
+)
+_SAMPLING_FIELDS = (
+    *(flag[2:].replace("-", "_") for flag, _, _ in _SAMPLING_FLAGS),
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+
+
+def build_client_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-client", description=__doc__.split("\n\n")[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--addr", default=f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}", help="router")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message (chat template)"
+    )
+    parser.add_argument(
+        "--system", action="append", default=[], help="with --chat: a system message first"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end instead of streaming text",
+    )
+    parser.add_argument("--request-id", default="")
+    parser.add_argument("--timeout-s", type=float, default=None, help="deadline of the call")
+    sampling = parser.add_argument_group("sampling (unset: the engine's default)")
+    for flag, type_, help_text in _SAMPLING_FLAGS:
+        sampling.add_argument(flag, type=type_, default=None, help=help_text)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=int,
+        action="append",
+        default=None,
+        help="stop token id (repeatable)",
+    )
+    sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_client_parser()
+    args = parser.parse_args(argv)
+    if args.system and not args.chat:
+        parser.error("--system needs --chat")
+    try:
+        result = asyncio.run(_generate(args))
+    except grpc.aio.AioRpcError as error:
+        print(f"pd-client: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        payload = result.to_dict()
+        if args.logprobs is not None:
+            payload["logprobs"] = [_logprob_dict(lp) for lp in result.logprobs]
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        print(flush=True)
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> GenerationResult:
+    inputs: dict = {"prompt": args.prompt}
+    if args.chat:
+        messages = [{"role": "system", "content": text} for text in args.system]
+        inputs = {"messages": [*messages, {"role": "user", "content": args.prompt}]}
+    sampling = {name: getattr(args, name) for name in _SAMPLING_FIELDS}
+    result = GenerationResult()
+    async with GenerationClient(args.addr) as client:
+        chunks = client.generate(
+            **inputs, request_id=args.request_id, timeout_s=args.timeout_s, **sampling
+        )
+        async for chunk in chunks:
+            result.add(chunk)
+            if not args.json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    return result
+
+
+def _logprob_dict(logprob) -> dict:
+    return {
+        "token_id": logprob.token_id,
+        "logprob": logprob.logprob,
+        "rank": logprob.rank,
+        "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in logprob.top],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

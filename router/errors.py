@@ -1,0 +1,31 @@
+"""RouterError: a failure the client sees as one gRPC status; node failures mapped to it."""
+
+from __future__ import annotations
+
+import grpc
+
+# Node statuses the client gets as they are; any other node failure is INTERNAL.
+_KEPT_CODES = frozenset(
+    {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+
+
+class RouterError(Exception):
+    """Ends a request with `code` and `message` (the gRPC status details)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def node_error(role: str, address: str, error: grpc.aio.AioRpcError) -> RouterError:
+    """A node call's failure as the client's status, naming the node."""
+    code = error.code()
+    message = f"{role} node {address}: {code.name}: {error.details() or 'no details'}"
+    return RouterError(code if code in _KEPT_CODES else grpc.StatusCode.INTERNAL, message)

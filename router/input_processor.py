@@ -1,0 +1,130 @@
+"""InputProcessor: a client's GenerateRequest -> a validated, tokenized ProcessedRequest.
+
+Every failure is an `InvalidRequestError` whose message says what to fix (the servicer returns
+it as INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import uuid
+from dataclasses import dataclass
+
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import generation_pb2, node_pb2
+
+# generation.proto's `optional` sampling fields; unset ones take SamplingParams' defaults.
+OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "logprobs",
+)
+_SEED_BITS = 63
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # validated; `seed` always set
+    node_sampling: node_pb2.NodeSamplingParams  # the same values, as the nodes receive them
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputProcessor:
+    """Validates and tokenizes requests for one served model."""
+
+    def __init__(self, tokenizer: Tokenizer, model_info: node_pb2.NodeInfo) -> None:
+        self._tokenizer = tokenizer
+        self._max_model_len = model_info.max_model_len
+        self._vocab_size = model_info.vocab_size
+
+    def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+        params = sampling_params_from_proto(request.sampling)
+        if params.seed is None:  # P and a falling-back D must draw the same first token
+            params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
+        self._check_token_ids("sampling.stop_token_ids", params.stop_token_ids)
+        prompt_token_ids = self._prompt_token_ids(request)
+        total_len = len(prompt_token_ids) + params.max_tokens
+        if total_len > self._max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total_len} exceeds the model's context length of {self._max_model_len} "
+                "tokens; shorten the prompt or lower max_tokens"
+            )
+        return ProcessedRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            node_sampling=node_sampling_params(params),
+        )
+
+    def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequestError("set one of prompt, prompt_token_ids or messages")
+        if kind == "prompt_token_ids":
+            token_ids = list(request.prompt_token_ids.ids)
+            if not token_ids:
+                raise InvalidRequestError("prompt_token_ids is empty; send at least one token")
+            self._check_token_ids("prompt_token_ids", token_ids)
+            return token_ids
+        if kind == "prompt":
+            if not request.prompt:
+                raise InvalidRequestError("prompt is empty; send at least one character")
+            token_ids = self._tokenizer.encode(request.prompt)
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            token_ids = self._tokenizer.encode(text, add_special_tokens=False)  # in the template
+        if not token_ids:
+            raise InvalidRequestError(f"the {kind} tokenizes to no tokens")
+        return token_ids
+
+    def _check_token_ids(self, name: str, token_ids: list[int]) -> None:
+        for i, token_id in enumerate(token_ids):
+            if token_id >= self._vocab_size:
+                raise InvalidRequestError(
+                    f"{name}[{i}] = {token_id} is not a token id: the vocabulary has "
+                    f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})"
+                )
+
+
+def sampling_params_from_proto(proto: generation_pb2.SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams (validated) from the client's; unset fields keep defaults."""
+    kwargs = {
+        name: getattr(proto, name) for name in OPTIONAL_SAMPLING_FIELDS if proto.HasField(name)
+    }
+    for name, value in kwargs.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"sampling.{name} must be a finite number, got {value}")
+    return SamplingParams(
+        **kwargs,
+        stop=list(proto.stop),
+        stop_token_ids=list(proto.stop_token_ids),
+        ignore_eos=proto.ignore_eos,
+    )
+
+
+def node_sampling_params(params: SamplingParams) -> node_pb2.NodeSamplingParams:
+    """Every value explicit, so the nodes sample with exactly what the router validated."""
+    values = {name: getattr(params, name) for name in OPTIONAL_SAMPLING_FIELDS}
+    return node_pb2.NodeSamplingParams(
+        **{name: value for name, value in values.items() if value is not None},
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )

@@ -1,0 +1,107 @@
+"""NodeClient: the router's connection to one prefill or decode node.
+
+One `grpc.aio` channel per node address, with stubs for the three services of node.proto
+(a node serves `Node` plus its role's service). `connect` retries `GetNodeInfo` until a deadline
+so nodes may come up after the router; `fetch_tokenizer` turns the node's `GetTokenizer` files
+into the router's `Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_RECEIVE_MESSAGE_BYTES = 256 << 20  # tokenizer.json can exceed gRPC's 4 MiB default
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+    # Reconnect quickly to a node that is still starting (gRPC's default backoff reaches 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+_RETRIED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MAX_RETRY_DELAY_S = 1.0
+
+
+class NodeClient:
+    """Stubs for one node, and the node's `NodeInfo` once `connect` succeeded."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.node_stub = node_pb2_grpc.NodeStub(self._channel)
+        self.prefill_stub = node_pb2_grpc.PrefillNodeStub(self._channel)
+        self.decode_stub = node_pb2_grpc.DecodeNodeStub(self._channel)
+        self.info: node_pb2.NodeInfo | None = None
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self.address})"
+
+    async def connect(self, deadline_s: float, rpc_timeout_s: float) -> node_pb2.NodeInfo:
+        """GetNodeInfo, retried while the node is unreachable, until `deadline_s`
+        (`time.monotonic()` seconds). Raises TimeoutError when the deadline passes."""
+        delay_s = 0.05
+        last_error = "never reached"
+        while (remaining_s := deadline_s - time.monotonic()) > 0:
+            try:
+                self.info = await self.node_stub.GetNodeInfo(
+                    node_pb2.GetNodeInfoRequest(),
+                    timeout=min(rpc_timeout_s, remaining_s),
+                    wait_for_ready=True,
+                )
+                return self.info
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _RETRIED_CODES:
+                    raise
+                last_error = f"{error.code().name}: {error.details()}"
+            await asyncio.sleep(min(delay_s, max(deadline_s - time.monotonic(), 0.0)))
+            delay_s = min(2 * delay_s, _MAX_RETRY_DELAY_S)
+        raise TimeoutError(f"node {self.address} did not answer GetNodeInfo ({last_error})")
+
+    async def fetch_tokenizer(self, timeout_s: float) -> Tokenizer:
+        """The node's tokenizer, built off the event loop (a large tokenizer.json takes a while)."""
+        files = await self.node_stub.GetTokenizer(node_pb2.GetTokenizerRequest(), timeout=timeout_s)
+        name = self.info.model_name if self.info is not None else self.address
+        return await asyncio.to_thread(tokenizer_from_files, files, name)
+
+    async def cancel_transfer(self, transfer_id: str, reason: str, timeout_s: float) -> bool:
+        """Tells a decode node the KV of `transfer_id` will not come; True if it was pending."""
+        request = node_pb2.CancelTransferRequest(transfer_id=transfer_id, reason=reason)
+        response = await self.decode_stub.CancelTransfer(request, timeout=timeout_s)
+        return response.found
+
+    async def abort(self, request_id: str, timeout_s: float) -> bool:
+        """Ends the request on the node; True if the node held it."""
+        request = node_pb2.AbortRequest(request_id=request_id)
+        response = await self.node_stub.Abort(request, timeout=timeout_s)
+        return response.found
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+def tokenizer_from_files(files: node_pb2.TokenizerFiles, name: str) -> Tokenizer:
+    """A Tokenizer from a node's `TokenizerFiles` (written to a temporary folder and read back
+    the way the engine reads a model folder); the node's `chat_template` wins over the config's."""
+    if not files.tokenizer_json:
+        raise ValueError(f"the tokenizer of {name} has an empty tokenizer.json")
+    config = json.loads(files.tokenizer_config_json) if files.tokenizer_config_json else {}
+    if files.chat_template:
+        config["chat_template"] = files.chat_template
+    with tempfile.TemporaryDirectory(prefix="pdserve-tokenizer-") as folder:
+        (Path(folder) / "tokenizer.json").write_bytes(files.tokenizer_json)
+        (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+        tokenizer = Tokenizer.from_dir(folder)
+    tokenizer.name = name
+    return tokenizer

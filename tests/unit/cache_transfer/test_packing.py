@@ -1,0 +1,87 @@
+"""pack_layer / unpack_layer: gather a request's blocks, scatter them into other block ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_helpers import SENTINEL, make_layout, random_caches, sentinel_caches
+
+from cache_transfer import pack_layer, unpack_layer
+from cache_transfer.packing import alloc_staging, check_kv_cache, packed_view
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_into_different_block_ids(dtype: str) -> None:
+    layout = make_layout(dtype)
+    (src_k, src_v), *_ = random_caches(layout, num_blocks=12)
+    (dst_k, dst_v), *_ = sentinel_caches(layout, num_blocks=20)
+    src_ids, dst_ids = [5, 1, 11, 7], [0, 19, 3, 8]
+    staging = alloc_staging(layout.layer_bytes(len(src_ids)))
+
+    pack_layer(src_k, src_v, src_ids, staging)
+    unpack_layer(staging, dst_k, dst_v, dst_ids)
+
+    assert torch.equal(dst_k[dst_ids], src_k[src_ids])
+    assert torch.equal(dst_v[dst_ids], src_v[src_ids])
+    others = [b for b in range(20) if b not in dst_ids]
+    assert bool((dst_k[others] == SENTINEL).all() and (dst_v[others] == SENTINEL).all())
+
+
+def test_packed_buffer_is_k_then_v_in_block_order() -> None:
+    layout = make_layout("bfloat16")
+    (k, v), *_ = random_caches(layout, num_blocks=6)
+    ids = torch.tensor([4, 0, 2])
+    staging = alloc_staging(layout.layer_bytes(3))
+
+    pack_layer(k, v, ids, staging)
+
+    packed = packed_view(staging, 3, k)  # [2, 3, block_size, kvh, hd]
+    assert torch.equal(packed[0], k[ids]) and torch.equal(packed[1], v[ids])
+    # The CPU staging is plain bytes a transport can send without a copy.
+    assert staging.numpy().nbytes == layout.layer_bytes(3)
+
+
+def test_pack_refuses_a_staging_buffer_of_the_wrong_size() -> None:
+    layout = make_layout()
+    (k, v), *_ = random_caches(layout, num_blocks=6)
+    staging = alloc_staging(layout.layer_bytes(2) + 1)
+
+    with pytest.raises(ValueError, match=r"holds \d+ bytes; 2 blocks of K and V need"):
+        pack_layer(k, v, [0, 1], staging)
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "message"),
+    [([0, 6], "outside the cache's"), ([-1], "outside the cache's"), ([], "block_ids is empty")],
+)
+def test_pack_refuses_bad_source_block_ids(block_ids: list[int], message: str) -> None:
+    layout = make_layout()
+    (k, v), *_ = random_caches(layout, num_blocks=6)
+    staging = alloc_staging(layout.layer_bytes(max(len(block_ids), 1)))
+
+    with pytest.raises(ValueError, match=message):
+        pack_layer(k, v, block_ids, staging)
+
+
+def test_unpack_refuses_repeated_destination_blocks_and_writes_nothing() -> None:
+    layout = make_layout()
+    (k, v), *_ = random_caches(layout, num_blocks=6)
+    (dst_k, dst_v), *_ = sentinel_caches(layout, num_blocks=6)
+    staging = pack_layer(k, v, [0, 1], alloc_staging(layout.layer_bytes(2)))
+
+    with pytest.raises(ValueError, match="must be distinct"):
+        unpack_layer(staging, dst_k, dst_v, [3, 3])
+    assert bool((dst_k == SENTINEL).all() and (dst_v == SENTINEL).all())
+
+
+def test_check_kv_cache_names_the_mismatch() -> None:
+    layout = make_layout()
+    (k, v), *_ = random_caches(layout, num_blocks=4)
+
+    check_kv_cache(layout, k, v)
+    with pytest.raises(ValueError, match=r"k_cache must be \[num_blocks, block_size"):
+        check_kv_cache(layout, k[:, :2], v)
+    with pytest.raises(ValueError, match="v_cache dtype is torch.float16"):
+        check_kv_cache(layout, k, v.half())
+    with pytest.raises(ValueError, match="must match in shape"):
+        check_kv_cache(layout, k, v[:2])

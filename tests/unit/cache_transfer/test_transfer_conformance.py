@@ -1,0 +1,248 @@
+"""KVSender -> KVReceiver through KVTransferManager, once per backend: exact bytes, any layer
+order, chunked layers, many sessions at once, and clean failure when a peer goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import torch
+from transfer_helpers import (
+    SENTINEL,
+    NodePair,
+    gather_bounded,
+    make_layout,
+    make_pair,
+    run,
+    untouched,
+    wait_until,
+)
+
+from cache_transfer import KVSender, TransferState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _send_all(
+    pair: NodePair, sender: KVSender, src_ids: list[int], layer_order: list[int]
+) -> None:
+    for layer_idx in layer_order:
+        k_cache, v_cache = pair.src_caches[layer_idx]
+        await sender.send_layer(layer_idx, k_cache, v_cache, src_ids)
+    await sender.send_first_token(123)
+
+
+def _assert_landed(pair: NodePair, src_ids: list[int], dst_ids: list[int]) -> None:
+    for (src_k, src_v), (dst_k, dst_v) in zip(pair.src_caches, pair.dst_caches):
+        assert torch.equal(dst_k[dst_ids], src_k[src_ids])
+        assert torch.equal(dst_v[dst_ids], src_v[src_ids])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layers_out_of_order_land_exactly_in_the_reserved_blocks(backend: str, dtype: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout(dtype))
+        reserved = [9, 2, 30, 17]  # ceil((10 + 1) / 4) = 3 blocks for KV, the 4th stays free
+        receiver = pair.decode.create_receiver(reserved, num_tokens=10, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+
+        await _send_all(pair, sender, src_ids=[4, 0, 21], layer_order=[2, 0, 1])
+
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert await sender.wait() == TransferState.SUCCESS
+        _assert_landed(pair, [4, 0, 21], reserved[:3])
+        untouched_ids = [b for b in range(40) if b not in reserved[:3]]
+        assert untouched([(k[untouched_ids], v[untouched_ids]) for k, v in pair.dst_caches])
+        assert receiver.first_token is not None and receiver.first_token.token_id == 123
+        num_bytes = 3 * pair.layout.layer_bytes(3)
+        assert sender.num_bytes_sent == receiver.num_bytes_received == num_bytes
+        assert pair.decode.num_pending == pair.prefill.num_pending == 0
+        assert pair.decode.num_succeeded == pair.prefill.num_succeeded == 1
+        await pair.close()
+
+    run(scenario())
+
+
+def test_chunked_prefill_resends_the_partial_block(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout(block_size=4))
+        receiver = pair.decode.create_receiver([5, 6, 7, 8], num_tokens=14, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        src_ids = [3, 1, 2, 0]
+        for token_end in (6, 9, 14):  # chunks end mid-block: blocks 1 and 2 are sent twice
+            for layer_idx in reversed(range(pair.layout.num_layers)):
+                k_cache, v_cache = pair.src_caches[layer_idx]
+                await sender.send_layer(layer_idx, k_cache, v_cache, src_ids, token_end)
+        await sender.send_first_token(7)
+
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert await sender.wait() == TransferState.SUCCESS
+        _assert_landed(pair, src_ids, [5, 6, 7, 8])
+        await pair.close()
+
+    run(scenario())
+
+
+def test_many_concurrent_sessions_each_land_their_own_kv(backend: str) -> None:
+    num_sessions = 12
+
+    async def one(pair: NodePair, i: int, dst_ids: list[int]) -> None:
+        rng = random.Random(i)
+        receiver = pair.decode.create_receiver(dst_ids, num_tokens=4 * len(dst_ids), timeout_s=15)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=15)
+        src_ids = rng.sample(range(64), len(dst_ids))
+        order = rng.sample(range(pair.layout.num_layers), pair.layout.num_layers)
+        await _send_all(pair, sender, src_ids, order)
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert await sender.wait() == TransferState.SUCCESS
+        _assert_landed(pair, src_ids, dst_ids)
+
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout(), num_src_blocks=64, num_dst_blocks=96)
+        blocks = random.Random(0).sample(range(96), 96)
+        spans = [blocks[8 * i : 8 * i + 1 + i % 8] for i in range(num_sessions)]
+        await gather_bounded(*(one(pair, i, span) for i, span in enumerate(spans)))
+        assert pair.decode.num_succeeded == num_sessions
+        assert pair.decode.num_pending == 0
+        await pair.close()
+
+    run(scenario())
+
+
+def test_sender_that_disappears_mid_transfer_fails_the_receiver_by_its_deadline(
+    backend: str,
+) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=0.5)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        k_cache, v_cache = pair.src_caches[0]
+        await sender.send_layer(0, k_cache, v_cache, [0, 1, 2])
+        await pair.prefill._transport.close()  # the prefill node dies: no goodbye
+
+        start_s = time.monotonic()
+        assert await receiver.wait() == TransferState.FAILED
+        assert time.monotonic() - start_s < 1.5
+        assert "timed out" in (receiver.error or "")
+        assert pair.decode.num_pending == 0 and pair.decode.num_failed == 1
+        assert pair.decode.get(receiver.transfer_id) is None
+        await pair.decode.close()
+
+    run(scenario())
+
+
+def test_receiver_that_disappears_fails_the_sender_by_its_deadline(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=0.5)
+        k_cache, v_cache = pair.src_caches[0]
+        await sender.send_layer(0, k_cache, v_cache, [0, 1, 2])
+        await pair.decode._transport.close()  # the decode node dies
+        for layer_idx in (1, 2):
+            await sender.send_layer(layer_idx, k_cache, v_cache, [0, 1, 2])
+        await sender.send_first_token(1)
+
+        start_s = time.monotonic()
+        assert await sender.wait() == TransferState.FAILED
+        assert time.monotonic() - start_s < 1.5
+        assert pair.prefill.num_pending == 0 and pair.prefill.num_failed == 1
+        await pair.prefill.close()
+
+    run(scenario())
+
+
+def test_abort_on_the_receiver_fails_the_sender_at_once(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        k_cache, v_cache = pair.src_caches[0]
+        await sender.send_layer(0, k_cache, v_cache, [0, 1, 2])
+
+        assert pair.decode.abort(receiver.transfer_id, "client went away")
+        assert not pair.decode.abort(receiver.transfer_id, "again")
+        assert await sender.wait(timeout_s=2) == TransferState.FAILED
+        assert "client went away" in (sender.error or "")
+        # Later layers are no-ops; the receiver's blocks stay as the first layer left them.
+        await sender.send_layer(1, k_cache, v_cache, [0, 1, 2])
+        assert untouched(pair.dst_caches[1:])
+        await pair.close()
+
+    run(scenario())
+
+
+def test_ticket_for_another_layout_fails_both_ends_without_sending_kv(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=10)
+        ticket = receiver.ticket()
+        ticket.layout_hash = make_layout("bfloat16").layout_hash()
+
+        sender = pair.prefill.create_sender(ticket, timeout_s=10)
+
+        assert sender.state == TransferState.FAILED and "layout_hash" in (sender.error or "")
+        assert await receiver.wait(timeout_s=2) == TransferState.FAILED
+        assert untouched(pair.dst_caches)
+        await pair.close()
+
+    run(scenario())
+
+
+def test_wait_timeout_fails_a_session_nobody_talks_to(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=30)
+
+        assert await receiver.wait(timeout_s=0.05) == TransferState.FAILED
+        assert pair.decode.num_pending == 0
+        await pair.close()
+
+    run(scenario())
+
+
+def test_sender_refuses_misuse_with_a_clear_error(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        k_cache, v_cache = pair.src_caches[0]
+
+        with pytest.raises(ValueError, match=r"layer_idx 3 outside \[0, 3\)"):
+            await sender.send_layer(3, k_cache, v_cache, [0, 1, 2])
+        with pytest.raises(ValueError, match="src_block_ids has 2"):
+            await sender.send_layer(0, k_cache, v_cache, [0, 1])
+        with pytest.raises(ValueError, match="layers \\[0, 1, 2\\] are incomplete"):
+            await sender.send_first_token(5)
+        await sender.send_layer(0, k_cache, v_cache, [0, 1, 2])
+        with pytest.raises(ValueError, match=r"token_end must be in \(12, 12\]"):
+            await sender.send_layer(0, k_cache, v_cache, [0, 1, 2])
+        await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
+        assert not pair.dst_caches[0][0].eq(SENTINEL).all()  # layer 0 did land
+        await pair.close()
+
+    run(scenario())
+
+
+def test_closing_a_manager_fails_its_sessions_and_tells_the_peer(backend: str) -> None:
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout())
+        receiver = pair.decode.create_receiver([1, 2, 3], num_tokens=12, timeout_s=10)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        await asyncio.wait_for(_wait_state(sender, TransferState.WAITING), 5)
+
+        await pair.prefill.close()
+
+        assert sender.state == TransferState.FAILED
+        assert await receiver.wait(timeout_s=2) == TransferState.FAILED
+        assert "closing" in (receiver.error or "")
+        await pair.decode.close()
+
+    run(scenario())
+
+
+async def _wait_state(sender: KVSender, state: TransferState) -> None:
+    while sender.state < state:
+        await asyncio.sleep(0.002)

@@ -1,0 +1,310 @@
+"""KVReceiver refuses every message that does not fit its ticket, once per backend.
+
+A raw transport endpoint plays the prefill node and speaks transfer.proto by hand. Forged
+payloads are filled with MARKER, so "no block written" means no MARKER anywhere in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from pdserve.v1 import transfer_pb2
+from transfer_helpers import (
+    SENTINEL,
+    RawPeer,
+    make_layout,
+    make_raw_peer,
+    run,
+    sentinel_caches,
+    untouched,
+    wait_until,
+)
+
+from cache_transfer import KVReceiver, KVTransferManager, TransferState, make_transport, protocol
+
+pytestmark = pytest.mark.timeout(60)
+
+MARKER = 99.0
+LAYOUT = make_layout(block_size=4)  # 3 layers
+NUM_TOKENS = 10  # 3 blocks of KV
+DST_BLOCK_IDS = [6, 2, 9, 4]
+
+
+@dataclass
+class Forger:
+    """A hand-driven prefill node talking to one receiver."""
+
+    peer: RawPeer
+    receiver: KVReceiver
+    seq: int = 0
+
+    async def send(
+        self,
+        payload: torch.Tensor | None = None,
+        *,
+        seq: int | None = None,
+        transfer_id: str | None = None,
+        **kind: object,
+    ) -> None:
+        transfer_id = transfer_id or self.receiver.transfer_id
+        header = protocol.encode(transfer_id, self.seq if seq is None else seq, **kind)
+        self.seq += 1
+        address = self.receiver.ticket().dst_address
+        await asyncio.wait_for(self.peer.transport.send(address, header, payload), 5)
+
+    async def handshake(self, **overrides: object) -> None:
+        fields: dict[str, object] = dict(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            layout_hash=LAYOUT.layout_hash(),
+            src_address=self.peer.transport.address,
+            num_layers=LAYOUT.num_layers,
+            num_tokens=NUM_TOKENS,
+            num_blocks=3,
+        )
+        await self.send(handshake=transfer_pb2.TransferHandshake(**{**fields, **overrides}))
+
+    async def layer(
+        self,
+        layer_idx: int,
+        value: float = MARKER,
+        payload_blocks: int = 3,
+        seq: int | None = None,
+        transfer_id: str | None = None,
+        **overrides: object,
+    ) -> None:
+        fields: dict[str, object] = dict(
+            layer_idx=layer_idx,
+            block_offset=0,
+            num_blocks=3,
+            num_bytes=LAYOUT.layer_bytes(3),
+            token_end=NUM_TOKENS,
+        )
+        manifest = transfer_pb2.LayerManifest(**{**fields, **overrides})  # type: ignore[arg-type]
+        payload = torch.full((2, payload_blocks, *LAYOUT.block_shape), value).view(torch.uint8)
+        await self.send(payload.flatten(), seq=seq, transfer_id=transfer_id, layer_manifest=manifest)
+
+    async def first_token(self) -> None:
+        await self.send(first_token=transfer_pb2.FirstToken(token_id=5))
+
+
+Script = Callable[[Forger], Awaitable[None]]
+
+
+async def _full_transfer(f: Forger) -> None:
+    await f.handshake()
+    for layer_idx in range(LAYOUT.num_layers):
+        await f.layer(layer_idx, value=1.0)
+    await f.first_token()
+
+
+async def _wrong_layer_index(f: Forger) -> None:
+    await f.handshake()
+    await f.layer(LAYOUT.num_layers)
+
+
+async def _short_payload(f: Forger) -> None:
+    await f.handshake()
+    await f.layer(0, payload_blocks=2)
+
+
+async def _manifest_byte_count_lies(f: Forger) -> None:
+    await f.handshake()
+    await f.layer(0, num_bytes=LAYOUT.layer_bytes(2))
+
+
+async def _wrong_block_range(f: Forger) -> None:
+    await f.handshake()
+    await f.layer(0, block_offset=1)
+
+
+async def _layer_before_handshake(f: Forger) -> None:
+    await f.layer(0)
+
+
+async def _sequence_gap(f: Forger) -> None:
+    await f.handshake()
+    f.seq += 1
+    await f.layer(0)
+
+
+async def _first_token_before_every_layer(f: Forger) -> None:
+    await f.handshake()
+    await f.layer(0, value=1.0)
+    await f.first_token()
+
+
+async def _payload_on_a_handshake(f: Forger) -> None:
+    handshake = transfer_pb2.TransferHandshake(layout_hash=LAYOUT.layout_hash())
+    await f.send(torch.zeros(LAYOUT.layer_bytes(3), dtype=torch.uint8), handshake=handshake)
+
+
+async def _sender_claims_success(f: Forger) -> None:
+    await f.handshake()
+    await f.send(result=transfer_pb2.TransferResult(ok=True))
+
+
+REFUSED = {
+    "wrong-layout-hash": (lambda f: f.handshake(layout_hash="0" * 64), "layout_hash"),
+    "wrong-protocol-version": (lambda f: f.handshake(protocol_version=99), "protocol_version"),
+    "wrong-num-tokens": (lambda f: f.handshake(num_tokens=NUM_TOKENS + 1), "num_tokens"),
+    "wrong-layer-index": (_wrong_layer_index, "layer index 3 outside [0, 3)"),
+    "short-payload": (_short_payload, "payload bytes"),
+    "manifest-byte-count-lies": (_manifest_byte_count_lies, "payload bytes"),
+    "wrong-block-range": (_wrong_block_range, "expected [0, +3)"),
+    "layer-before-handshake": (_layer_before_handshake, "before the handshake"),
+    "sequence-gap": (_sequence_gap, "seq 2 out of order"),
+    "first-token-too-early": (_first_token_before_every_layer, "layers [1, 2] are incomplete"),
+    "payload-on-handshake": (_payload_on_a_handshake, "must not carry a payload"),
+    "sender-claims-success": (_sender_claims_success, "only the receiver reports success"),
+}
+
+
+async def _setup(backend: str) -> tuple[KVTransferManager, KVReceiver, Forger]:
+    caches = sentinel_caches(LAYOUT, num_blocks=12)
+    manager = KVTransferManager(make_transport(backend), LAYOUT, caches)
+    receiver = manager.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
+    return manager, receiver, Forger(await make_raw_peer(backend), receiver)
+
+
+def _caches(manager: KVTransferManager) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(manager._kv_caches or [])
+
+
+def _no_marker(manager: KVTransferManager) -> bool:
+    return not any(bool((k == MARKER).any() or (v == MARKER).any()) for k, v in _caches(manager))
+
+
+def test_the_hand_driven_protocol_succeeds_when_honest(backend: str) -> None:
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await _full_transfer(forger)
+        assert await receiver.wait(timeout_s=5) == TransferState.SUCCESS
+        k_cache, _ = _caches(manager)[0]
+        assert bool((k_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
+        assert bool((k_cache[DST_BLOCK_IDS[3]] == SENTINEL).all())
+        await wait_until(lambda: len(forger.peer.received) == 2)  # ack, then result ok
+        replies = [protocol.decode(header) for _, header in forger.peer.received]
+        assert [protocol.kind_of(m) for m in replies] == ["handshake_ack", "result"]
+        assert [m.seq for m in replies] == [0, 1]
+        assert replies[0].handshake_ack.accepted and replies[1].result.ok
+        await manager.close()
+        await forger.peer.transport.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_forged_message_fails_the_session_and_writes_nothing(backend: str, case: str) -> None:
+    script, reason = REFUSED[case]
+
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await script(forger)
+        assert await receiver.wait(timeout_s=5) == TransferState.FAILED
+        assert reason in (receiver.error or ""), receiver.error
+        assert _no_marker(manager)
+        if case != "first-token-too-early":  # that one landed an honest layer first
+            assert untouched(_caches(manager))
+        assert manager.num_pending == 0 and manager.num_failed == 1
+        await manager.close()
+        await forger.peer.transport.close()
+
+    run(scenario())
+
+
+def test_a_refused_handshake_is_answered_with_the_reason(backend: str) -> None:
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await forger.handshake(layout_hash="f" * 64)
+        await wait_until(lambda: len(forger.peer.received) == 1)
+        ack = protocol.decode(forger.peer.received[0][1]).handshake_ack
+        assert not ack.accepted and "layout_hash" in ack.reason
+        assert ack.protocol_version == protocol.PROTOCOL_VERSION
+        await manager.close()
+        await forger.peer.transport.close()
+
+    run(scenario())
+
+
+def test_a_repeated_layer_is_refused_and_the_first_copy_stays(backend: str) -> None:
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await forger.handshake()
+        await forger.layer(0, value=1.0)
+        await forger.layer(0, value=MARKER)
+        assert await receiver.wait(timeout_s=5) == TransferState.FAILED
+        assert "token_end 10 must exceed 10" in (receiver.error or "")
+        k_cache, v_cache = _caches(manager)[0]
+        assert bool((k_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
+        assert bool((v_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
+        assert _no_marker(manager)
+        await manager.close()
+        await forger.peer.transport.close()
+
+    run(scenario())
+
+
+def test_unknown_transfer_ids_and_garbage_are_refused_without_touching_sessions(
+    backend: str,
+) -> None:
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await forger.handshake()
+        await forger.layer(0, transfer_id="not-a-transfer", seq=1)
+        address = receiver.ticket().dst_address
+        await forger.peer.transport.send(address, b"\x00garbage", torch.ones(64, dtype=torch.uint8))
+        forger.seq = 1  # neither message reached the session, so its next seq is still 1
+        await forger.layer(1, value=1.0)
+
+        await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
+        assert _no_marker(manager)
+        assert untouched([_caches(manager)[0], _caches(manager)[2]])
+        assert manager.num_pending == 1 and manager.num_failed == 0
+        await manager.close()
+        await forger.peer.transport.close()
+
+    run(scenario())
+
+
+def test_a_second_peer_cannot_join_a_session(backend: str) -> None:
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup(backend)
+        await forger.handshake()
+        intruder = Forger(await make_raw_peer(backend), receiver, seq=1)
+        await intruder.layer(0)
+
+        assert await receiver.wait(timeout_s=5) == TransferState.FAILED
+        assert "not from the peer that handshook" in (receiver.error or "")
+        assert untouched(_caches(manager))
+        # The real peer is told the transfer failed.
+        await wait_until(lambda: len(forger.peer.received) == 2)
+        result = protocol.decode(forger.peer.received[1][1]).result
+        assert not result.ok and "not from the peer" in result.error
+        await manager.close()
+        for peer in (forger.peer, intruder.peer):
+            await peer.transport.close()
+
+    run(scenario())
+
+
+def test_receiver_refuses_a_ticket_that_does_not_fit_its_cache(backend: str) -> None:
+    async def scenario() -> None:
+        manager = KVTransferManager(
+            make_transport(backend), LAYOUT, sentinel_caches(LAYOUT, num_blocks=8)
+        )
+        with pytest.raises(ValueError, match="need 3 blocks of 4; only 2 dst_block_ids"):
+            manager.create_receiver([0, 1], num_tokens=10, timeout_s=1)
+        with pytest.raises(ValueError, match="outside the cache's"):
+            manager.create_receiver([0, 1, 8], num_tokens=10, timeout_s=1)
+        with pytest.raises(ValueError, match="must be distinct"):
+            manager.create_receiver([0, 1, 1], num_tokens=10, timeout_s=1)
+        manager.create_receiver([0, 1, 2], num_tokens=10, timeout_s=1, transfer_id="t")
+        with pytest.raises(ValueError, match="already in progress"):
+            manager.create_receiver([3, 4, 5], num_tokens=10, timeout_s=1, transfer_id="t")
+        await manager.close()
+
+    run(scenario())

@@ -1,0 +1,118 @@
+"""Helpers shared by the cache_transfer tests: backends, layouts, node pairs, a raw peer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cache_transfer import KVLayout, KVTransferManager, make_transport
+from cache_transfer.transport import KVTransport
+
+# The conformance suite runs against each of these (add "ucx" when that backend lands).
+BACKENDS = ("local", "tcp")
+
+SENTINEL = -7.0  # what a receiver's cache holds wherever nothing may have been written
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+    """Run a test coroutine on a fresh event loop, bounded by `timeout_s`."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll until `predicate()` holds; raise TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.002)
+
+
+def make_layout(dtype: str = "float32", num_layers: int = 3, block_size: int = 4) -> KVLayout:
+    return KVLayout(
+        model="test-model",
+        num_layers=num_layers,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def random_caches(
+    layout: KVLayout, num_blocks: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, *layout.block_shape)
+
+    def one() -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(layout.torch_dtype)
+
+    return [(one(), one()) for _ in range(layout.num_layers)]
+
+
+def sentinel_caches(layout: KVLayout, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, *layout.block_shape)
+    return [
+        (
+            torch.full(shape, SENTINEL, dtype=layout.torch_dtype),
+            torch.full(shape, SENTINEL, dtype=layout.torch_dtype),
+        )
+        for _ in range(layout.num_layers)
+    ]
+
+
+def untouched(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """True when no block of any layer was written."""
+    return all(bool((k == SENTINEL).all() and (v == SENTINEL).all()) for k, v in caches)
+
+
+@dataclass
+class NodePair:
+    """A prefill-side manager over random KV and a decode-side manager over sentinel KV."""
+
+    layout: KVLayout
+    prefill: KVTransferManager
+    decode: KVTransferManager
+    src_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    dst_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    async def close(self) -> None:
+        await self.prefill.close()
+        await self.decode.close()
+
+
+async def make_pair(
+    backend: str, layout: KVLayout, num_src_blocks: int = 32, num_dst_blocks: int = 40
+) -> NodePair:
+    src = random_caches(layout, num_src_blocks)
+    dst = sentinel_caches(layout, num_dst_blocks)
+    prefill = KVTransferManager(make_transport(backend), layout)
+    decode = KVTransferManager(make_transport(backend), layout, dst)
+    return NodePair(layout, prefill, decode, src, dst)
+
+
+@dataclass
+class RawPeer:
+    """A bare transport endpoint that records what it receives: forges or drops protocol."""
+
+    transport: KVTransport
+    received: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor:
+        return torch.empty(payload_bytes, dtype=torch.uint8)
+
+    def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
+        self.received.append((peer_id, header))
+
+
+async def make_raw_peer(backend: str) -> RawPeer:
+    peer = RawPeer(make_transport(backend))
+    peer.transport.start(peer)
+    return peer
+
+
+async def gather_bounded(*aws: Awaitable[Any], timeout_s: float = 20.0) -> list[Any]:
+    return await asyncio.wait_for(asyncio.gather(*aws), timeout_s)

@@ -1,0 +1,111 @@
+"""pd-router and pd-client as processes, in front of a fake decode node served by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+
+from router_fakes import FakeModel, FakeNode, run
+
+from pdserve.v1 import node_pb2
+from router.client_cli import build_client_parser
+from router.client_cli import main as client_main
+
+CLI_TIMEOUT_S = 30.0
+
+
+async def _run_client(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "router.client_cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokenizer) -> None:
+    output_ids = tokenizer.encode("héllo wörld 🙂", add_special_tokens=False)
+
+    async def body():
+        node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel(output_ids), tokenizer_files)
+        await node.start()
+        router = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--port",
+            "0",
+            "--decode",
+            node.address,
+            "--log-level",
+            "warning",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            line = (await asyncio.wait_for(router.stdout.readline(), CLI_TIMEOUT_S)).decode()
+            addr = line.rsplit(" ", 1)[-1].strip()
+            results = (
+                await _run_client("--addr", addr, "hi", "--max-tokens", str(len(output_ids))),
+                await _run_client(
+                    "--addr",
+                    addr,
+                    "--chat",
+                    "--system",
+                    "Be brief.",
+                    "hi",
+                    "--json",
+                    "--max-tokens",
+                    "2",
+                    "--logprobs",
+                    "0",
+                ),
+                await _run_client("--addr", addr, "hi", "--top-p", "2"),
+            )
+            router.send_signal(signal.SIGTERM)
+            exit_code = await asyncio.wait_for(router.wait(), CLI_TIMEOUT_S)
+        finally:
+            if router.returncode is None:
+                router.kill()
+            await node.stop()
+        return line, results, exit_code, node.requests
+
+    line, (streamed, as_json, invalid), exit_code, requests = run(body(), timeout_s=60)
+
+    assert line.startswith("pd-router listening on 127.0.0.1:")
+    assert streamed == (0, "héllo wörld 🙂\n", "")
+    code, stdout, _ = as_json
+    payload = json.loads(stdout)
+    assert code == 0 and payload["token_ids"] == output_ids[:2]
+    assert payload["finish_reason"] == "length" and payload["usage"]["completion_tokens"] == 2
+    assert payload["text"] == tokenizer.decode(output_ids[:2]) and len(payload["logprobs"]) == 2
+    chat_prompt = tokenizer.decode(requests[1].prompt_token_ids, skip_special_tokens=False)
+    assert chat_prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi")
+    assert invalid[0] == 1 and invalid[2].startswith("pd-client: INVALID_ARGUMENT: top_p must be")
+    assert exit_code == 0
+
+
+def test_pd_client_flags_mirror_sampling_params() -> None:
+    args = build_client_parser().parse_args(
+        ["p", "--stop", "a", "--stop", "b", "--stop-token-id", "7", "--top-k", "-1", "--ignore-eos"]
+    )
+
+    assert (args.stop, args.stop_token_ids, args.top_k, args.ignore_eos) == (
+        ["a", "b"],
+        [7],
+        -1,
+        True,
+    )
+    assert args.temperature is None and args.max_tokens is None  # unset: the engine's default
+
+
+def test_pd_client_reports_an_unreachable_router(capsys) -> None:
+    code = client_main(["--addr", "127.0.0.1:1", "--timeout-s", "0.5", "hi"])
+
+    assert code == 1
+    assert capsys.readouterr().err.startswith("pd-client: UNAVAILABLE: ")

@@ -1,0 +1,130 @@
+"""NodeRegistry and RouterServer start-up: compatibility checks, late nodes, health, tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from router_fakes import CHATML_TEMPLATE, FakeModel, FakeNode, run
+
+from pdserve.v1 import node_pb2
+from router.config import RouterConfig
+from router.node_client import tokenizer_from_files
+from router.node_registry import NodeRegistry
+from router.node_source import NodeAddress, StaticNodeSource
+from router.server import GENERATION_SERVICE, RouterServer
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _start_nodes(files, *specs: tuple[int, dict]) -> list[FakeNode]:
+    model = FakeModel([5, 6])
+    nodes = [FakeNode(role, model, files, **info) for role, info in specs]
+    for node in nodes:
+        await node.start()
+    return nodes
+
+
+async def _registry_over(nodes: list[FakeNode], node_wait_s: float = 2.0) -> NodeRegistry:
+    prefill = tuple(n.address for n in nodes if n.info.role == node_pb2.NODE_ROLE_PREFILL)
+    decode = tuple(n.address for n in nodes if n.info.role == node_pb2.NODE_ROLE_DECODE)
+    registry = NodeRegistry(RouterConfig(node_wait_s=node_wait_s))
+    await registry.start(StaticNodeSource(prefill, decode))
+    return registry
+
+
+@pytest.mark.parametrize(
+    "mismatch",
+    [
+        {"layout_hash": "layout-2"},
+        {"model_name": "other-model"},
+        {"protocol_version": 2},
+        {"kv_transport": "tcp"},
+    ],
+)
+def test_a_node_that_disagrees_with_the_others_is_refused(
+    tokenizer_files, mismatch, caplog
+) -> None:
+    async def body():
+        decode = await _start_nodes(tokenizer_files, (node_pb2.NODE_ROLE_DECODE, {}))
+        registry = await _registry_over(decode)  # the reference
+        odd = await _start_nodes(tokenizer_files, (node_pb2.NODE_ROLE_PREFILL, mismatch))
+        odd_address = NodeAddress(odd[0].address, node_pb2.NODE_ROLE_PREFILL)
+        admitted = await registry.add_node(odd_address, deadline_s=time.monotonic() + 2)
+        result = admitted, len(registry.prefill_nodes), len(registry.decode_nodes)
+        await registry.close()
+        for node in (*decode, *odd):
+            await node.stop()
+        return result
+
+    assert run(body()) == (False, 0, 1)
+    (field,) = mismatch
+    assert f"{field} " in caplog.text and "differs from the other nodes'" in caplog.text
+
+
+def test_a_node_reporting_another_role_is_refused(tokenizer_files, caplog) -> None:
+    async def body():
+        nodes = await _start_nodes(tokenizer_files, (node_pb2.NODE_ROLE_PREFILL, {}))
+        registry = NodeRegistry(RouterConfig(node_wait_s=2.0))
+        await registry.start(StaticNodeSource((), (nodes[0].address,)))  # listed as decode
+        result = len(registry.decode_nodes), registry.tokenizer
+        await registry.close()
+        await nodes[0].stop()
+        return result
+
+    assert run(body()) == (0, None)
+    assert "reports role NODE_ROLE_PREFILL, expected decode" in caplog.text
+
+
+def test_a_node_that_never_comes_up_is_given_up_on_at_the_deadline(caplog) -> None:
+    async def body():
+        registry = NodeRegistry(RouterConfig(node_wait_s=0.3))
+        await registry.start(StaticNodeSource((), ("127.0.0.1:1",)))
+        return registry.decode_nodes
+
+    assert run(body()) == []
+    assert "decode node 127.0.0.1:1 not added" in caplog.text
+
+
+def test_nodes_may_come_up_after_the_router_and_health_follows(tokenizer_files) -> None:
+    async def body():
+        model = FakeModel([5, 6])
+        node = FakeNode(node_pb2.NODE_ROLE_DECODE, model, tokenizer_files)
+        probe = grpc.aio.server()
+        port = probe.add_insecure_port("127.0.0.1:0")  # a free port for the late node
+        await probe.stop(None)
+        router = RouterServer(RouterConfig(port=0, decode_addrs=(f"127.0.0.1:{port}",)))
+        starting = asyncio.create_task(router.start())
+        await asyncio.sleep(0.3)
+        channel = grpc.aio.insecure_channel(router.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        before = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        await node.start(port)
+        await asyncio.wait_for(starting, 5)
+        after = await health.Check(
+            health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=5
+        )
+        await channel.close()
+        await router.stop(0)
+        await node.stop()
+        return before.status, after.status, starting.done()
+
+    assert run(body()) == (NOT_SERVING, SERVING, True)
+
+
+def test_tokenizer_comes_from_the_first_node_with_its_chat_template(tokenizer_files) -> None:
+    files = type(tokenizer_files)()
+    files.CopyFrom(tokenizer_files)
+    files.tokenizer_config_json = b'{"chat_template": "config template", "eos_token": "<|im_end|>"}'
+
+    tokenizer = tokenizer_from_files(files, "fake-model")
+
+    assert tokenizer.chat_template == CHATML_TEMPLATE  # the node's template wins
+    assert tokenizer.name == "fake-model"
+    assert tokenizer.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
+    with pytest.raises(ValueError, match="empty tokenizer.json"):
+        tokenizer_from_files(type(files)(), "fake-model")
