@@ -1,28 +1,20 @@
-# Temporary tuning sweep (deleted after use).
-import itertools
+# Temporary: decode kernel alone (no cache write) under CUDA graph replay (deleted after use).
 import torch
-import triton
-import kernels.attention.triton_paged_attention as tpa
-from benchmarks.bench_attention import CASES, run_case
+from benchmarks.bench_attention import CASES, make_meta, time_graph_s
+from kernels.attention.triton_backend import paged_decode_attention
 
-decode_cases = [c for c in CASES if c.is_decode]
-prefill_cases = [c for c in CASES if not c.is_decode]
-orig_partition = tpa.decode_partition_len
-
-def report(tag, cases):
-    parts = []
-    for c in cases:
-        try:
-            _, s, w = run_case("triton", c, 10)
-            parts.append(f"{c.name}: {w / s / 1e12:7.2f}")
-        except Exception as e:  # noqa: BLE001
-            parts.append(f"{c.name}: ERR {type(e).__name__}")
-    print(tag, " | ".join(parts), flush=True)
-
-for mult in (2, 4, 8, 16):
-    def part(nd, kvh, msl, sms, bn, mult=mult):
-        return orig_partition(nd, kvh, msl, sms * mult // 2, bn)
-    tpa.decode_partition_len = part
-    for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-        tpa._decode_config = lambda dtype, cfg=(bn, w, st): cfg
-        report(f"decode mult={mult} bn={bn} w={w} st={st}", decode_cases)
+dev = torch.device("cuda")
+for case in [c for c in CASES if c.is_decode]:
+    meta = make_meta(case, 16, dev)
+    nb = int(meta.block_tables.max()) + 1
+    kc = torch.randn(nb, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    vc = torch.randn_like(kc)
+    q = torch.randn(meta.num_tokens, 32, 128, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    def f():
+        paged_decode_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, nd, max(meta.seq_lens_cpu), 128**-0.5)
+    f(); torch.cuda.synchronize()
+    t = time_graph_s(f, 50)
+    b = sum(meta.seq_lens_cpu) * 8 * 128 * 2 * 2
+    print(f"kernel only {case.name}: {t*1e6:.1f} us {b/t/1e12:.2f} TB/s", flush=True)

@@ -51,7 +51,7 @@ class EngineCore:
         self.config = config
         self.on_layer_done = on_layer_done
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
             config.model.attention_backend, self.device, self.dtype, block_size

@@ -6,10 +6,11 @@ synthetic:llama3-8b:layers=2        the same layers, only two of them (one-layer
 synthetic:tiny-llama:vocab=1024     a tiny test model with a bigger vocabulary
 ```
 
-Weights are drawn on the target device in the target dtype from a generator seeded with
-`ModelConfig.seed`, so two processes with the same seed, device type and dtype (a prefill and a
-decode node) hold identical weights. Scales keep activations O(1) through the depth, so logits
-are finite, spread and input-dependent.
+Weights are drawn on the target device by a counter-based generator (a splitmix64 hash of
+`(ModelConfig.seed, parameter index, element index)` in int64 arithmetic), so the same seed gives
+the same weights on any device and in any process: a prefill and a decode node hold identical
+models, and a CUDA run can be checked against the CPU reference. Scales keep activations O(1)
+through the depth, so logits are finite, spread and input-dependent.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def parse_synthetic(model: str) -> ModelArchConfig:
 
 @torch.no_grad()
 def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -> None:
-    """Fill every parameter in place (on its device, in its dtype) from one seeded generator.
+    """Fill every parameter in place (on its device, in its dtype), identically on any device.
 
     Every matrix has std 1/sqrt(fan_in), so each layer's output is O(1); projections into the
     residual stream are scaled down by the depth. Layer norms are 1 and the final norm is
@@ -130,18 +131,50 @@ def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -
     that half-precision noise would flip. (Scaling the embedding instead would make tied models
     echo their last input token: its self dot product would dominate.)
     """
-    params = list(model.named_parameters())
-    generator = torch.Generator(device=params[0][1].device).manual_seed(seed)
     residual_scale = 1.0 / math.sqrt(2 * max(arch.num_layers, 1))
-    for name, param in params:
+    for index, (name, param) in enumerate(model.named_parameters()):
         if name == "model.norm.weight":
             param.fill_(_LOGIT_STD)
         elif "norm" in name:
             param.fill_(1.0)
         elif name.endswith("bias"):
-            param.normal_(0.0, 0.02, generator=generator)
+            _fill_uniform(param, 0.02, key=_mix(seed, index))
         else:
             std = 1.0 / math.sqrt(param.shape[-1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= residual_scale
-            param.normal_(0.0, std, generator=generator)
+            _fill_uniform(param, std, key=_mix(seed, index))
+
+
+_MASK64 = (1 << 64) - 1
+_CHUNK = 1 << 24  # elements per pass: bounds the int64 temporaries
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch stores."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix(seed: int, index: int) -> int:
+    return _signed((seed * 0x9E3779B97F4A7C15) ^ (index * 0xD1B54A32D192ED03))
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _fill_uniform(param: torch.Tensor, std: float, key: int) -> None:
+    """Uniform(-std*sqrt(3), std*sqrt(3)) (variance std^2) from splitmix64 of element indices."""
+    flat = param.view(-1)
+    half_width = std * math.sqrt(3.0)
+    for start in range(0, flat.numel(), _CHUNK):
+        end = min(start + _CHUNK, flat.numel())
+        x = torch.arange(start, end, device=flat.device, dtype=torch.int64)
+        x = x * _signed(0x9E3779B97F4A7C15) + key
+        x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+        x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+        x = x ^ _shr(x, 31)
+        unit = _shr(x, 40).to(torch.float32) * (2.0**-24)  # [end - start] in [0, 1)
+        flat[start:end] = ((unit * 2.0 - 1.0) * half_width).to(flat.dtype)
