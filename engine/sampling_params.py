@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)
 
 
 class InvalidRequestError(ValueError):
@@ -41,6 +46,9 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
 
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:

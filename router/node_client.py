@@ -102,6 +102,9 @@ def tokenizer_from_files(files: node_pb2.TokenizerFiles, name: str) -> Tokenizer
     with tempfile.TemporaryDirectory(prefix="pdserve-tokenizer-") as folder:
         (Path(folder) / "tokenizer.json").write_bytes(files.tokenizer_json)
         (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-        tokenizer = Tokenizer.from_dir(folder)
+        try:
+            tokenizer = Tokenizer.from_dir(folder)
+        except Exception as error:  # `tokenizers` raises a bare Exception on a malformed file
+            raise ValueError(f"the tokenizer files of {name} do not load: {error}") from error
     tokenizer.name = name
     return tokenizer

@@ -59,6 +59,10 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
     )
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.85,
+        help="on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
+    )
     group.add_argument("--max-num-seqs", type=int, default=128)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--no-prefix-caching", action="store_true")
@@ -80,6 +84,7 @@ def node_engine_kwargs(args: argparse.Namespace) -> dict:
         "cache": dict(
             block_size=args.block_size, num_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         "scheduler": dict(

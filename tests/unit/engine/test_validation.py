@@ -17,6 +17,7 @@ from engine import LLM, InvalidRequestError, SamplingParams
         (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

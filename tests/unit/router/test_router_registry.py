@@ -29,14 +29,6 @@ async def _start_nodes(files, *specs: tuple[int, dict]) -> list[FakeNode]:
     return nodes
 
 
-async def _registry_over(nodes: list[FakeNode], node_wait_s: float = 2.0) -> NodeRegistry:
-    prefill = tuple(n.address for n in nodes if n.info.role == node_pb2.NODE_ROLE_PREFILL)
-    decode = tuple(n.address for n in nodes if n.info.role == node_pb2.NODE_ROLE_DECODE)
-    registry = NodeRegistry(RouterConfig(node_wait_s=node_wait_s))
-    await registry.start(StaticNodeSource(prefill, decode))
-    return registry
-
-
 @pytest.mark.parametrize(
     "mismatch",
     [
@@ -51,7 +43,8 @@ def test_a_node_that_disagrees_with_the_others_is_refused(
 ) -> None:
     async def body():
         decode = await _start_nodes(tokenizer_files, (node_pb2.NODE_ROLE_DECODE, {}))
-        registry = await _registry_over(decode)  # the reference
+        registry = NodeRegistry(RouterConfig(node_wait_s=2.0))
+        await registry.start(StaticNodeSource((), (decode[0].address,)))  # the reference
         odd = await _start_nodes(tokenizer_files, (node_pb2.NODE_ROLE_PREFILL, mismatch))
         odd_address = NodeAddress(odd[0].address, node_pb2.NODE_ROLE_PREFILL)
         admitted = await registry.add_node(odd_address, deadline_s=time.monotonic() + 2)
@@ -116,7 +109,7 @@ def test_nodes_may_come_up_after_the_router_and_health_follows(tokenizer_files) 
     assert run(body()) == (NOT_SERVING, SERVING, True)
 
 
-def test_tokenizer_comes_from_the_first_node_with_its_chat_template(tokenizer_files) -> None:
+def test_tokenizer_from_node_files_uses_the_nodes_chat_template(tokenizer_files) -> None:
     files = type(tokenizer_files)()
     files.CopyFrom(tokenizer_files)
     files.tokenizer_config_json = b'{"chat_template": "config template", "eos_token": "<|im_end|>"}'
@@ -128,3 +121,5 @@ def test_tokenizer_comes_from_the_first_node_with_its_chat_template(tokenizer_fi
     assert tokenizer.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
     with pytest.raises(ValueError, match="empty tokenizer.json"):
         tokenizer_from_files(type(files)(), "fake-model")
+    with pytest.raises(ValueError, match="the tokenizer files of fake-model do not load"):
+        tokenizer_from_files(type(files)(tokenizer_json=b"{}"), "fake-model")
