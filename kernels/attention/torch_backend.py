@@ -146,9 +146,8 @@ class TorchAttentionBackend(AttentionBackend):
         max_q_len = max(meta.query_lens_cpu[first:])
         q_padded = q.new_zeros(num_prefills, max_q_len, num_heads, head_dim)
         q_padded[req_idx, token_idx] = q
-        context_lens = (
-            meta.seq_lens[first:].long() - query_lens
-        )  # [num_prefills] tokens cached before
+        # [num_prefills] tokens cached before this step
+        context_lens = meta.seq_lens[first:].long() - query_lens
         q_positions = context_lens[:, None] + torch.arange(max_q_len, device=q.device)
         out = paged_attention(
             q_padded,
