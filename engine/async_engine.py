@@ -64,6 +64,18 @@ class AsyncEngine:
         self._commands.put((lambda: fn(self.core), future))
         return await asyncio.wait_for(future, timeout_s)
 
+    def post(self, fn: Callable[[EngineCore], Any]) -> None:
+        """Run `fn(core)` on the engine thread without waiting for it: cleanup from a task that
+        may be cancelled (an error is logged, not raised)."""
+
+        def run_logged() -> None:
+            try:
+                fn(self.core)
+            except Exception:
+                logger.exception("a posted engine command failed")
+
+        self._commands.put((run_logged, None))
+
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Add a request for local prefill and stream its outputs."""
         stream = self._open_stream(request.request_id)

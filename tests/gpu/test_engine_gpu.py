@@ -53,16 +53,20 @@ def test_cuda_bfloat16_close_to_cpu(cpu_reference, backend):
     outs = run("cuda", "bfloat16", backend, logprobs=5)
     # bf16 rounding may flip a near-tie and then the continuations diverge: compare the first
     # token's distribution for every prompt, and require most sequences to agree in full.
-    first_agree = 0
+    # bf16 keeps ~3 significant digits: logprobs of magnitude ~8 move by up to ~0.1-0.3.
+    first_agree, max_error = 0, 0.0
     for ref, out in zip(cpu_reference, outs):
         ref_top = dict(ref.logprobs[0].top)
         out_top = dict(out.logprobs[0].top)
         shared = set(ref_top) & set(out_top)
         assert len(shared) >= 3, "bf16 top-5 should mostly overlap the fp32 top-5"
-        assert max(abs(ref_top[t] - out_top[t]) for t in shared) < 0.15
+        max_error = max(max_error, max(abs(ref_top[t] - out_top[t]) for t in shared))
         first_agree += out.token_ids[0] == ref.token_ids[0]
-    assert first_agree >= NUM_PROMPTS - 1
     full_agree = sum(out.token_ids == ref.token_ids for ref, out in zip(cpu_reference, outs))
+    print(f"bf16 {backend}: first token agrees {first_agree}/{NUM_PROMPTS}, all {MAX_TOKENS} "
+          f"tokens agree {full_agree}/{NUM_PROMPTS}, max top-5 logprob error {max_error:.3f}")
+    assert max_error < 0.3
+    assert first_agree >= NUM_PROMPTS - 1
     assert full_agree >= NUM_PROMPTS // 2
 
 

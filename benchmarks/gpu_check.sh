@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole GPU check, for the lent GPU machine (torch + triton there; no install needed):
+#   bash benchmarks/gpu_check.sh            GPU tests, then the attention benchmark table
+#   WITH_FA=1 bash benchmarks/gpu_check.sh  builds flash-attn first (carry .fa, see
+#                                           ../shared/tools/flash-attn-prepare.sh; ~4-8 min)
+# Writes logs to $OUT when set (the device tool's output folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log_dir="${OUT:-/tmp}"
+if [ "${WITH_FA:-0}" = 1 ]; then
+  bash .fa/build.sh && export PYTHONPATH="$HOME/fa/src:$PYTHONPATH"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$log_dir/gpu_tests.log" | tail -n 25
+tests_rc=${PIPESTATUS[0]}
+python3 -m benchmarks.bench_attention --iters 20 2>&1 | tee "$log_dir/bench_attention.log"
+echo "gpu tests exit code: $tests_rc"
+exit "$tests_rc"

@@ -1,0 +1,174 @@
+"""`LayerStreamer`: the prefill engine's per-layer hook, turned into KV sends.
+
+    event loop     open(request_id, sender)                     before the engine sees the request
+    engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is written
+                     for each chunk that ends its prompt, of a request with a live sender:
+                       snapshot = that layer's blocks of the request (index_select)
+                       loop.call_soon_threadsafe(send it)       the next layers compute meanwhile
+    event loop     KVSender.send_layer(layer_idx, snapshot)     one task per layer
+                   finish(): every layer sent ─► send_first_token ─► await the receiver's result
+                   close(): drop the request; a sender still live is failed (the peer is told)
+
+The snapshot makes the bytes sent independent of what the engine does to the blocks afterwards
+(a request whose first token finishes it frees its blocks in the same step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_transfer import KVSender, TransferState
+from engine.scheduler_output import ScheduledChunk
+from pdserve.v1 import generation_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
+
+
+@dataclass
+class TransferTrace:
+    """When each layer of one transfer was computed (the engine's hook fired) and when its send
+    completed, in `time.monotonic()` seconds; None where that never happened."""
+
+    transfer_id: str
+    request_id: str
+    layer_computed_s: list[float | None]
+    layer_sent_s: list[float | None]
+
+
+@dataclass
+class _Outgoing:
+    """One request's sends. `block_index` and `broken` are the engine thread's."""
+
+    sender: KVSender
+    trace: TransferTrace
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    block_index: torch.Tensor | None = None  # [num_blocks] the request's blocks, cache device
+    broken: bool = False  # a snapshot failed: later layers are not sent
+
+
+class LayerStreamer:
+    def __init__(
+        self,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        loop: asyncio.AbstractEventLoop,
+        max_traces: int = MAX_TRACES,
+    ) -> None:
+        """`kv_caches`: the engine's per-layer `(k_cache, v_cache)`; `loop`: where sends run."""
+        self.traces: OrderedDict[str, TransferTrace] = OrderedDict()  # by transfer_id
+        self._kv_caches = kv_caches
+        self._loop = loop
+        self._max_traces = max_traces
+        self._outgoing: dict[str, _Outgoing] = {}  # by request_id
+
+    def open(self, request_id: str, sender: KVSender) -> TransferTrace:
+        """Send `request_id`'s KV through `sender` as the engine computes it."""
+        if request_id in self._outgoing:
+            raise ValueError(f"request {request_id!r} is already sending its KV")
+        num_layers = len(self._kv_caches)
+        trace = TransferTrace(sender.transfer_id, request_id, [None] * num_layers, [None] * num_layers)
+        self.traces[sender.transfer_id] = trace
+        while len(self.traces) > self._max_traces:
+            self.traces.popitem(last=False)
+        self._outgoing[request_id] = _Outgoing(sender, trace)
+        return trace
+
+    def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
+        """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
+        whose prompt ends in this step."""
+        for chunk in chunks:
+            request = chunk.request
+            outgoing = self._outgoing.get(request.request_id)
+            if outgoing is None or chunk.end_pos != request.prompt_len:
+                continue
+            if outgoing.broken or outgoing.sender.finished:
+                continue
+            outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
+            try:
+                k_snapshot, v_snapshot = self._snapshot(outgoing, chunk, layer_idx)
+            except Exception:  # never let one request's send kill the engine thread
+                logger.exception("request %s: could not snapshot layer %d", request.request_id, layer_idx)
+                outgoing.broken = True
+                continue
+            self._loop.call_soon_threadsafe(
+                self._start_send, outgoing, layer_idx, k_snapshot, v_snapshot
+            )
+
+    async def finish(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: generation_pb2.TokenLogprob | None,
+        finish_reason: str,
+    ) -> KVSender:
+        """Once every layer's send is done, send the first token and wait for the receiver's
+        result (within the sender's deadline); the finished sender."""
+        outgoing = self._outgoing[request_id]
+        sender = outgoing.sender
+        if outgoing.tasks:
+            await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
+        try:
+            await sender.send_first_token(token_id, logprob, finish_reason)
+        except ValueError as error:  # some layer never went out
+            sender.abort(str(error))
+        await sender.wait()
+        return sender
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Fail the request's transfer (the receiver is told); False when none is open."""
+        outgoing = self._outgoing.get(request_id)
+        if outgoing is None:
+            return False
+        outgoing.sender.abort(reason)
+        return True
+
+    def close(self, request_id: str, reason: str) -> None:
+        """Forget the request; fail its sender if it is still live. Sends in progress end on
+        their own (a failed sender sends nothing more)."""
+        outgoing = self._outgoing.pop(request_id, None)
+        if outgoing is not None and not outgoing.sender.finished:
+            outgoing.sender.abort(reason)
+
+    def _snapshot(
+        self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the request's blocks of one layer: `[num_blocks, block_size, num_kv_heads,
+        head_dim]` each of K and V."""
+        k_cache, v_cache = self._kv_caches[layer_idx]
+        if outgoing.block_index is None:
+            num_blocks = outgoing.sender.num_blocks
+            outgoing.block_index = torch.tensor(
+                chunk.block_ids[:num_blocks], dtype=torch.int64, device=k_cache.device
+            )
+        return k_cache.index_select(0, outgoing.block_index), v_cache.index_select(
+            0, outgoing.block_index
+        )
+
+    def _start_send(
+        self, outgoing: _Outgoing, layer_idx: int, k_snapshot: torch.Tensor, v_snapshot: torch.Tensor
+    ) -> None:
+        task = self._loop.create_task(self._send(outgoing, layer_idx, k_snapshot, v_snapshot))
+        outgoing.tasks.add(task)
+        task.add_done_callback(outgoing.tasks.discard)
+
+    async def _send(
+        self, outgoing: _Outgoing, layer_idx: int, k_snapshot: torch.Tensor, v_snapshot: torch.Tensor
+    ) -> None:
+        sender = outgoing.sender
+        block_ids = range(k_snapshot.shape[0])  # the snapshot holds exactly the request's blocks
+        try:
+            await sender.send_layer(layer_idx, k_snapshot, v_snapshot, block_ids)
+        except Exception as error:  # a bug, not the peer: fail this transfer only
+            logger.exception("transfer %s: sending layer %d failed", sender.transfer_id, layer_idx)
+            sender.abort(f"sending layer {layer_idx} failed: {error!r}")
+            return
+        if sender.state != TransferState.FAILED:
+            outgoing.trace.layer_sent_s[layer_idx] = time.monotonic()

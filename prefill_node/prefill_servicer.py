@@ -1,0 +1,173 @@
+"""`PrefillServicer`: the `PrefillNode.Prefill` RPC.
+
+    check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
+    build the Request (bad params: INVALID_ARGUMENT)
+    create_sender(ticket) ── handshake in the background ──► decode node
+    LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
+    ──► PrefillFirstToken                                     at once
+    LayerStreamer.finish: layers sent, first token sent, the receiver's result awaited
+    EngineCore.release (held blocks) ──► PrefillTransferResult
+    cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from cache_transfer import KVLayout, KVSender, KVTransferManager, TransferState
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore
+from engine.outputs import StepOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from pdserve.node_messages import sampling_kwargs, token_logprob
+from pdserve.v1 import node_pb2, node_pb2_grpc
+from prefill_node.layer_streamer import LayerStreamer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillCounters:
+    """Since the node started."""
+
+    num_finished_requests: int = 0  # prefills whose first token went out
+
+
+class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        manager: KVTransferManager,
+        streamer: LayerStreamer,
+        layout: KVLayout,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.counters = PrefillCounters()
+        self._engine = engine
+        self._manager = manager
+        self._streamer = streamer
+        self._layout_hash = layout.layout_hash()
+        self._layout = layout
+        self._transfer_timeout_s = transfer_timeout_s
+
+    async def Prefill(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.PrefillResponse]:
+        await self._check_ticket(request, context)
+        engine_request = await self._make_request(request, context)
+        request_id = request.request_id
+        sender = await self._open_sender(request, context)
+        held = False  # the engine holds the request's blocks (prefill done, transfer pending)
+        try:
+            first = await self._prefill(engine_request, sender)
+            if first is None:
+                await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
+            held = first.prefill_done
+            first_token = _first_token(first)
+            yield node_pb2.PrefillResponse(first_token=first_token)
+            self.counters.num_finished_requests += 1
+            sender = await self._streamer.finish(
+                request_id,
+                first_token.token_id,
+                first_token.logprob if first_token.HasField("logprob") else None,
+                first_token.finish_reason,
+            )
+            if held:
+                await self._engine.call(lambda core: core.release(request_id))
+                held = False
+            yield node_pb2.PrefillResponse(transfer_result=_transfer_result(sender))
+        finally:
+            self._streamer.close(request_id, "the prefill call ended before the hand-off")
+            if held:  # cancelled while the transfer was pending
+                self._engine.post(lambda core: core.abort(request_id))
+
+    async def _check_ticket(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        ticket = request.ticket
+        if ticket.layout_hash != self._layout_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
+                f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
+                "model, dtype and block size",
+            )
+        problem = None
+        if not request.request_id:
+            problem = "request_id is empty"
+        elif not ticket.transfer_id or not ticket.dst_address:
+            problem = "the ticket needs a transfer_id and a dst_address"
+        elif ticket.num_tokens != len(request.prompt_token_ids):
+            problem = (
+                f"the ticket is for {ticket.num_tokens} tokens but the prompt has "
+                f"{len(request.prompt_token_ids)}"
+            )
+        elif len(ticket.dst_block_ids) < self._layout.num_blocks_for(ticket.num_tokens):
+            problem = (
+                f"the ticket reserves {len(ticket.dst_block_ids)} blocks; "
+                f"{ticket.num_tokens} tokens need {self._layout.num_blocks_for(ticket.num_tokens)}"
+            )
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
+
+    async def _make_request(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> Request:
+        prompt = list(request.prompt_token_ids)
+
+        def make(core: EngineCore) -> Request:
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            return core.make_request(request.request_id, prompt, params)
+
+        try:
+            return await self._engine.call(make)
+        except ValueError as error:  # InvalidRequestError included
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    async def _open_sender(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> KVSender:
+        try:
+            sender = self._manager.create_sender(request.ticket, self._transfer_timeout_s)
+            self._streamer.open(request.request_id, sender)
+        except ValueError as error:  # transfer id or request id already in progress here
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        return sender
+
+    async def _prefill(self, request: Request, sender: KVSender) -> StepOutput | None:
+        """Run the prefill; its one output (prefill done, or finished by the first token), or
+        None when the request was aborted."""
+        first = None
+        async for out in self._engine.generate(request):
+            first = out
+        if first is None or first.finish_reason == FinishReason.ABORT or not first.new_token_ids:
+            sender.abort("the request was aborted on the prefill node")
+            return None
+        return first
+
+
+def _first_token(out: StepOutput) -> node_pb2.PrefillFirstToken:
+    (token_id,) = out.new_token_ids
+    first = node_pb2.PrefillFirstToken(
+        token_id=token_id,
+        finish_reason=out.finish_reason.value if out.finish_reason is not None else "",
+        num_cached_tokens=out.num_cached_tokens,
+    )
+    if out.new_logprobs:
+        first.logprob.CopyFrom(token_logprob(out.new_logprobs[0]))
+    return first
+
+
+def _transfer_result(sender: KVSender) -> node_pb2.PrefillTransferResult:
+    ok = sender.state == TransferState.SUCCESS
+    return node_pb2.PrefillTransferResult(
+        ok=ok,
+        error="" if ok else (sender.error or f"ended in state {sender.state.name}"),
+        num_bytes=sender.num_bytes_sent,
+        elapsed_s=sender.elapsed_s,
+    )

@@ -1,0 +1,155 @@
+"""`NodeServer`: one node's grpc.aio server, and the launchers' main loop (both roles).
+
+```
+NodeServer.start():  bind HOST:PORT (0: a free port) -> serve `Node` + the role's service
+                     + grpc.health.v1 + reflection -> health SERVING
+NodeServer.stop():   health NOT_SERVING, stop accepting; in-flight calls get grace_s, then are
+                     cancelled (each role's handlers free what their request holds)
+
+serve_until_signalled(start_node, "pd-prefill"):
+    start_node() ──► print "pd-prefill listening on HOST:PORT (kv ADDRESS)" (flushed)
+    SIGINT / SIGTERM (also while starting) ──► node.stop() ──► return
+```
+
+Torch- and engine-free, like `pdserve.node_service`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.node_service import NodeBackend, NodeServicer
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
+
+
+@dataclass(frozen=True)
+class NodeServerConfig:
+    """Where a node listens and how it hands KV over (both roles)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC port; 0: a free one
+    kv_transport: str = "auto"  # "auto" | "tcp" | "local" (see cache_transfer.make_transport)
+    kv_port: int = 0  # KV transport port; 0: a free one
+    # Decode: how long a DISAGGREGATED request waits for its KV when the request gives no
+    # timeout. Prefill: how long a sender may take from handshake to the decode node's result.
+    transfer_timeout_s: float = 10.0
+    grace_s: float = 5.0  # on stop, how long in-flight calls may take before they are cancelled
+
+    def __post_init__(self) -> None:
+        for name in ("port", "kv_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+class NodeServer:
+    """`Node` + one role service + health + reflection on one grpc.aio server. Construct it
+    inside the event loop it serves on."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backend: NodeBackend,
+        role_service: str,
+        add_role_servicer: Callable[[grpc.aio.Server], None],
+    ) -> None:
+        """`role_service`: the full name of the role's service (e.g. "pdserve.v1.PrefillNode");
+        `add_role_servicer(server)` registers its servicer."""
+        self._host = host
+        self._services = ("", NODE_SERVICE, role_service)
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server()
+        node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(backend), self._server)
+        add_role_servicer(self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (NODE_SERVICE, role_service, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self._server,
+        )
+        self.port = port
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT clients dial (the bound port once started)."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and serve; return the bound port. Raises OSError when the address is taken."""
+        try:
+            self.port = self._server.add_insecure_port(self.address)
+        except RuntimeError as error:  # grpc raises RuntimeError("Failed to bind ...")
+            raise OSError(f"cannot listen on {self.address}: {error}") from None
+        await self._server.start()
+        self._started = True
+        for service in self._services:
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting calls; in-flight ones get `grace_s`, then are cancelled."""
+        await self._health.enter_graceful_shutdown()
+        if self._started:
+            await self._server.stop(grace_s)
+            self._started = False
+
+
+class RunningNode(Protocol):
+    """What `serve_until_signalled` runs: a started prefill or decode server."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def kv_address(self) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
+async def serve_until_signalled(start_node: Callable[[], Awaitable[RunningNode]], name: str) -> None:
+    """Start a node, print "`name` listening on HOST:PORT (kv ADDRESS)" once it serves, and
+    stop it gracefully on SIGINT or SIGTERM (also one that arrives while it is starting)."""
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_requested.set)
+    starting = asyncio.create_task(start_node())
+    stopping = asyncio.create_task(stop_requested.wait())
+    node: RunningNode | None = None
+    try:
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            node = starting.result()  # raises what start_node() raised
+            print(f"{name} listening on {node.address} (kv {node.kv_address})", flush=True)
+            await stopping
+        logger.info("%s: stopping", name)
+    finally:
+        stopping.cancel()
+        if not starting.done():  # a signal while starting: let it clean up after itself
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        if node is not None:
+            await node.stop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
