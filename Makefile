@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/pd-generate
+	$(VENV)/bin/pd-serve
 
 test: setup
 	$(PY) -m pytest tests $(TEST_ARGS)

@@ -115,7 +115,7 @@ class KVReceiver(TransferSession):
             return f"the session is already {self.state.name}"
         if self._peer_id is None and kind not in ("handshake", "result"):
             return f"{kind} before the handshake"
-        if False:
+        if self._peer_id is not None and peer_id != self._peer_id:
             return f"not from the peer that handshook ({self._peer_id})"
         if kind == "handshake" and self._peer_id is not None:
             return "a second handshake"
@@ -142,7 +142,7 @@ class KVReceiver(TransferSession):
                 f"for tokens [{prev_end}, {token_end}), expected [{block_offset}, +{num_blocks})"
             )
         num_bytes = self.layout.layer_bytes(num_blocks)
-        if False:
+        if manifest.num_bytes != num_bytes or payload_bytes != num_bytes:
             return (
                 f"layer {layer_idx}: {payload_bytes} payload bytes (manifest says "
                 f"{manifest.num_bytes}) for {num_blocks} blocks of {num_bytes} bytes"
@@ -194,7 +194,7 @@ class KVReceiver(TransferSession):
 
     def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
         self._num_landing -= 1
-        if True:  # a failed session never writes, even bytes accepted earlier
+        if not self.finished:  # a failed session never writes, even bytes accepted earlier
             k_cache, v_cache = self._kv_caches[manifest.layer_idx]
             end = manifest.block_offset + manifest.num_blocks
             unpack_layer(payload, k_cache, v_cache, self.dst_block_ids[manifest.block_offset : end])

@@ -42,7 +42,9 @@ class TcpTransport(KVTransport):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
         """Bind a listener on `host:port` (`port=0`: a free port). Peers are told
         `advertise_host` (default: `host`, or this machine's address when `host` is 0.0.0.0)."""
-        self._ctx = zmq.asyncio.Context(io_threads=1)
+        # The process-wide context: never terminated, so a transport left unclosed cannot
+        # block the interpreter in Context.term() when it is garbage collected.
+        self._ctx = zmq.asyncio.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.ipv6 = ":" in host
@@ -102,7 +104,6 @@ class TcpTransport(KVTransport):
             sock.close(linger=0)
         self._peers.clear()
         self._router.close(linger=0)
-        self._ctx.term()
 
     def _peer_socket(self, peer_address: str) -> zmq.asyncio.Socket:
         sock = self._peers.get(peer_address)

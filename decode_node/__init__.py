@@ -1,0 +1,1 @@
+"""The decode role: reserve blocks, receive KV, decode, stream; also prefills locally (README.md)."""

@@ -1,0 +1,1 @@
+"""The prefill role: gRPC servicer and lifecycle around a prefill-only engine (README.md)."""

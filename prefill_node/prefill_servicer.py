@@ -134,8 +134,12 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
     ) -> KVSender:
         try:
             sender = self._manager.create_sender(request.ticket, self._transfer_timeout_s)
+        except ValueError as error:  # the transfer id is already in progress here
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        try:
             self._streamer.open(request.request_id, sender)
-        except ValueError as error:  # transfer id or request id already in progress here
+        except ValueError as error:  # the request id is already prefilling here
+            sender.abort(str(error))
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         return sender
 

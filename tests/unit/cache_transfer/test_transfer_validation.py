@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from pdserve.v1 import transfer_pb2
 from transfer_helpers import (
     SENTINEL,
     RawPeer,
@@ -25,6 +24,7 @@ from transfer_helpers import (
 )
 
 from cache_transfer import KVReceiver, KVTransferManager, TransferState, make_transport, protocol
+from pdserve.v1 import transfer_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +85,9 @@ class Forger:
         )
         manifest = transfer_pb2.LayerManifest(**{**fields, **overrides})  # type: ignore[arg-type]
         payload = torch.full((2, payload_blocks, *LAYOUT.block_shape), value).view(torch.uint8)
-        await self.send(payload.flatten(), seq=seq, transfer_id=transfer_id, layer_manifest=manifest)
+        await self.send(
+            payload.flatten(), seq=seq, transfer_id=transfer_id, layer_manifest=manifest
+        )
 
     async def first_token(self) -> None:
         await self.send(first_token=transfer_pb2.FirstToken(token_id=5))
@@ -306,5 +308,33 @@ def test_receiver_refuses_a_ticket_that_does_not_fit_its_cache(backend: str) -> 
         with pytest.raises(ValueError, match="already in progress"):
             manager.create_receiver([3, 4, 5], num_tokens=10, timeout_s=1, transfer_id="t")
         await manager.close()
+
+    run(scenario())
+
+
+def test_a_payload_landing_after_the_session_failed_is_not_written() -> None:
+    """A transport may finish receiving a payload accepted before the session failed (ucx
+    receives concurrently): the receiver must drop it, not scatter it."""
+
+    async def scenario() -> None:
+        manager, receiver, forger = await _setup("local")
+        await forger.handshake()
+        manifest = transfer_pb2.LayerManifest(
+            layer_idx=0, num_blocks=3, num_bytes=LAYOUT.layer_bytes(3), token_end=NUM_TOKENS
+        )
+        msg = protocol.TransferMessage(transfer_id=receiver.transfer_id, seq=1)
+        msg.layer_manifest.CopyFrom(manifest)
+        peer_id = forger.peer.transport.address
+        dst = receiver.prepare(peer_id, msg, LAYOUT.layer_bytes(3))
+        assert dst is not None
+        dst.copy_(torch.full((dst.numel() // 4,), MARKER).view(torch.uint8))
+
+        receiver.abort("client went away")
+        receiver.complete(peer_id, msg, dst)
+
+        assert receiver.state == TransferState.FAILED
+        assert untouched(_caches(manager))
+        await manager.close()
+        await forger.peer.transport.close()
 
     run(scenario())

@@ -1,0 +1,245 @@
+"""`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
+
+    Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
+    Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+        ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED)
+            SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
+            FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
+    CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
+    Abort (Node service) / the router cancels the call ──► fail the receiver, free the
+        reservation, abort in the engine; the stream ends with finish_reason "abort"
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from cache_transfer import KVReceiver, KVTransferManager, TransferState
+from decode_node.decode_trace import DecodeTrace, DecodeTraces
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore, NoFreeBlocksError
+from engine.outputs import StepOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from pdserve.node_messages import sampling_kwargs, token_logprob
+from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeCounters:
+    """Since the node started."""
+
+    num_finished_requests: int = 0  # streams that ended with a finish_reason
+    num_local_prefills: int = 0  # LOCAL_PREFILL requests and fallbacks
+    num_fallbacks: int = 0  # DISAGGREGATED requests whose hand-off failed
+
+
+@dataclass
+class _DecodeJob:
+    """One Decode call, as Abort and CancelTransfer find it."""
+
+    request_id: str
+    trace: DecodeTrace
+    receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    aborted: bool = False
+    finished: bool = False  # the stream delivered its finish_reason
+
+
+class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        manager: KVTransferManager,
+        traces: DecodeTraces,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.counters = DecodeCounters()
+        self._engine = engine
+        self._manager = manager
+        self._traces = traces
+        self._transfer_timeout_s = transfer_timeout_s
+        self._jobs: dict[str, _DecodeJob] = {}
+
+    async def Decode(
+        self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.DecodeResponse]:
+        engine_request = await self._make_request(request, context)
+        if request.request_id in self._jobs:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request.request_id!r} is already decoding on this node",
+            )
+        job = self._jobs[request.request_id] = _DecodeJob(
+            request.request_id, self._traces.open(request.request_id)
+        )
+        try:
+            if request.mode == node_pb2.DECODE_MODE_DISAGGREGATED:
+                timeout_s = request.transfer_timeout_s or self._transfer_timeout_s
+                receiver = await self._reserve(job, engine_request, timeout_s, context)
+                yield node_pb2.DecodeResponse(ticket=receiver.ticket())
+                chunks = await self._after_transfer(job, engine_request, receiver)
+            else:
+                chunks = self._prefill_locally(job, engine_request)
+            async for chunk in chunks:
+                yield node_pb2.DecodeResponse(tokens=chunk)
+        finally:
+            self._close(job)
+
+    async def CancelTransfer(
+        self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.CancelTransferResponse:
+        reason = request.reason or "no reason given"
+        found = self._manager.abort(request.transfer_id, f"cancelled by the router ({reason})")
+        return node_pb2.CancelTransferResponse(found=found)
+
+    async def abort(self, request_id: str) -> bool:
+        """Node.Abort: end the request wherever it is (awaiting KV, or in the engine)."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.aborted = True
+            if job.receiver is not None:
+                job.receiver.abort("the request was aborted")
+        in_engine = await self._engine.abort(request_id)  # frees a reservation too
+        return job is not None or in_engine
+
+    # ---- phases of one Decode call ------------------------------------------------------
+
+    async def _make_request(
+        self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> Request:
+        modes = (node_pb2.DECODE_MODE_DISAGGREGATED, node_pb2.DECODE_MODE_LOCAL_PREFILL)
+        if request.mode not in modes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"mode must be DECODE_MODE_DISAGGREGATED or DECODE_MODE_LOCAL_PREFILL, got "
+                f"{node_pb2.DecodeMode.Name(request.mode)}",
+            )
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if request.transfer_timeout_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"transfer_timeout_s must be >= 0 (0: the node's default), got "
+                f"{request.transfer_timeout_s}",
+            )
+        prompt = list(request.prompt_token_ids)
+
+        def make(core: EngineCore) -> Request:
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            return core.make_request(request.request_id, prompt, params)
+
+        try:
+            return await self._engine.call(make)
+        except ValueError as error:  # InvalidRequestError included
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    async def _reserve(
+        self,
+        job: _DecodeJob,
+        request: Request,
+        timeout_s: float,
+        context: grpc.aio.ServicerContext,
+    ) -> KVReceiver:
+        """Blocks for the prompt's KV and the first token's, and a receiver for them."""
+        request_id, num_tokens = request.request_id, request.prompt_len + 1
+        try:
+            block_ids = await self._engine.call(lambda core: core.reserve(request_id, num_tokens))
+        except NoFreeBlocksError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ValueError as error:  # the request id is in use in the engine
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        receiver = self._manager.create_receiver(block_ids, request.prompt_len, timeout_s)
+        job.receiver = receiver
+        job.trace.transfer_id = receiver.transfer_id
+        self._traces.by_transfer_id[receiver.transfer_id] = job.trace
+        return receiver
+
+    async def _after_transfer(
+        self, job: _DecodeJob, request: Request, receiver: KVReceiver
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        """Resume from the received KV, or free the reservation and prefill locally."""
+        state = await receiver.wait()
+        job.receiver = None
+        self._traces.by_transfer_id.pop(receiver.transfer_id, None)
+        if state == TransferState.SUCCESS and not job.aborted:
+            return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
+        request_id = request.request_id
+        await self._engine.call(lambda core: core.abort(request_id))  # the reservation
+        if not job.aborted:
+            logger.warning(
+                "request %s: KV transfer %s failed (%s); prefilling locally",
+                request_id, receiver.transfer_id, receiver.error,
+            )  # fmt: skip
+            self.counters.num_fallbacks += 1
+        return self._prefill_locally(job, request)
+
+    async def _resume(
+        self,
+        job: _DecodeJob,
+        request: Request,
+        block_ids: Sequence[int],
+        first_token: transfer_pb2.FirstToken,
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        if job.aborted:  # checked right before the engine sees the request
+            yield self._abort_chunk(job, 0)
+            return
+        job.trace.token_times_s.append(time.monotonic())
+        first = node_pb2.TokenChunk(output_index=0, token_ids=[first_token.token_id])
+        if first_token.HasField("logprob"):
+            first.logprobs.append(first_token.logprob)
+        yield first
+        outputs = self._engine.resume(request, block_ids, first_token.token_id)
+        async for chunk in self._chunks(job, outputs, next_index=1):
+            yield chunk
+
+    async def _prefill_locally(
+        self, job: _DecodeJob, request: Request
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        if job.aborted:  # checked right before the engine sees the request
+            yield self._abort_chunk(job, 0)
+            return
+        job.trace.prefilled_locally = True
+        self.counters.num_local_prefills += 1
+        async for chunk in self._chunks(job, self._engine.generate(request), next_index=0):
+            yield chunk
+
+    async def _chunks(
+        self, job: _DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        """One TokenChunk per engine output, numbered from `next_index`."""
+        async for out in outputs:
+            now = time.monotonic()
+            job.trace.token_times_s.extend(now for _ in out.new_token_ids)
+            chunk = node_pb2.TokenChunk(output_index=next_index, token_ids=out.new_token_ids)
+            chunk.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs or ())
+            next_index += len(out.new_token_ids)
+            if out.finished:
+                chunk.finish_reason = out.finish_reason.value
+                chunk.num_cached_tokens = out.num_cached_tokens
+                self._finish(job)
+            yield chunk
+
+    def _abort_chunk(self, job: _DecodeJob, output_index: int) -> node_pb2.TokenChunk:
+        self._finish(job)
+        return node_pb2.TokenChunk(output_index=output_index, finish_reason=FinishReason.ABORT.value)
+
+    def _finish(self, job: _DecodeJob) -> None:
+        job.finished = True
+        self.counters.num_finished_requests += 1
+
+    def _close(self, job: _DecodeJob) -> None:
+        """However the call ended: nothing of the request stays on this node."""
+        self._jobs.pop(job.request_id, None)
+        if job.receiver is not None:
+            self._traces.by_transfer_id.pop(job.receiver.transfer_id, None)
+            job.receiver.abort("the decode call ended")
+        if not job.finished:
+            request_id = job.request_id
+            self._engine.post(lambda core: core.abort(request_id))
