@@ -71,6 +71,11 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
     transfer = parser.add_argument_group("KV transfer")
     transfer.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS)
     transfer.add_argument("--kv-port", type=int, default=0, help="KV transport port (0: a free one)")
+    transfer.add_argument(
+        "--advertise-host", default=None,
+        help="host other nodes use to reach this one's KV transport (default: --host; set it "
+        "to the pod IP when listening on 0.0.0.0)",
+    )
 
 
 def node_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -91,6 +96,17 @@ def node_engine_kwargs(args: argparse.Namespace) -> dict:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         ),
     }
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    """The host peers should dial: --advertise-host, else --host unless that is a wildcard."""
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
 
 
 def configure_logging(level: str, role: str) -> None:

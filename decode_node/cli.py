@@ -1,0 +1,74 @@
+"""pd-decode: serve one decode node.
+
+    pd-decode --model smollm2-135m --port 50071 --kv-transport tcp --kv-port 5700
+
+Prints "pd-decode listening on HOST:PORT (kv tcp://HOST:KVPORT)" once serving (the local
+cluster launcher reads it); SIGINT/SIGTERM stop it gracefully (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from decode_node.decode_server import DecodeServer
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from pdserve.cli import build_parser, configure_logging, node_engine_kwargs
+from pdserve.node_server import NodeServerConfig, serve_until_signalled
+
+
+def build_decode_parser() -> argparse.ArgumentParser:
+    parser = build_parser("decode", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=NodeServerConfig.transfer_timeout_s,
+        help="how long a disaggregated request waits for its KV before this node prefills it "
+        "itself (when the router sends no timeout)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_decode_parser()
+    args = parser.parse_args(argv)
+    kwargs = node_engine_kwargs(args)
+    try:
+        engine_config = EngineConfig(
+            model=ModelConfig(**kwargs["model"]),
+            cache=CacheConfig(**kwargs["cache"]),
+            scheduler=SchedulerConfig(**kwargs["scheduler"]),
+        )
+        node_config = NodeServerConfig(
+            host=args.host,
+            port=args.port,
+            kv_transport=args.kv_transport,
+            kv_port=args.kv_port,
+            transfer_timeout_s=args.transfer_timeout_s,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    configure_logging(args.log_level, "decode")
+
+    async def start() -> DecodeServer:
+        core = await asyncio.to_thread(EngineCore, engine_config)  # signals still handled
+        server = DecodeServer(core, node_config)
+        try:
+            await server.start()
+        except BaseException:
+            await server.stop(grace_s=0)
+            raise
+        return server
+
+    try:
+        asyncio.run(serve_until_signalled(start, "pd-decode"))
+    except (OSError, ValueError) as error:
+        print(f"pd-decode: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
