@@ -27,6 +27,7 @@ from cache_transfer.packing import check_kv_cache
 from cache_transfer.receiver import KVCaches, KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
+from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.transport import KVTransport
 from pdserve.v1 import node_pb2
@@ -38,11 +39,16 @@ S = TypeVar("S", KVReceiver, KVSender)
 
 class KVTransferManager:
     def __init__(
-        self, transport: KVTransport, layout: KVLayout, kv_caches: KVCaches | None = None
+        self,
+        transport: KVTransport,
+        layout: KVLayout,
+        kv_caches: KVCaches | None = None,
+        max_idle_staging_bytes: int = 512 << 20,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
-        may omit it."""
+        may omit it. Staging buffers are pooled across transfers, up to
+        `max_idle_staging_bytes` kept idle."""
         if kv_caches is not None:
             if len(kv_caches) != layout.num_layers:
                 raise ValueError(
@@ -55,6 +61,7 @@ class KVTransferManager:
         self.num_failed = 0
         self._transport = transport
         self._kv_caches = kv_caches
+        self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
         self._senders: dict[str, KVSender] = {}
         transport.start(self)
@@ -83,6 +90,7 @@ class KVTransferManager:
         self._check_new(transfer_id)
         receiver = KVReceiver(
             self._transport,
+            self._staging,
             self.layout,
             self._kv_caches,
             transfer_id,
@@ -97,7 +105,7 @@ class KVTransferManager:
         receiver told, when the ticket does not match this node's layout)."""
         self._check_new(ticket.transfer_id)
         return self._register(
-            KVSender(self._transport, self.layout, ticket, timeout_s), self._senders
+            KVSender(self._transport, self._staging, self.layout, ticket, timeout_s), self._senders
         )
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
@@ -128,6 +136,8 @@ class KVTransferManager:
         if routed is not None:
             session, msg = routed
             session.complete(peer_id, msg, payload)
+        elif payload is not None:  # its receiver finished while the payload was landing
+            self._staging.give_back(payload)
 
     async def close(self) -> None:
         """Fail every live transfer (peers are told, within NOTIFY_TIMEOUT_S), then close the

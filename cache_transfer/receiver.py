@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import alloc_staging, unpack_layer
+from cache_transfer.packing import unpack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
+from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.transport import KVTransport
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -34,6 +35,7 @@ class KVReceiver(TransferSession):
     def __init__(
         self,
         transport: KVTransport,
+        staging: StagingPool,
         layout: KVLayout,
         kv_caches: KVCaches,
         transfer_id: str,
@@ -55,10 +57,8 @@ class KVReceiver(TransferSession):
         self._layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
         self._num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
         self._peer_id: str | None = None
+        self._staging = staging
         self._device = transport.buffer_device(kv_caches[0][0].device)
-        self._staging: list[torch.Tensor] = []  # free whole-layer buffers
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer a payload is landing in
-        self.add_finish_callback(lambda _: self._staging.clear())
 
     def ticket(self) -> node_pb2.TransferTicket:
         """What the prefill node needs to send this session its KV."""
@@ -86,7 +86,7 @@ class KVReceiver(TransferSession):
         manifest = msg.layer_manifest
         self._layer_token_end[manifest.layer_idx] = manifest.token_end
         self._num_landing += 1
-        return self._lend_staging(payload_bytes)
+        return self._staging.take(payload_bytes, self._device)
 
     def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
         """A whole message: land a layer prepare() accepted, or handle a header-only message."""
@@ -194,30 +194,21 @@ class KVReceiver(TransferSession):
 
     def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
         self._num_landing -= 1
-        if not self.finished:  # a failed session never writes, even bytes accepted earlier
-            k_cache, v_cache = self._kv_caches[manifest.layer_idx]
-            end = manifest.block_offset + manifest.num_blocks
-            unpack_layer(payload, k_cache, v_cache, self.dst_block_ids[manifest.block_offset : end])
-            self.num_bytes_received += payload.numel()
-            self._advance(TransferState.TRANSFERRING)
-            self._maybe_succeed()
-        buffer = self._lent.pop(payload.data_ptr(), None)
-        if buffer is not None and not self.finished and len(self._staging) < 2:
-            self._staging.append(buffer)
+        try:
+            if not self.finished:  # a failed session never writes, even bytes accepted earlier
+                k_cache, v_cache = self._kv_caches[manifest.layer_idx]
+                dst_ids = self.dst_block_ids[manifest.block_offset :][: manifest.num_blocks]
+                unpack_layer(payload, k_cache, v_cache, dst_ids)
+                self.num_bytes_received += payload.numel()
+                self._advance(TransferState.TRANSFERRING)
+                self._maybe_succeed()
+        finally:
+            self._staging.give_back(payload)
 
     def _maybe_succeed(self) -> None:
         if self.first_token is not None and self._num_landing == 0 and not self.finished:
             self._succeed()
             self.spawn(self._notify(result=transfer_pb2.TransferResult(ok=True)))
-
-    def _lend_staging(self, num_bytes: int) -> torch.Tensor:
-        """A `num_bytes` view of a free whole-layer buffer, remembered until it lands."""
-        if self._staging:
-            buffer = self._staging.pop()
-        else:
-            buffer = alloc_staging(self.layout.layer_bytes(self.num_blocks), self._device)
-        self._lent[buffer.data_ptr()] = buffer
-        return buffer[:num_bytes]
 
 
 def _check_ticket(

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import alloc_staging, check_kv_cache, pack_layer
+from cache_transfer.packing import check_kv_cache, pack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
+from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.transport import KVTransport
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
@@ -31,6 +32,7 @@ class KVSender(TransferSession):
     def __init__(
         self,
         transport: KVTransport,
+        staging: StagingPool,
         layout: KVLayout,
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
@@ -46,7 +48,7 @@ class KVSender(TransferSession):
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
         self._sending: set[asyncio.Future[None]] = set()  # send_layer calls in progress
-        self._staging: list[torch.Tensor] = []
+        self._staging = staging
         reason = self._check_ticket(ticket)
         if reason is not None:
             self.fail(f"refused the ticket: {reason}")
@@ -73,25 +75,11 @@ class KVSender(TransferSession):
         sending = self._loop.create_future()
         self._sending.add(sending)
         try:
-            if not await self._wait_acked():
-                return
-            num_bytes = self.layout.layer_bytes(block_end - block_offset)
-            staging = self._take_staging(k_cache.device)
-            packed = pack_layer(
-                k_cache, v_cache, src_block_ids[block_offset:block_end], staging[:num_bytes]
-            )
-            manifest = transfer_pb2.LayerManifest(
-                layer_idx=layer_idx,
-                block_offset=block_offset,
-                num_blocks=block_end - block_offset,
-                num_bytes=num_bytes,
-                token_end=token_end,
-            )
-            self._advance(TransferState.TRANSFERRING)
-            if await self._send(packed, layer_manifest=manifest):
-                self.num_bytes_sent += num_bytes
-                if len(self._staging) < 2:  # reuse only buffers the transport let go of
-                    self._staging.append(staging)
+            if await self._wait_acked():
+                src_ids = src_block_ids[block_offset:block_end]
+                await self._pack_and_send(
+                    layer_idx, k_cache, v_cache, src_ids, block_offset, token_end
+                )
         finally:
             self._sending.discard(sending)
             sending.set_result(None)
@@ -123,10 +111,9 @@ class KVSender(TransferSession):
             await self._send(first_token=first_token)
 
     def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A message from the receiver: the handshake's ack or the transfer's result."""
+        """A header-only message from the receiver: the handshake's ack or the result (the
+        manager refuses payloads for senders before they land)."""
         reason = self._check_envelope(msg)
-        if reason is None and payload is not None:
-            reason = "a payload sent to the sender"
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
@@ -169,6 +156,37 @@ class KVSender(TransferSession):
         self._layer_token_end[layer_idx] = token_end
         return prev_end // self.layout.block_size, block_end
 
+    async def _pack_and_send(
+        self,
+        layer_idx: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: Sequence[int],
+        block_offset: int,
+        token_end: int,
+    ) -> None:
+        num_blocks = len(src_block_ids)
+        num_bytes = self.layout.layer_bytes(num_blocks)
+        packed = self._staging.take(num_bytes, self._transport.buffer_device(k_cache.device))
+        sent = False
+        try:
+            pack_layer(k_cache, v_cache, src_block_ids, packed)  # [2, num_blocks, ...] as bytes
+            manifest = transfer_pb2.LayerManifest(
+                layer_idx=layer_idx,
+                block_offset=block_offset,
+                num_blocks=num_blocks,
+                num_bytes=num_bytes,
+                token_end=token_end,
+            )
+            self._advance(TransferState.TRANSFERRING)
+            sent = await self._send(packed, layer_manifest=manifest)
+        finally:
+            if sent:
+                self.num_bytes_sent += num_bytes
+                self._staging.give_back(packed)
+            else:  # the transport may still be reading it
+                self._staging.discard(packed)
+
     async def _handshake(self) -> None:
         handshake = transfer_pb2.TransferHandshake(
             protocol_version=PROTOCOL_VERSION,
@@ -197,9 +215,3 @@ class KVSender(TransferSession):
         else:
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
-
-    def _take_staging(self, cache_device: torch.device) -> torch.Tensor:
-        if self._staging:
-            return self._staging.pop()
-        device = self._transport.buffer_device(cache_device)
-        return alloc_staging(self.layout.layer_bytes(self.num_blocks), device)

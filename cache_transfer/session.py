@@ -21,6 +21,7 @@ from cache_transfer import protocol
 from cache_transfer.protocol import TransferMessage
 from cache_transfer.state import TransferState
 from cache_transfer.transport import KVTransport, TransportError
+from pdserve.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class TransferSession:
         self.error = reason
         logger.warning("%s %s failed: %s", self.role, self.transfer_id, reason)
         if notify_peer and self._peer_address is not None:
-            result = protocol.transfer_pb2.TransferResult(ok=False, error=reason)
+            result = transfer_pb2.TransferResult(ok=False, error=reason)
             self.spawn(self._notify(result=result))
         self._finish()
 

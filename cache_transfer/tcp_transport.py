@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking the buffer
 _HEARTBEAT_IVL_MS = 2000  # zmq pings idle connections; a silent peer is dropped after:
 _HEARTBEAT_TIMEOUT_MS = 6000
-_TRACKER_POLL_MAX_S = 0.002
+_TRACKER_POLL_MAX_S = 0.0005
 
 
 class TcpTransport(KVTransport):
@@ -88,6 +88,12 @@ class TcpTransport(KVTransport):
             await self._wait_released(tracker)
         except zmq.ZMQError as e:
             raise TransportError(f"send to {peer_address} failed: {e}") from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                # close() cancelled the socket's pending send, not our caller
+                raise TransportError(f"transport {self._address} closed during a send") from None
+            raise
 
     def buffer_device(self, cache_device: torch.device) -> torch.device:
         return torch.device("cpu")

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             kv_transport=args.kv_transport,
             kv_port=args.kv_port,
+            advertise_host=args.advertise_host,
             transfer_timeout_s=args.transfer_timeout_s,
         )
     except ValueError as error:

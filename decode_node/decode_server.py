@@ -1,12 +1,12 @@
 """`DecodeServer`: one decode node (see README.md for a request's lifecycle).
 
-    DecodeServer(core, config)   inside the event loop: AsyncEngine around the EngineCore, KV
-                                 transport + KVTransferManager receiving into the engine's KV
-                                 cache, gRPC server
-    start()                      engine thread, then serve Node + DecodeNode + health
-    stop()                       stop serving (in-flight calls get grace_s, then are cancelled
-                                 and free what they hold), stop the engine thread, close the
-                                 transport (live transfers fail, peers are told)
+DecodeServer(core, config)   inside the event loop: AsyncEngine around the EngineCore, KV
+                             transport + KVTransferManager receiving into the engine's KV
+                             cache, gRPC server
+start()                      engine thread, then serve Node + DecodeNode + health
+stop()                       stop serving (in-flight calls get grace_s, then are cancelled
+                             and free what they hold), stop the engine thread, close the
+                             transport (live transfers fail, peers are told)
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class DecodeServer:
         )
         self.engine = AsyncEngine(core)
         self.traces = DecodeTraces()
-        transport = make_transport(config.kv_transport, config.host, config.kv_port)
+        transport = make_transport(config.kv_transport, config.kv_host, config.kv_port)
         self.manager = TracingKVTransferManager(
-            transport, self.layout, core.pool.kv_caches, traces=self.traces
+            transport, self.layout, core.pool.kv_caches, self.traces
         )
         self.servicer = DecodeServicer(
             self.engine, self.manager, self.traces, config.transfer_timeout_s

@@ -1,13 +1,13 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
-    Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
-    Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
-        ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED)
-            SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
-            FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
-    CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
-    Abort (Node service) / the router cancels the call ──► fail the receiver, free the
-        reservation, abort in the engine; the stream ends with finish_reason "abort"
+Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
+Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+    ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED)
+        SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
+        FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
+CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
+Abort (Node service) / the router cancels the call ──► fail the receiver, free the
+    reservation, abort in the engine; the stream ends with finish_reason "abort"
 """
 
 from __future__ import annotations
@@ -228,7 +228,9 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
 
     def _abort_chunk(self, job: _DecodeJob, output_index: int) -> node_pb2.TokenChunk:
         self._finish(job)
-        return node_pb2.TokenChunk(output_index=output_index, finish_reason=FinishReason.ABORT.value)
+        return node_pb2.TokenChunk(
+            output_index=output_index, finish_reason=FinishReason.ABORT.value
+        )
 
     def _finish(self, job: _DecodeJob) -> None:
         job.finished = True

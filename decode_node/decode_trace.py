@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_transfer import KVTransferManager, protocol
+from cache_transfer import KVLayout, KVTransferManager, KVTransport, protocol
+from cache_transfer.receiver import KVCaches
 
 MAX_TRACES = 1024  # requests whose DecodeTrace is kept (the most recent)
 
@@ -53,9 +54,11 @@ class DecodeTraces(OrderedDict[str, DecodeTrace]):
 class TracingKVTransferManager(KVTransferManager):
     """A KVTransferManager that tells `traces` when each layer's payload lands."""
 
-    def __init__(self, *args: object, traces: DecodeTraces, **kwargs: object) -> None:
+    def __init__(
+        self, transport: KVTransport, layout: KVLayout, kv_caches: KVCaches, traces: DecodeTraces
+    ) -> None:
         self._traces = traces
-        super().__init__(*args, **kwargs)
+        super().__init__(transport, layout, kv_caches)
 
     def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
         super().complete(peer_id, header, payload)

@@ -150,7 +150,13 @@ class EngineCore:
         request.block_ids = list(block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
-        self.scheduler.add_prefilled(request)
+        try:
+            self.scheduler.add_prefilled(request)
+        except BaseException:
+            # The reservation is spent either way: free it rather than leak it.
+            self.kv_cache_manager.free_blocks(reserved)
+            request.block_ids = []
+            raise
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. True if it was known."""

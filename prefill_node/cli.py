@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
             scheduler=SchedulerConfig(**kwargs["scheduler"], prefill_only=True),
         )
         node_config = NodeServerConfig(
-            host=args.host, port=args.port, kv_transport=args.kv_transport, kv_port=args.kv_port
+            host=args.host,
+            port=args.port,
+            kv_transport=args.kv_transport,
+            kv_port=args.kv_port,
+            advertise_host=args.advertise_host,
         )
     except ValueError as error:
         parser.error(str(error))

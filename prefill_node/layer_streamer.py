@@ -74,7 +74,9 @@ class LayerStreamer:
         if request_id in self._outgoing:
             raise ValueError(f"request {request_id!r} is already sending its KV")
         num_layers = len(self._kv_caches)
-        trace = TransferTrace(sender.transfer_id, request_id, [None] * num_layers, [None] * num_layers)
+        trace = TransferTrace(
+            sender.transfer_id, request_id, [None] * num_layers, [None] * num_layers
+        )
         self.traces[sender.transfer_id] = trace
         while len(self.traces) > self._max_traces:
             self.traces.popitem(last=False)
@@ -95,7 +97,9 @@ class LayerStreamer:
             try:
                 k_snapshot, v_snapshot = self._snapshot(outgoing, chunk, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
-                logger.exception("request %s: could not snapshot layer %d", request.request_id, layer_idx)
+                logger.exception(
+                    "request %s: could not snapshot layer %d", request.request_id, layer_idx
+                )
                 outgoing.broken = True
                 continue
             self._loop.call_soon_threadsafe(
@@ -153,14 +157,22 @@ class LayerStreamer:
         )
 
     def _start_send(
-        self, outgoing: _Outgoing, layer_idx: int, k_snapshot: torch.Tensor, v_snapshot: torch.Tensor
+        self,
+        outgoing: _Outgoing,
+        layer_idx: int,
+        k_snapshot: torch.Tensor,
+        v_snapshot: torch.Tensor,
     ) -> None:
         task = self._loop.create_task(self._send(outgoing, layer_idx, k_snapshot, v_snapshot))
         outgoing.tasks.add(task)
         task.add_done_callback(outgoing.tasks.discard)
 
     async def _send(
-        self, outgoing: _Outgoing, layer_idx: int, k_snapshot: torch.Tensor, v_snapshot: torch.Tensor
+        self,
+        outgoing: _Outgoing,
+        layer_idx: int,
+        k_snapshot: torch.Tensor,
+        v_snapshot: torch.Tensor,
     ) -> None:
         sender = outgoing.sender
         block_ids = range(k_snapshot.shape[0])  # the snapshot holds exactly the request's blocks

@@ -1,12 +1,12 @@
 """`PrefillServer`: one prefill node (see README.md for a request's lifecycle).
 
-    PrefillServer(core, config)   inside the event loop: AsyncEngine around the prefill-only
-                                  EngineCore, KV transport + KVTransferManager, LayerStreamer
-                                  (installed as the engine's on_layer_done), gRPC server
-    start()                       engine thread, then serve Node + PrefillNode + health
-    stop()                        stop serving (in-flight calls get grace_s, then are cancelled
-                                  and free what they hold), stop the engine thread, close the
-                                  transport (live transfers fail, peers are told)
+PrefillServer(core, config)   inside the event loop: AsyncEngine around the prefill-only
+                              EngineCore, KV transport + KVTransferManager, LayerStreamer
+                              (installed as the engine's on_layer_done), gRPC server
+start()                       engine thread, then serve Node + PrefillNode + health
+stop()                        stop serving (in-flight calls get grace_s, then are cancelled
+                              and free what they hold), stop the engine thread, close the
+                              transport (live transfers fail, peers are told)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PrefillServer:
             **core.arch.layout_fields(),
         )
         self.engine = AsyncEngine(core)
-        transport = make_transport(config.kv_transport, config.host, config.kv_port)
+        transport = make_transport(config.kv_transport, config.kv_host, config.kv_port)
         self.manager = KVTransferManager(transport, self.layout)
         self.streamer = LayerStreamer(core.pool.kv_caches, asyncio.get_running_loop())
         core.on_layer_done = self.streamer.on_layer_done

@@ -1,13 +1,13 @@
 """`PrefillServicer`: the `PrefillNode.Prefill` RPC.
 
-    check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
-    build the Request (bad params: INVALID_ARGUMENT)
-    create_sender(ticket) ── handshake in the background ──► decode node
-    LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
-    ──► PrefillFirstToken                                     at once
-    LayerStreamer.finish: layers sent, first token sent, the receiver's result awaited
-    EngineCore.release (held blocks) ──► PrefillTransferResult
-    cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held
+check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
+build the Request (bad params: INVALID_ARGUMENT)
+create_sender(ticket) ── handshake in the background ──► decode node
+LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
+──► PrefillFirstToken                                     at once
+LayerStreamer.finish: layers sent, first token sent, the receiver's result awaited
+EngineCore.release (held blocks) ──► PrefillTransferResult
+cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Wire conversions both node roles need, on plain values (torch- and engine-free).
 
-    NodeSamplingParams ──sampling_kwargs──► keyword arguments of the engine's SamplingParams
-    a token's log-probabilities ──token_logprob──► TokenLogprob
-    a model's tokenizer folder ──read_tokenizer_files──► TokenizerFiles
+NodeSamplingParams ──sampling_kwargs──► keyword arguments of the engine's SamplingParams
+a token's log-probabilities ──token_logprob──► TokenLogprob
+a model's tokenizer folder ──read_tokenizer_files──► TokenizerFiles
 """
 
 from __future__ import annotations

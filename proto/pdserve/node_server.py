@@ -44,6 +44,9 @@ class NodeServerConfig:
     port: int = 0  # gRPC port; 0: a free one
     kv_transport: str = "auto"  # "auto" | "tcp" | "local" (see cache_transfer.make_transport)
     kv_port: int = 0  # KV transport port; 0: a free one
+    # The address peers reach this node's KV transport at (e.g. the pod IP when `host` is
+    # 0.0.0.0); it must be one of this machine's addresses: the transport binds to it.
+    advertise_host: str | None = None
     # Decode: how long a DISAGGREGATED request waits for its KV when the request gives no
     # timeout. Prefill: how long a sender may take from handshake to the decode node's result.
     transfer_timeout_s: float = 10.0
@@ -58,6 +61,11 @@ class NodeServerConfig:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def kv_host(self) -> str:
+        """Where the KV transport listens (and what it advertises)."""
+        return self.advertise_host or self.host
 
 
 class NodeServer:
@@ -126,7 +134,9 @@ class RunningNode(Protocol):
     async def stop(self) -> None: ...
 
 
-async def serve_until_signalled(start_node: Callable[[], Awaitable[RunningNode]], name: str) -> None:
+async def serve_until_signalled(
+    start_node: Callable[[], Awaitable[RunningNode]], name: str
+) -> None:
     """Start a node, print "`name` listening on HOST:PORT (kv ADDRESS)" once it serves, and
     stop it gracefully on SIGINT or SIGTERM (also one that arrives while it is starting)."""
     stop_requested = asyncio.Event()

@@ -156,6 +156,19 @@ def test_a_closed_transport_refuses_to_send(backend: str) -> None:
     run(scenario())
 
 
+def test_closing_fails_a_send_still_waiting_for_its_peer(backend: str) -> None:
+    async def scenario() -> None:
+        src, dst, _ = await _endpoints(backend)
+        await dst.close()
+        pending = asyncio.create_task(src.send(dst.address, b"x", _random_bytes(1 << 20, 0)))
+        await asyncio.sleep(0.05)
+        await src.close()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(pending, 2)
+
+    run(scenario())
+
+
 def test_payload_must_be_flat_uint8(backend: str) -> None:
     async def scenario() -> None:
         src, dst, _ = await _endpoints(backend)

@@ -1,0 +1,349 @@
+"""In-process prefill and decode nodes on loopback, and a test client that plays the router.
+
+Used by tests/unit/decode_node, tests/unit/prefill_node and tests/e2e (import it as
+`tests.unit.decode_node.node_harness`). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from cache_transfer import KVLayout, make_transport, protocol
+from cache_transfer.transport import KVTransport
+from decode_node.decode_server import DecodeServer
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from pdserve.node_server import NodeServerConfig
+from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
+from prefill_node.prefill_server import PrefillServer
+
+MODEL = "synthetic:tiny-llama"  # 2 layers, vocab 512, eos 2
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+TRANSPORTS = ("local", "tcp")
+RPC_TIMEOUT_S = 10.0
+FREE_WITHIN_S = 1.0  # after a request ends, its node's blocks are all free again within this
+
+GREEDY = node_pb2.NodeSamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=7)
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
+    """Run a test coroutine on a fresh event loop, bounded by `timeout_s`."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def engine_config(
+    prefill_only: bool,
+    *,
+    model: str = MODEL,
+    num_blocks: int = NUM_BLOCKS,
+    max_num_batched_tokens: int = 2048,
+    dtype: str = "float32",
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=model, device="cpu", dtype=dtype),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            prefill_only=prefill_only, max_num_batched_tokens=max_num_batched_tokens
+        ),
+    )
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    """Token ids in [3, 512): no special ids, so EOS never shows up in a prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (length,), generator=gen).tolist()
+
+
+@dataclass
+class Nodes:
+    """A started prefill node and decode node, and stubs for both."""
+
+    prefill: PrefillServer
+    decode: DecodeServer
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        prefill_channel = grpc.aio.insecure_channel(self.prefill.address)
+        decode_channel = grpc.aio.insecure_channel(self.decode.address)
+        self.channels = [prefill_channel, decode_channel]
+        self.prefill_stub = node_pb2_grpc.PrefillNodeStub(prefill_channel)
+        self.prefill_node_stub = node_pb2_grpc.NodeStub(prefill_channel)
+        self.decode_stub = node_pb2_grpc.DecodeNodeStub(decode_channel)
+        self.decode_node_stub = node_pb2_grpc.NodeStub(decode_channel)
+
+    async def stats(self) -> tuple[node_pb2.NodeStats, node_pb2.NodeStats]:
+        """(prefill, decode) NodeStats."""
+        request = node_pb2.GetStatsRequest()
+        return (
+            await self.prefill_node_stub.GetStats(request, timeout=RPC_TIMEOUT_S),
+            await self.decode_node_stub.GetStats(request, timeout=RPC_TIMEOUT_S),
+        )
+
+    async def assert_all_free(self, within_s: float = FREE_WITHIN_S) -> None:
+        """Within `within_s`, both pools are whole again and no transfer is pending."""
+
+        def whole(stats: node_pb2.NodeStats) -> bool:
+            return (
+                stats.num_free_kv_blocks == stats.num_kv_blocks
+                and stats.num_pending_transfers == 0
+                and stats.num_running_requests == 0
+                and stats.num_waiting_requests == 0
+            )
+
+        async with asyncio.timeout(within_s):
+            while not all(whole(s) for s in await self.stats()):
+                await asyncio.sleep(0.01)
+        for server in (self.prefill, self.decode):
+            await server.engine.call(lambda core: core.check_no_leaks())
+
+
+@contextlib.asynccontextmanager
+async def running_nodes(
+    transport: str = "local",
+    *,
+    prefill_engine: EngineConfig | None = None,
+    decode_engine: EngineConfig | None = None,
+    transfer_timeout_s: float = 10.0,
+    check_free: bool = True,
+) -> AsyncIterator[Nodes]:
+    """Start a prefill node and a decode node on 127.0.0.1 (free ports) sharing `transport`;
+    on a clean exit assert both pools are whole again; always stop both."""
+    config = NodeServerConfig(kv_transport=transport, transfer_timeout_s=transfer_timeout_s)
+    prefill_core = EngineCore(prefill_engine or engine_config(prefill_only=True))
+    decode_core = EngineCore(decode_engine or engine_config(prefill_only=False))
+    prefill = PrefillServer(prefill_core, config)
+    decode = DecodeServer(decode_core, config)
+    nodes: Nodes | None = None
+    try:
+        await prefill.start()
+        await decode.start()
+        nodes = Nodes(prefill, decode)
+        yield nodes
+        if check_free:
+            await nodes.assert_all_free()
+    finally:
+        for channel in nodes.channels if nodes else ():
+            await channel.close()
+        await prefill.stop(grace_s=0)
+        await decode.stop(grace_s=0)
+
+
+def decode_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: node_pb2.NodeSamplingParams = GREEDY,
+    *,
+    disaggregated: bool = True,
+    transfer_timeout_s: float = 0.0,
+) -> node_pb2.DecodeRequest:
+    mode = (
+        node_pb2.DECODE_MODE_DISAGGREGATED if disaggregated else node_pb2.DECODE_MODE_LOCAL_PREFILL
+    )
+    return node_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        mode=mode,
+        transfer_timeout_s=transfer_timeout_s,
+    )
+
+
+async def read_ticket(call: grpc.aio.UnaryStreamCall) -> node_pb2.TransferTicket:
+    message = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+    assert message.WhichOneof("kind") == "ticket", message
+    return message.ticket
+
+
+async def read_chunks(call: grpc.aio.UnaryStreamCall) -> list[node_pb2.TokenChunk]:
+    """Every TokenChunk of a Decode stream up to the one with a finish_reason."""
+    chunks = []
+    while True:
+        message = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+        assert message is not grpc.aio.EOF, f"the stream ended after {chunks}"
+        assert message.WhichOneof("kind") == "tokens", message
+        chunks.append(message.tokens)
+        if message.tokens.finish_reason:
+            return chunks
+
+
+def tokens_of(chunks: list[node_pb2.TokenChunk]) -> list[int]:
+    """The output token ids of a chunk list, checking the chunks cover indices 0, 1, ..."""
+    token_ids: list[int] = []
+    for chunk in chunks:
+        assert chunk.output_index == len(token_ids), [c.output_index for c in chunks]
+        token_ids.extend(chunk.token_ids)
+    return token_ids
+
+
+async def read_prefill(call: grpc.aio.UnaryStreamCall) -> list[node_pb2.PrefillResponse]:
+    """Both messages of a Prefill stream (first token, transfer result), then its end."""
+    messages = [await asyncio.wait_for(call.read(), RPC_TIMEOUT_S) for _ in range(2)]
+    assert [m.WhichOneof("kind") for m in messages] == ["first_token", "transfer_result"]
+    assert await asyncio.wait_for(call.read(), RPC_TIMEOUT_S) is grpc.aio.EOF
+    return messages
+
+
+@dataclass
+class Handoff:
+    """What a router sees of one disaggregated request."""
+
+    ticket: node_pb2.TransferTicket
+    first_token: node_pb2.PrefillFirstToken
+    transfer_result: node_pb2.PrefillTransferResult
+    chunks: list[node_pb2.TokenChunk]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return tokens_of(self.chunks)
+
+
+async def run_disaggregated(
+    nodes: Nodes,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: node_pb2.NodeSamplingParams = GREEDY,
+) -> Handoff:
+    """Play the router: Decode -> ticket -> Prefill -> first token; then D's stream."""
+    decode_call = nodes.decode_stub.Decode(
+        decode_request(request_id, prompt_token_ids, sampling), timeout=RPC_TIMEOUT_S
+    )
+    ticket = await read_ticket(decode_call)
+    prefill_call = nodes.prefill_stub.Prefill(
+        node_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            ticket=ticket,
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    first, result = await read_prefill(prefill_call)
+    chunks = await read_chunks(decode_call)
+    return Handoff(ticket, first.first_token, result.transfer_result, chunks)
+
+
+async def run_local(
+    nodes: Nodes,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: node_pb2.NodeSamplingParams = GREEDY,
+) -> list[int]:
+    """A LOCAL_PREFILL request on the decode node; its output token ids."""
+    call = nodes.decode_stub.Decode(
+        decode_request(request_id, prompt_token_ids, sampling, disaggregated=False),
+        timeout=RPC_TIMEOUT_S,
+    )
+    return tokens_of(await read_chunks(call))
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+@dataclass
+class RawPeer:
+    """A bare KV transport endpoint that speaks transfer.proto by hand: it records what it
+    receives and sends whatever a test tells it to (forged messages included)."""
+
+    transport: KVTransport
+    received: list[transfer_pb2.TransferMessage] = field(default_factory=list)
+    seq: int = 0
+
+    @classmethod
+    def start(cls, transport_name: str) -> RawPeer:
+        peer = cls(make_transport(transport_name))
+        peer.transport.start(peer)
+        return peer
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor:
+        return torch.empty(payload_bytes, dtype=torch.uint8)
+
+    def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
+        self.received.append(protocol.decode(header))
+
+    def kinds(self) -> list[str]:
+        return [protocol.kind_of(msg) for msg in self.received]
+
+    async def send(
+        self,
+        dst_address: str,
+        transfer_id: str,
+        payload: torch.Tensor | None = None,
+        **kind: object,
+    ) -> None:
+        header = protocol.encode(transfer_id, self.seq, **kind)
+        self.seq += 1
+        await asyncio.wait_for(self.transport.send(dst_address, header, payload), RPC_TIMEOUT_S)
+
+    async def handshake(self, ticket: node_pb2.TransferTicket, layout: KVLayout) -> None:
+        """A valid handshake for `ticket`, as a prefill node would send it."""
+        handshake = transfer_pb2.TransferHandshake(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            layout_hash=layout.layout_hash(),
+            src_address=self.address,
+            num_layers=layout.num_layers,
+            num_tokens=ticket.num_tokens,
+            num_blocks=layout.num_blocks_for(ticket.num_tokens),
+        )
+        await self.send(ticket.dst_address, ticket.transfer_id, handshake=handshake)
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+
+LISTENING = re.compile(r"^(pd-\w+) listening on (\S+):(\d+) \(kv (\S+)\)$")
+LAUNCH_TIMEOUT_S = 120.0
+
+
+@dataclass
+class NodeProcess:
+    """A `pd-prefill` / `pd-decode` launcher run as a child process, and its listening line."""
+
+    process: subprocess.Popen
+    match: re.Match
+
+    @classmethod
+    def launch(cls, module: str, *flags: str) -> NodeProcess:
+        """Run `python -m module` with the tiny model; return once it printed its line."""
+        argv = [sys.executable, "-m", module, "--model", MODEL, "--device", "cpu"]
+        argv += ["--dtype", "float32", "--num-kv-blocks", "16", "--log-level", "warning", *flags]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with ThreadPoolExecutor(1) as pool:
+            line = pool.submit(process.stdout.readline).result(timeout=LAUNCH_TIMEOUT_S)
+        match = LISTENING.match(line.rstrip("\n"))
+        if match is None:
+            process.kill()
+            raise AssertionError(f"{module} printed {line!r}; stderr: {process.stderr.read()}")
+        return cls(process, match)
+
+    @property
+    def address(self) -> str:
+        return f"{self.match[2]}:{self.match[3]}"
+
+    def stop(self, signum: int) -> tuple[int, str]:
+        """Send `signum`; the exit code and whatever else it printed to stdout."""
+        self.process.send_signal(signum)
+        try:
+            out, _ = self.process.communicate(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        return self.process.returncode, out

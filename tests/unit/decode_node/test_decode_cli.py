@@ -1,0 +1,57 @@
+"""pd-decode: serves once it prints its one listening line, stops cleanly on SIGINT; a KV
+transport it cannot build is an error, exit 1."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import grpc
+import pytest
+
+from decode_node.cli import build_decode_parser
+from pdserve.v1 import node_pb2, node_pb2_grpc
+from tests.unit.decode_node.node_harness import LAUNCH_TIMEOUT_S, MODEL, RPC_TIMEOUT_S, NodeProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_console_script_is_declared() -> None:
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["pd-decode"] == "decode_node.cli:main"
+
+
+def test_parser_adds_transfer_timeout() -> None:
+    parser = build_decode_parser()
+    assert parser.parse_args([]).transfer_timeout_s == 10.0
+    assert parser.parse_args(["--transfer-timeout-s", "2.5"]).transfer_timeout_s == 2.5
+
+
+def test_pd_decode_serves_then_stops_on_sigint() -> None:
+    node = NodeProcess.launch(
+        "decode_node.cli", "--kv-transport", "tcp", "--transfer-timeout-s", "3"
+    )
+    try:
+        assert node.match[1] == "pd-decode"
+        assert node.match[4].startswith("tcp://127.0.0.1:")
+        with grpc.insecure_channel(node.address) as channel:
+            stats = node_pb2_grpc.NodeStub(channel).GetStats(
+                node_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S
+            )
+        assert stats.num_kv_blocks == 16 == stats.num_free_kv_blocks
+    finally:
+        returncode, rest = node.stop(signal.SIGINT)
+    assert returncode == 0
+    assert rest == ""
+
+
+def test_unknown_transport_exits_1() -> None:
+    argv = [sys.executable, "-m", "decode_node.cli", "--model", MODEL, "--device", "cpu"]
+    argv += ["--kv-transport", "ucx", "--log-level", "error"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 1
+    assert "pd-decode: unknown KV transport 'ucx'" in done.stderr
+    assert done.stdout == ""
