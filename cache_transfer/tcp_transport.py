@@ -36,6 +36,7 @@ ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking th
 _HEARTBEAT_IVL_MS = 2000  # zmq pings idle connections; a silent peer is dropped after:
 _HEARTBEAT_TIMEOUT_MS = 6000
 _TRACKER_POLL_MAX_S = 0.0005
+_CLOSE_LINGER_MS = 1000  # how long closed connections keep delivering what was queued
 
 
 class TcpTransport(KVTransport):
@@ -106,7 +107,7 @@ class TcpTransport(KVTransport):
             self._recv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recv_task
-        for sock in self._peers.values():
+        for sock in self._peers.values():  # flush queued control messages in the background
             sock.close(linger=0)
         self._peers.clear()
         self._router.close(linger=0)
@@ -118,7 +119,6 @@ class TcpTransport(KVTransport):
                 raise TransportError(f"tcp transport cannot reach {peer_address!r}")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
-            sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
