@@ -77,6 +77,41 @@ def paged_attention(
     return out.transpose(1, 2)
 
 
+MAX_DECODE_GROUPS = 4
+_GROUP_LEN_RATIO = 0.7  # a group's shortest context is at least this fraction of its longest
+
+
+def length_groups(seq_lens: tuple[int, ...]) -> list[tuple[list[int], int]]:
+    """Split request rows into at most MAX_DECODE_GROUPS groups of similar length, longest
+    first: [(rows, max_len)]. One group when the lengths are already close."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
+    groups: list[tuple[list[int], int]] = []
+    start = 0
+    for i in range(1, len(order) + 1):
+        last_group = len(groups) == MAX_DECODE_GROUPS - 1
+        if i == len(order) or (
+            not last_group and seq_lens[order[i]] < _GROUP_LEN_RATIO * seq_lens[order[start]]
+        ):
+            groups.append((order[start:i], seq_lens[order[start]]))
+            start = i
+    return groups
+
+
+def _decode_group(
+    q: torch.Tensor,  # [num_rows, num_heads, head_dim]
+    seq_lens: torch.Tensor,  # [num_rows] int64
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_rows, max_blocks_per_req]
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
+    out = paged_attention(
+        q[:, None], (seq_lens - 1)[:, None], k_cache, v_cache, block_tables, max_len, scale
+    )
+    return out[:, 0]
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch ops only; runs on any device and dtype."""
 
@@ -113,17 +148,22 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        """One padded attention per group of similar context lengths (at most
+        `MAX_DECODE_GROUPS`): padding every decode to the longest context wastes up to half the
+        gathered KV when lengths are spread, and the gather is most of decode attention's cost."""
         num_decodes = meta.num_decodes
-        out = paged_attention(
-            q[:, None],
-            (meta.seq_lens[:num_decodes].long() - 1)[:, None],
-            k_cache,
-            v_cache,
-            meta.block_tables[:num_decodes],
-            max(meta.seq_lens_cpu[:num_decodes]),
-            scale,
-        )
-        return out[:, 0]
+        seq_lens = meta.seq_lens[:num_decodes].long()
+        block_tables = meta.block_tables[:num_decodes]
+        groups = length_groups(meta.seq_lens_cpu[:num_decodes])
+        if len(groups) == 1:
+            return _decode_group(q, seq_lens, k_cache, v_cache, block_tables, groups[0][1], scale)
+        out = torch.empty_like(q)
+        for rows, max_len in groups:
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = _decode_group(
+                q[idx], seq_lens[idx], k_cache, v_cache, block_tables[idx], max_len, scale
+            )
+        return out
 
     @staticmethod
     def _prefill(

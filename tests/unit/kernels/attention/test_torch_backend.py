@@ -126,3 +126,18 @@ def test_rejects_heads_not_multiple_of_kv_heads() -> None:
         TorchAttentionBackend().forward(
             batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
         )
+
+
+def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
+    from kernels.attention.torch_backend import MAX_DECODE_GROUPS, length_groups
+
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = tuple(torch.randint(1, 500, (64,), generator=gen).tolist())
+    groups = length_groups(seq_lens)
+    assert 1 < len(groups) <= MAX_DECODE_GROUPS
+    rows = sorted(r for group_rows, _ in groups for r in group_rows)
+    assert rows == list(range(64))
+    for group_rows, max_len in groups[:-1]:
+        assert max_len == max(seq_lens[r] for r in group_rows)
+        assert min(seq_lens[r] for r in group_rows) >= 0.7 * max_len
+    assert length_groups((10, 9, 8, 10)) == [([0, 3, 1, 2], 10)]  # close lengths: one group
