@@ -1,5 +1,7 @@
 # pdserve: `make serve` sets up and runs pdserve on its default model; `make test` sets up and
-# runs the tests. Both create ./.venv on first use (torch pinned to the CPU build on CPU hosts).
+# runs the tests (installing redis-server from Debian's packages when it is missing: the
+# registry tests start one). Both create ./.venv on first use (torch pinned to the CPU build on
+# CPU hosts).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,6 +24,7 @@ serve: setup
 	$(VENV)/bin/pd-serve
 
 test: setup
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 	$(PY) -m pytest tests $(TEST_ARGS)
 
 lint: setup

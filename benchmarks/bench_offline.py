@@ -64,7 +64,10 @@ def hf_one_by_one(model, workload) -> float:
     total = 0
     for prompt, n in workload:
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
             pad_token_id=0,
         )
         total += out.shape[1] - len(prompt)
@@ -81,11 +84,15 @@ def hf_batched(model, workload, batch_size: int) -> float:
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, (prompt, _) in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         n = max(out_len for _, out_len in batch)
         model.generate(
-            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
             pad_token_id=0,
         )
         useful += sum(out_len for _, out_len in batch)
@@ -112,14 +119,30 @@ def main() -> None:
 
     with torch.inference_mode():
         rows = [
-            ("decode tok/s, batch 1", engine_decode_rate(llm, prompt, args.decode_tokens),
-             hf_decode_rate(hf, prompt, args.decode_tokens), 1.0),
+            (
+                "decode tok/s, batch 1",
+                engine_decode_rate(llm, prompt, args.decode_tokens),
+                hf_decode_rate(hf, prompt, args.decode_tokens),
+                1.0,
+            ),
         ]
         ours = engine_aggregate(llm, workload)
-        rows.append((f"aggregate tok/s, {len(workload)} req vs HF one by one", ours,
-                     hf_one_by_one(hf, workload), 10.0))
-        rows.append((f"aggregate tok/s, {len(workload)} req vs HF batched x{args.hf_batch_size}",
-                     ours, hf_batched(hf, workload, args.hf_batch_size), None))
+        rows.append(
+            (
+                f"aggregate tok/s, {len(workload)} req vs HF one by one",
+                ours,
+                hf_one_by_one(hf, workload),
+                10.0,
+            )
+        )
+        rows.append(
+            (
+                f"aggregate tok/s, {len(workload)} req vs HF batched x{args.hf_batch_size}",
+                ours,
+                hf_batched(hf, workload, args.hf_batch_size),
+                None,
+            )
+        )
 
     print(f"\nmodel {args.model}, CPU fp32, torch threads {torch.get_num_threads()}")
     print(f"{'figure':<52} {'pdserve':>10} {'HF':>10} {'ratio':>7} {'target':>7}")

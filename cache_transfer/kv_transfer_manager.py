@@ -139,6 +139,15 @@ class KVTransferManager:
         elif payload is not None:  # its receiver finished while the payload was landing
             self._staging.give_back(payload)
 
+    def abandon(self, peer_id: str, header: bytes, payload: torch.Tensor) -> None:
+        """TransportHandler: a payload prepare() accepted will never land (the connection
+        broke): its receiver fails."""
+        routed = self._route(peer_id, header)
+        if routed is not None and isinstance(routed[0], KVReceiver):
+            routed[0].abandon(peer_id, routed[1], payload)
+        else:  # its receiver finished while the payload was landing
+            self._staging.give_back(payload)
+
     async def close(self) -> None:
         """Fail every live transfer (peers are told, within NOTIFY_TIMEOUT_S), then close the
         transport."""

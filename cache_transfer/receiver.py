@@ -3,8 +3,9 @@
     created (blocks reserved) ── ticket() ──► router ──► prefill node
     BOOTSTRAPPING ── handshake ok ──► WAITING ── layer lands ──► TRANSFERRING
                   ── every layer complete + first token ──► SUCCESS (result ok sent to P)
-    any refused message, the deadline, or P's failed result ──► FAILED (blocks untouched since
-    the refusal; the node frees them once wait() returns)
+    any refused message, the deadline, P's failed result, or a connection lost mid-layer
+    ──► FAILED (blocks untouched since; the node frees them once wait() returns)
+    add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
 Every message is checked against the ticket before its payload lands: the peer that
 handshook, the sequence number, the layer index, the exact token span and block range, the
@@ -13,7 +14,8 @@ byte count. Payloads are scattered only into this session's own `dst_block_ids`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,7 +28,10 @@ from cache_transfer.state import TransferState
 from cache_transfer.transport import KVTransport
 from pdserve.v1 import node_pb2, transfer_pb2
 
+logger = logging.getLogger(__name__)
+
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+LayerCallback = Callable[[int, int], None]  # (layer_idx, token_end) of a layer that landed
 
 
 class KVReceiver(TransferSession):
@@ -59,6 +64,12 @@ class KVReceiver(TransferSession):
         self._peer_id: str | None = None
         self._staging = staging
         self._device = transport.buffer_device(kv_caches[0][0].device)
+        self._layer_callbacks: list[LayerCallback] = []
+
+    def add_layer_callback(self, callback: LayerCallback) -> None:
+        """Call `callback(layer_idx, token_end)` each time a layer's KV has been written into
+        this session's blocks (once per layer manifest; errors are logged, not raised)."""
+        self._layer_callbacks.append(callback)
 
     def ticket(self) -> node_pb2.TransferTicket:
         """What the prefill node needs to send this session its KV."""
@@ -107,6 +118,13 @@ class KVReceiver(TransferSession):
             self.fail("refused the sender's result: only the receiver reports success")
         else:
             self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False)
+
+    def abandon(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor) -> None:
+        """A layer prepare() accepted will never land: its connection broke mid-way."""
+        self._num_landing -= 1
+        self._staging.give_back(payload)
+        layer_idx = msg.layer_manifest.layer_idx
+        self.fail(f"the connection from {peer_id} broke while layer {layer_idx} was landing")
 
     def _check_sender(self, peer_id: str, msg: TransferMessage) -> str | None:
         """Why this message may not come from `peer_id` now, or None (and count its seq)."""
@@ -201,9 +219,17 @@ class KVReceiver(TransferSession):
                 unpack_layer(payload, k_cache, v_cache, dst_ids)
                 self.num_bytes_received += payload.numel()
                 self._advance(TransferState.TRANSFERRING)
+                self._notify_layer(manifest)
                 self._maybe_succeed()
         finally:
             self._staging.give_back(payload)
+
+    def _notify_layer(self, manifest: transfer_pb2.LayerManifest) -> None:
+        for callback in self._layer_callbacks:
+            try:
+                callback(manifest.layer_idx, manifest.token_end)
+            except Exception:
+                logger.exception("receiver %s: a layer callback failed", self.transfer_id)
 
     def _maybe_succeed(self) -> None:
         if self.first_token is not None and self._num_landing == 0 and not self.finished:

@@ -1,7 +1,8 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
     created from the ticket ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
-    send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order)
+    send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order),
+    or send_packed(i, payload) for a layer the caller packed itself
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
     refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
 
@@ -12,7 +13,7 @@ bandwidth. The node releases the request's blocks once `wait()` returns.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
-from cache_transfer.transport import KVTransport
+from cache_transfer.transport import KVTransport, check_payload
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
 
@@ -68,21 +69,44 @@ class KVSender(TransferSession):
         `src_block_ids` is the request's block table; the blocks not yet sent for this layer
         go out (a chunked prefill calls this once per chunk). A no-op once finished."""
         token_end = self.num_tokens if token_end is None else token_end
-        block_offset, block_end = self._reserve_layer(layer_idx, token_end, len(src_block_ids))
+        block_offset, block_end = self._layer_span(layer_idx, token_end)
+        if len(src_block_ids) < block_end:
+            raise ValueError(
+                f"{token_end} tokens span {block_end} blocks; src_block_ids has "
+                f"{len(src_block_ids)}"
+            )
         check_kv_cache(self.layout, k_cache, v_cache)
-        if self.finished:
-            return
-        sending = self._loop.create_future()
-        self._sending.add(sending)
-        try:
-            if await self._wait_acked():
-                src_ids = src_block_ids[block_offset:block_end]
-                await self._pack_and_send(
-                    layer_idx, k_cache, v_cache, src_ids, block_offset, token_end
-                )
-        finally:
-            self._sending.discard(sending)
-            sending.set_result(None)
+        self._layer_token_end[layer_idx] = token_end
+        src_ids = src_block_ids[block_offset:block_end]
+
+        def pack(out: torch.Tensor) -> None:
+            pack_layer(k_cache, v_cache, src_ids, out)  # [2, num_blocks, ...] as bytes
+
+        manifest = self._manifest(layer_idx, block_offset, block_end, token_end)
+        await self._send_layer(manifest, pack, k_cache.device)
+
+    async def send_packed(
+        self, layer_idx: int, payload: torch.Tensor, token_end: int | None = None
+    ) -> None:
+        """Send layer `layer_idx`'s KV packed already (by `pack_layer`): the request's blocks
+        not yet sent for this layer up to `ceil(token_end / block_size)`, in order, as flat
+        uint8. Sent in place when it lives where the transport sends from
+        (`buffer_device`), else copied once into staging; leave it unchanged until this
+        returns. A CUDA payload must be written on the current stream. No-op once finished."""
+        token_end = self.num_tokens if token_end is None else token_end
+        block_offset, block_end = self._layer_span(layer_idx, token_end)
+        num_bytes = self.layout.layer_bytes(block_end - block_offset)
+        if check_payload(payload) != num_bytes:
+            raise ValueError(
+                f"layer {layer_idx}: a packed payload of {payload.numel()} bytes; blocks "
+                f"[{block_offset}, {block_end}) of tokens up to {token_end} take {num_bytes}"
+            )
+        self._layer_token_end[layer_idx] = token_end
+        manifest = self._manifest(layer_idx, block_offset, block_end, token_end)
+        if self._transport.buffer_device(payload.device) == payload.device:
+            await self._send_layer(manifest, payload, payload.device)
+        else:
+            await self._send_layer(manifest, lambda out: out.copy_(payload), payload.device)
 
     async def send_first_token(
         self,
@@ -136,10 +160,8 @@ class KVSender(TransferSession):
             return f"{len(ticket.dst_block_ids)} dst blocks for {self.num_blocks} blocks of KV"
         return None
 
-    def _reserve_layer(
-        self, layer_idx: int, token_end: int, num_src_blocks: int
-    ) -> tuple[int, int]:
-        """Claim tokens [previous end, token_end) of a layer; its (first, end) block indices."""
+    def _layer_span(self, layer_idx: int, token_end: int) -> tuple[int, int]:
+        """The (first, end) block indices of a layer's tokens [previous end, token_end)."""
         if not 0 <= layer_idx < self.layout.num_layers:
             raise ValueError(f"layer_idx {layer_idx} outside [0, {self.layout.num_layers})")
         prev_end = self._layer_token_end[layer_idx]
@@ -148,44 +170,60 @@ class KVSender(TransferSession):
                 f"layer {layer_idx}: token_end must be in ({prev_end}, {self.num_tokens}] "
                 f"(tokens already sent, prompt length), got {token_end}"
             )
-        block_end = self.layout.num_blocks_for(token_end)
-        if num_src_blocks < block_end:
-            raise ValueError(
-                f"{token_end} tokens span {block_end} blocks; src_block_ids has {num_src_blocks}"
-            )
-        self._layer_token_end[layer_idx] = token_end
-        return prev_end // self.layout.block_size, block_end
+        return prev_end // self.layout.block_size, self.layout.num_blocks_for(token_end)
 
-    async def _pack_and_send(
+    def _manifest(
+        self, layer_idx: int, block_offset: int, block_end: int, token_end: int
+    ) -> transfer_pb2.LayerManifest:
+        num_blocks = block_end - block_offset
+        return transfer_pb2.LayerManifest(
+            layer_idx=layer_idx,
+            block_offset=block_offset,
+            num_blocks=num_blocks,
+            num_bytes=self.layout.layer_bytes(num_blocks),
+            token_end=token_end,
+        )
+
+    async def _send_layer(
         self,
-        layer_idx: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        src_block_ids: Sequence[int],
-        block_offset: int,
-        token_end: int,
+        manifest: transfer_pb2.LayerManifest,
+        source: torch.Tensor | Callable[[torch.Tensor], object],
+        device: torch.device,
     ) -> None:
-        num_blocks = len(src_block_ids)
-        num_bytes = self.layout.layer_bytes(num_blocks)
-        packed = self._staging.take(num_bytes, self._transport.buffer_device(k_cache.device))
-        sent = False
+        """Once acked, send a layer: `source` is the payload itself, or fills staging with it."""
+        if self.finished:
+            return
+        sending = self._loop.create_future()
+        self._sending.add(sending)
         try:
-            pack_layer(k_cache, v_cache, src_block_ids, packed)  # [2, num_blocks, ...] as bytes
-            manifest = transfer_pb2.LayerManifest(
-                layer_idx=layer_idx,
-                block_offset=block_offset,
-                num_blocks=num_blocks,
-                num_bytes=num_bytes,
-                token_end=token_end,
-            )
-            self._advance(TransferState.TRANSFERRING)
-            sent = await self._send(packed, layer_manifest=manifest)
+            if not await self._wait_acked():
+                return
+            if isinstance(source, torch.Tensor):
+                await self._send_payload(manifest, source)
+                return
+            staging_device = self._transport.buffer_device(device)
+            packed = self._staging.take(manifest.num_bytes, staging_device)
+            sent = False
+            try:
+                source(packed)
+                sent = await self._send_payload(manifest, packed)
+            finally:
+                if sent:
+                    self._staging.give_back(packed)
+                else:  # the transport may still be reading it
+                    self._staging.discard(packed)
         finally:
-            if sent:
-                self.num_bytes_sent += num_bytes
-                self._staging.give_back(packed)
-            else:  # the transport may still be reading it
-                self._staging.discard(packed)
+            self._sending.discard(sending)
+            sending.set_result(None)
+
+    async def _send_payload(
+        self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor
+    ) -> bool:
+        self._advance(TransferState.TRANSFERRING)
+        sent = await self._send(payload, layer_manifest=manifest)
+        if sent:
+            self.num_bytes_sent += manifest.num_bytes
+        return sent
 
     async def _handshake(self) -> None:
         handshake = transfer_pb2.TransferHandshake(

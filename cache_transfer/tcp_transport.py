@@ -108,7 +108,7 @@ class TcpTransport(KVTransport):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._recv_task
         for sock in self._peers.values():  # flush queued control messages in the background
-            sock.close(linger=0)
+            sock.close(linger=_CLOSE_LINGER_MS)
         self._peers.clear()
         self._router.close(linger=0)
 

@@ -5,11 +5,13 @@ message and chooses where its payload lands before any byte is written:
 
     handler.prepare(peer_id, header, payload_bytes) -> dst | None   (None: refused, dropped)
     handler.complete(peer_id, header, dst | None)                   (the payload is in dst)
+    handler.abandon(peer_id, header, dst)       (instead of complete: the connection broke)
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -18,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_NAMES = ("local", "tcp", "auto")
+TRANSPORT_NAMES = ("auto", "ucx", "tcp", "local")
 
 
 class TransportError(ConnectionError):
@@ -36,6 +38,12 @@ class TransportHandler(Protocol):
     def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
         """A whole message: `payload` is the tensor `prepare` returned, now filled (None for a
         header-only message)."""
+        ...
+
+    def abandon(self, peer_id: str, header: bytes, payload: torch.Tensor) -> None:
+        """A payload `prepare` accepted will never be complete (its connection broke mid-way);
+        the transport no longer writes into `payload`. Only transports that can lose a message
+        half-received (ucx) call this."""
         ...
 
 
@@ -107,15 +115,43 @@ def dispatch_message(
         logger.exception("dropped a message from %s: its handler failed", peer_id)
 
 
-def make_transport(name: str, host: str = "127.0.0.1", port: int = 0) -> KVTransport:
-    """Build a transport: "local" (in-process), "tcp" (pyzmq), "auto" (the best available:
-    tcp until the ucx backend lands). `port=0` picks a free port."""
+def make_transport(
+    name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+) -> KVTransport:
+    """Build a transport: "ucx" (UCXX; GPU memory goes GPU-to-GPU), "tcp" (pyzmq, host
+    memory), "local" (in-process, tests), or "auto" (ucx when `ucxx` imports, else tcp).
+
+    Listens on `host:port` (`port=0`: a free port) and tells peers `advertise_host` (default:
+    `host`, or this machine's address when `host` is a wildcard such as 0.0.0.0). ucx and tcp
+    must be built inside the running event loop that will use them."""
+    if name == "auto":
+        name = "ucx" if ucx_available() else "tcp"
     if name == "local":
         from cache_transfer.local_transport import LocalTransport
 
         return LocalTransport()
-    if name in ("tcp", "auto"):
+    if name == "tcp":
         from cache_transfer.tcp_transport import TcpTransport
 
-        return TcpTransport(host=host, port=port)
+        return TcpTransport(host=host, port=port, advertise_host=advertise_host)
+    if name == "ucx":
+        if not ucx_available():
+            raise ValueError(
+                "the ucx KV transport needs the `ucxx` package (pip install ucxx-cu12, or "
+                "ucxx-cu13 for CUDA 13); choose --kv-transport tcp without it"
+            )
+        from cache_transfer.ucx_transport import UcxTransport
+
+        return UcxTransport(host=host, port=port, advertise_host=advertise_host)
     raise ValueError(f"unknown KV transport {name!r}; choose one of {', '.join(TRANSPORT_NAMES)}")
+
+
+@functools.cache
+def ucx_available() -> bool:
+    """Whether `import ucxx` works here (its native libraries load)."""
+    try:
+        import cache_transfer.ucx_transport  # noqa: F401  (imports ucxx with our defaults)
+    except (ImportError, OSError) as error:
+        logger.info("ucx KV transport unavailable: %s", error)
+        return False
+    return True

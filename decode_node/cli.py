@@ -15,7 +15,7 @@ import sys
 from decode_node.decode_server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from pdserve.cli import build_parser, configure_logging, node_engine_kwargs
+from pdserve.cli import build_parser, configure_logging, node_engine_kwargs, registry_config
 from pdserve.node_server import NodeServerConfig, serve_until_signalled
 
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_transport=args.kv_transport,
             kv_port=args.kv_port,
             advertise_host=args.advertise_host,
+            registry=registry_config(args),
             transfer_timeout_s=args.transfer_timeout_s,
         )
     except ValueError as error:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from cache_transfer import KVLayout, make_transport
+from cache_transfer import KVLayout, KVTransferManager, make_transport
 from decode_node.decode_servicer import DecodeServicer
-from decode_node.decode_trace import DecodeTraces, TracingKVTransferManager
+from decode_node.decode_trace import DecodeTraces
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
 from engine.tokenizer import Tokenizer
@@ -47,10 +47,10 @@ class DecodeServer:
         )
         self.engine = AsyncEngine(core)
         self.traces = DecodeTraces()
-        transport = make_transport(config.kv_transport, config.kv_host, config.kv_port)
-        self.manager = TracingKVTransferManager(
-            transport, self.layout, core.pool.kv_caches, self.traces
+        transport = make_transport(
+            config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
+        self.manager = KVTransferManager(transport, self.layout, core.pool.kv_caches)
         self.servicer = DecodeServicer(
             self.engine, self.manager, self.traces, config.transfer_timeout_s
         )
@@ -64,6 +64,8 @@ class DecodeServer:
             self,
             DECODE_SERVICE,
             lambda server: node_pb2_grpc.add_DecodeNodeServicer_to_server(self.servicer, server),
+            registry=config.registry,
+            advertise_host=config.advertise_host,
         )
         self._engine_started = False
         self._stopped = False
@@ -101,6 +103,7 @@ class DecodeServer:
             num_local_prefills=counters.num_local_prefills,
             num_failed_transfers=self.manager.num_failed,
             num_prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            num_queued_prefill_tokens=self.servicer.counters.num_queued_prefill_tokens,
         )
 
     async def abort(self, request_id: str) -> bool:
@@ -141,4 +144,5 @@ class DecodeServer:
             block_size=self.layout.block_size,
             kv_transport=self.kv_address.split("://", 1)[0],
             protocol_version=transfer_pb2.PROTOCOL_VERSION_CURRENT,
+            max_num_seqs=self.core.config.scheduler.max_num_seqs,
         )

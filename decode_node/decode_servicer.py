@@ -39,6 +39,7 @@ class DecodeCounters:
     num_finished_requests: int = 0  # streams that ended with a finish_reason
     num_local_prefills: int = 0  # LOCAL_PREFILL requests and fallbacks
     num_fallbacks: int = 0  # DISAGGREGATED requests whose hand-off failed
+    num_queued_prefill_tokens: int = 0  # prompt tokens of local prefills with no token yet
 
 
 @dataclass
@@ -158,7 +159,7 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         receiver = self._manager.create_receiver(block_ids, request.prompt_len, timeout_s)
         job.receiver = receiver
         job.trace.transfer_id = receiver.transfer_id
-        self._traces.by_transfer_id[receiver.transfer_id] = job.trace
+        receiver.add_layer_callback(job.trace.on_layer_landed)
         return receiver
 
     async def _after_transfer(
@@ -167,7 +168,6 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
         job.receiver = None
-        self._traces.by_transfer_id.pop(receiver.transfer_id, None)
         if state == TransferState.SUCCESS and not job.aborted:
             return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
         request_id = request.request_id
@@ -207,8 +207,15 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
             return
         job.trace.prefilled_locally = True
         self.counters.num_local_prefills += 1
-        async for chunk in self._chunks(job, self._engine.generate(request), next_index=0):
-            yield chunk
+        num_queued = request.prompt_len  # load, reported until the first token
+        self.counters.num_queued_prefill_tokens += num_queued
+        try:
+            async for chunk in self._chunks(job, self._engine.generate(request), next_index=0):
+                self.counters.num_queued_prefill_tokens -= num_queued
+                num_queued = 0
+                yield chunk
+        finally:
+            self.counters.num_queued_prefill_tokens -= num_queued
 
     async def _chunks(
         self, job: _DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
@@ -240,7 +247,6 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
         if job.receiver is not None:
-            self._traces.by_transfer_id.pop(job.receiver.transfer_id, None)
             job.receiver.abort("the decode call ended")
         if not job.finished:
             request_id = job.request_id

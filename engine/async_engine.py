@@ -62,7 +62,9 @@ class AsyncEngine:
         self._check_alive()
         future = self._loop.create_future()
         self._commands.put((lambda: fn(self.core), future))
-        return await asyncio.wait_for(future, timeout_s)
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the caller's cancellation.
+        async with asyncio.timeout(timeout_s):
+            return await future
 
     def post(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run `fn(core)` on the engine thread without waiting for it: cleanup from a task that

@@ -14,7 +14,7 @@ import sys
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from pdserve.cli import build_parser, configure_logging, node_engine_kwargs
+from pdserve.cli import build_parser, configure_logging, node_engine_kwargs, registry_config
 from pdserve.node_server import NodeServerConfig, serve_until_signalled
 from prefill_node.prefill_server import PrefillServer
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_transport=args.kv_transport,
             kv_port=args.kv_port,
             advertise_host=args.advertise_host,
+            registry=registry_config(args),
         )
     except ValueError as error:
         parser.error(str(error))

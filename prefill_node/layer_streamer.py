@@ -3,14 +3,15 @@
     event loop     open(request_id, sender)                     before the engine sees the request
     engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is written
                      for each chunk that ends its prompt, of a request with a live sender:
-                       snapshot = that layer's blocks of the request (index_select)
+                       packed = that layer's blocks of the request (pack_layer)
                        loop.call_soon_threadsafe(send it)       the next layers compute meanwhile
-    event loop     KVSender.send_layer(layer_idx, snapshot)     one task per layer
+    event loop     KVSender.send_packed(layer_idx, packed)      one task per layer
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
-The snapshot makes the bytes sent independent of what the engine does to the blocks afterwards
-(a request whose first token finishes it frees its blocks in the same step).
+Packing on the engine thread snapshots the blocks: the bytes sent do not depend on what the
+engine does to the blocks afterwards (a request whose first token finishes it frees its blocks
+in the same step), and the transport sends that one buffer as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_transfer import KVSender, TransferState
+from cache_transfer import KVSender, TransferState, pack_layer
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2
 
@@ -46,13 +47,12 @@ class TransferTrace:
 
 @dataclass
 class _Outgoing:
-    """One request's sends. `block_index` and `broken` are the engine thread's."""
+    """One request's sends. `broken` is the engine thread's."""
 
     sender: KVSender
     trace: TransferTrace
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    block_index: torch.Tensor | None = None  # [num_blocks] the request's blocks, cache device
-    broken: bool = False  # a snapshot failed: later layers are not sent
+    broken: bool = False  # packing a layer failed: later layers are not sent
 
 
 class LayerStreamer:
@@ -95,16 +95,14 @@ class LayerStreamer:
                 continue
             outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             try:
-                k_snapshot, v_snapshot = self._snapshot(outgoing, chunk, layer_idx)
+                packed = self._pack(outgoing, chunk, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
                 logger.exception(
-                    "request %s: could not snapshot layer %d", request.request_id, layer_idx
+                    "request %s: could not pack layer %d", request.request_id, layer_idx
                 )
                 outgoing.broken = True
                 continue
-            self._loop.call_soon_threadsafe(
-                self._start_send, outgoing, layer_idx, k_snapshot, v_snapshot
-            )
+            self._loop.call_soon_threadsafe(self._start_send, outgoing, layer_idx, packed)
 
     async def finish(
         self,
@@ -141,43 +139,24 @@ class LayerStreamer:
         if outgoing is not None and not outgoing.sender.finished:
             outgoing.sender.abort(reason)
 
-    def _snapshot(
-        self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the request's blocks of one layer: `[num_blocks, block_size, num_kv_heads,
-        head_dim]` each of K and V."""
+    def _pack(self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int) -> torch.Tensor:
+        """The request's blocks of one layer packed into a new buffer on the cache's device:
+        `[2, num_blocks, block_size, num_kv_heads, head_dim]` as flat uint8."""
         k_cache, v_cache = self._kv_caches[layer_idx]
-        if outgoing.block_index is None:
-            num_blocks = outgoing.sender.num_blocks
-            outgoing.block_index = torch.tensor(
-                chunk.block_ids[:num_blocks], dtype=torch.int64, device=k_cache.device
-            )
-        return k_cache.index_select(0, outgoing.block_index), v_cache.index_select(
-            0, outgoing.block_index
-        )
+        sender = outgoing.sender
+        num_bytes = sender.layout.layer_bytes(sender.num_blocks)
+        packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
+        return pack_layer(k_cache, v_cache, chunk.block_ids[: sender.num_blocks], packed)
 
-    def _start_send(
-        self,
-        outgoing: _Outgoing,
-        layer_idx: int,
-        k_snapshot: torch.Tensor,
-        v_snapshot: torch.Tensor,
-    ) -> None:
-        task = self._loop.create_task(self._send(outgoing, layer_idx, k_snapshot, v_snapshot))
+    def _start_send(self, outgoing: _Outgoing, layer_idx: int, packed: torch.Tensor) -> None:
+        task = self._loop.create_task(self._send(outgoing, layer_idx, packed))
         outgoing.tasks.add(task)
         task.add_done_callback(outgoing.tasks.discard)
 
-    async def _send(
-        self,
-        outgoing: _Outgoing,
-        layer_idx: int,
-        k_snapshot: torch.Tensor,
-        v_snapshot: torch.Tensor,
-    ) -> None:
+    async def _send(self, outgoing: _Outgoing, layer_idx: int, packed: torch.Tensor) -> None:
         sender = outgoing.sender
-        block_ids = range(k_snapshot.shape[0])  # the snapshot holds exactly the request's blocks
         try:
-            await sender.send_layer(layer_idx, k_snapshot, v_snapshot, block_ids)
+            await sender.send_packed(layer_idx, packed)
         except Exception as error:  # a bug, not the peer: fail this transfer only
             logger.exception("transfer %s: sending layer %d failed", sender.transfer_id, layer_idx)
             sender.abort(f"sending layer {layer_idx} failed: {error!r}")

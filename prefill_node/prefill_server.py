@@ -49,7 +49,9 @@ class PrefillServer:
             **core.arch.layout_fields(),
         )
         self.engine = AsyncEngine(core)
-        transport = make_transport(config.kv_transport, config.kv_host, config.kv_port)
+        transport = make_transport(
+            config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
+        )
         self.manager = KVTransferManager(transport, self.layout)
         self.streamer = LayerStreamer(core.pool.kv_caches, asyncio.get_running_loop())
         core.on_layer_done = self.streamer.on_layer_done
@@ -66,6 +68,8 @@ class PrefillServer:
             self,
             PREFILL_SERVICE,
             lambda server: node_pb2_grpc.add_PrefillNodeServicer_to_server(self.servicer, server),
+            registry=config.registry,
+            advertise_host=config.advertise_host,
         )
         self._engine_started = False
         self._stopped = False
@@ -109,6 +113,7 @@ class PrefillServer:
             num_finished_requests=self.servicer.counters.num_finished_requests,
             num_failed_transfers=self.manager.num_failed,
             num_prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+            num_queued_prefill_tokens=self.servicer.counters.num_queued_prefill_tokens,
         )
 
     async def abort(self, request_id: str) -> bool:
@@ -152,4 +157,5 @@ class PrefillServer:
             block_size=self.layout.block_size,
             kv_transport=self.kv_address.split("://", 1)[0],
             protocol_version=transfer_pb2.PROTOCOL_VERSION_CURRENT,
+            max_num_seqs=self.core.config.scheduler.max_num_seqs,
         )

@@ -36,6 +36,7 @@ class PrefillCounters:
     """Since the node started."""
 
     num_finished_requests: int = 0  # prefills whose first token went out
+    num_queued_prefill_tokens: int = 0  # prompt tokens of prefills with no first token yet
 
 
 class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
@@ -63,8 +64,12 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
         request_id = request.request_id
         sender = await self._open_sender(request, context)
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
+        num_queued = engine_request.prompt_len  # load, reported until the prefill ends
+        self.counters.num_queued_prefill_tokens += num_queued
         try:
             first = await self._prefill(engine_request, sender)
+            self.counters.num_queued_prefill_tokens -= num_queued
+            num_queued = 0
             if first is None:
                 await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
             held = first.prefill_done
@@ -82,6 +87,7 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
                 held = False
             yield node_pb2.PrefillResponse(transfer_result=_transfer_result(sender))
         finally:
+            self.counters.num_queued_prefill_tokens -= num_queued
             self._streamer.close(request_id, "the prefill call ended before the hand-off")
             if held:  # cancelled while the transfer was pending
                 self._engine.post(lambda core: core.abort(request_id))

@@ -1,8 +1,9 @@
 """pd-router: serve the Generation API in front of prefill and decode nodes.
 
     pd-router --prefill 10.0.0.5:50061 --decode 10.0.0.6:50071 [--decode ...] [--port 50051]
+    pd-router --registry redis://10.0.0.2:6379/0 --policy prefix_aware
 
-Without --prefill the decode nodes prefill locally (colocated mode). Prints
+Without prefill nodes the decode nodes prefill locally (colocated mode). Prints
 "pd-router listening on HOST:PORT" once serving and connected; SIGINT/SIGTERM stop it
 gracefully (exit 0).
 """
@@ -15,8 +16,8 @@ import contextlib
 import signal
 import sys
 
-from pdserve.cli import build_parser, configure_logging
-from router.config import POLICIES, RouterConfig
+from pdserve.cli import build_parser, configure_logging, registry_config
+from router.config import RouterConfig
 from router.server import RouterServer
 
 
@@ -35,9 +36,8 @@ def build_router_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ADDR",
-        help="a decode node's HOST:PORT (repeatable; at least one)",
+        help="a decode node's HOST:PORT (repeatable; at least one, unless --registry)",
     )
-    parser.add_argument("--policy", default=defaults.policy, choices=POLICIES)
     parser.add_argument(
         "--node-wait-s",
         type=float,
@@ -56,15 +56,21 @@ def build_router_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_router_parser()
     args = parser.parse_args(argv)
-    if not args.decode:
-        parser.error("give at least one --decode ADDR (decode nodes also serve colocated mode)")
+    if not args.decode and args.registry is None:
+        parser.error(
+            "give at least one --decode ADDR (decode nodes also serve colocated mode), or a "
+            "--registry URL where nodes register"
+        )
     try:
         config = RouterConfig(
             host=args.host,
             port=args.port,
             prefill_addrs=tuple(args.prefill),
             decode_addrs=tuple(args.decode),
+            registry=registry_config(args),
             policy=args.policy,
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
+            prefill_saturation_tokens=args.prefill_saturation_tokens,
             node_wait_s=args.node_wait_s,
             transfer_timeout_s=args.transfer_timeout_s,
         )

@@ -29,3 +29,11 @@ def node_error(role: str, address: str, error: grpc.aio.AioRpcError) -> RouterEr
     code = error.code()
     message = f"{role} node {address}: {code.name}: {error.details() or 'no details'}"
     return RouterError(code if code in _KEPT_CODES else grpc.StatusCode.INTERNAL, message)
+
+
+class NodeUnreachableError(RouterError):
+    """A node call failed with UNAVAILABLE before the client got any token of the request:
+    running it elsewhere is safe."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)

@@ -1,7 +1,8 @@
 """InputProcessor: a client's GenerateRequest -> a validated, tokenized ProcessedRequest.
 
 Every failure is an `InvalidRequestError` whose message says what to fix (the servicer returns
-it as INVALID_ARGUMENT).
+it as INVALID_ARGUMENT). A model without a tokenizer (`synthetic:*`) takes token ids only: no
+`prompt`, `messages` or stop strings.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ OPTIONAL_SAMPLING_FIELDS = (
     "logprobs",
 )
 _SEED_BITS = 63
+NO_TOKENIZER = "this model has no tokenizer: send prompt_token_ids"
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class ProcessedRequest:
 class InputProcessor:
     """Validates and tokenizes requests for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer, model_info: node_pb2.NodeInfo) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, model_info: node_pb2.NodeInfo) -> None:
+        """`tokenizer` None: the model has none; requests must be token ids."""
         self._tokenizer = tokenizer
         self._max_model_len = model_info.max_model_len
         self._vocab_size = model_info.vocab_size
@@ -58,6 +61,11 @@ class InputProcessor:
         if params.seed is None:  # P and a falling-back D must draw the same first token
             params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
         self._check_token_ids("sampling.stop_token_ids", params.stop_token_ids)
+        if params.stop and self._tokenizer is None:
+            raise InvalidRequestError(
+                f"{NO_TOKENIZER}, and stop strings cannot be matched without text: use "
+                "sampling.stop_token_ids"
+            )
         prompt_token_ids = self._prompt_token_ids(request)
         total_len = len(prompt_token_ids) + params.max_tokens
         if total_len > self._max_model_len:
@@ -83,6 +91,8 @@ class InputProcessor:
                 raise InvalidRequestError("prompt_token_ids is empty; send at least one token")
             self._check_token_ids("prompt_token_ids", token_ids)
             return token_ids
+        if self._tokenizer is None:
+            raise InvalidRequestError(f"{NO_TOKENIZER} (got {kind})")
         if kind == "prompt":
             if not request.prompt:
                 raise InvalidRequestError("prompt is empty; send at least one character")

@@ -3,7 +3,7 @@
 One `grpc.aio` channel per node address, with stubs for the three services of node.proto
 (a node serves `Node` plus its role's service). `connect` retries `GetNodeInfo` until a deadline
 so nodes may come up after the router; `fetch_tokenizer` turns the node's `GetTokenizer` files
-into the router's `Tokenizer`.
+into the router's `Tokenizer` (None for a model without one). `load` is what the policies read.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 import grpc
 
 from engine.tokenizer import Tokenizer
+from pdserve.registry import NodeRecord
 from pdserve.v1 import node_pb2, node_pb2_grpc
+from router.node_load import NodeLoad
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class NodeClient:
         self.prefill_stub = node_pb2_grpc.PrefillNodeStub(self._channel)
         self.decode_stub = node_pb2_grpc.DecodeNodeStub(self._channel)
         self.info: node_pb2.NodeInfo | None = None
+        self.record: NodeRecord | None = None  # the registry's, for a registered node
+        self.load = NodeLoad()
+        self.unreachable_until_s = 0.0  # monotonic; policies skip the node until then
 
     def __repr__(self) -> str:
         return f"NodeClient({self.address})"
@@ -69,10 +74,14 @@ class NodeClient:
             delay_s = min(2 * delay_s, _MAX_RETRY_DELAY_S)
         raise TimeoutError(f"node {self.address} did not answer GetNodeInfo ({last_error})")
 
-    async def fetch_tokenizer(self, timeout_s: float) -> Tokenizer:
-        """The node's tokenizer, built off the event loop (a large tokenizer.json takes a while)."""
+    async def fetch_tokenizer(self, timeout_s: float) -> Tokenizer | None:
+        """The node's tokenizer, built off the event loop (a large tokenizer.json takes a while);
+        None when the model has none (a synthetic model: the router then takes token ids)."""
         files = await self.node_stub.GetTokenizer(node_pb2.GetTokenizerRequest(), timeout=timeout_s)
         name = self.info.model_name if self.info is not None else self.address
+        if not files.tokenizer_json:
+            logger.warning("model %s has no tokenizer: the router serves token ids only", name)
+            return None
         return await asyncio.to_thread(tokenizer_from_files, files, name)
 
     async def cancel_transfer(self, transfer_id: str, reason: str, timeout_s: float) -> bool:

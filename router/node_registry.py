@@ -1,18 +1,24 @@
 """NodeRegistry: the ready nodes by role, all serving one model with one KV layout.
 
 ```
-start(source) ── per node, concurrently ──> NodeClient.connect (retry until node_wait_s)
-                                              └─ admit: role as expected, and model_name,
-                                                 layout_hash, kv_transport, protocol_version
-                                                 equal to the first admitted node's; the first
-                                                 one's GetTokenizer becomes the router's
-                                                 tokenizer. Otherwise refused (logged).
+start(static source) ── per node, concurrently ──> add_node: NodeClient.connect (retry until
+                         node_wait_s) └─ admit: role as expected, and model_name, layout_hash,
+                         kv_transport, protocol_version equal to the first admitted node's; the
+                         first one's GetTokenizer becomes the router's tokenizer (None: the
+                         model has none). Otherwise refused (logged).
+sync(registered nodes)   (RedisNodeSource, at every resync)
+  new address        record disagrees with the served model? refused, logged once per node id;
+                     else add_node in the background
+  known address      its NodeLoad takes the record's load report
+  address gone       out of the routing view now; its channel closes once idle
+mark_unreachable     the node is skipped for UNREACHABLE_COOLDOWN_S (unless every node is)
 ```
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +36,8 @@ logger = logging.getLogger(__name__)
 # NodeInfo fields that every node behind one router must agree on (a prefill node's KV must
 # fit the decode node's cache, and both must speak the same transfer protocol).
 MATCHED_FIELDS = ("model_name", "layout_hash", "kv_transport", "protocol_version")
+UNREACHABLE_COOLDOWN_S = 3.0  # a node found unreachable is skipped this long
+_IDLE_POLL_S = 0.1  # how often a node that left is checked for requests still in flight
 
 
 class NodeRegistry:
@@ -42,16 +50,28 @@ class NodeRegistry:
         self._on_change = on_change
         self._ready: dict[str, NodeClient] = {}  # by address, in admission order
         self._admit_lock = asyncio.Lock()
+        self._registered: dict[str, NodeAddress] = {}  # the last sync's nodes, by address
+        self._joining: dict[str, asyncio.Task] = {}  # by address
+        self._refused: dict[str, str] = {}  # address -> node id refused (logged once)
+        self._leaving: set[asyncio.Task] = set()
         self.model_info: node_pb2.NodeInfo | None = None  # the first admitted node's
-        self.tokenizer: Tokenizer | None = None
+        self.tokenizer: Tokenizer | None = None  # None with a model info: token ids only
 
     @property
     def prefill_nodes(self) -> list[NodeClient]:
-        return [n for n in self._ready.values() if n.info.role == node_pb2.NODE_ROLE_PREFILL]
+        return self._routable(node_pb2.NODE_ROLE_PREFILL)
 
     @property
     def decode_nodes(self) -> list[NodeClient]:
-        return [n for n in self._ready.values() if n.info.role == node_pb2.NODE_ROLE_DECODE]
+        return self._routable(node_pb2.NODE_ROLE_DECODE)
+
+    @property
+    def ready_addresses(self) -> list[str]:
+        return list(self._ready)
+
+    def mark_unreachable(self, node: NodeClient) -> None:
+        """`node` did not answer: policies skip it for UNREACHABLE_COOLDOWN_S."""
+        node.unreachable_until_s = time.monotonic() + UNREACHABLE_COOLDOWN_S
 
     async def start(self, source: NodeSource) -> None:
         """Connects to every node of `source` concurrently; returns once each one is admitted,
@@ -60,11 +80,38 @@ class NodeRegistry:
         nodes = await source.list_nodes()
         await asyncio.gather(*(self.add_node(node, deadline_s) for node in nodes))
         logger.info(
-            "%d prefill and %d decode nodes ready (of %d configured)",
+            "%d prefill and %d decode nodes ready (of %d listed)",
             len(self.prefill_nodes),
             len(self.decode_nodes),
             len(nodes),
         )
+
+    async def watch(self, source: NodeSource) -> None:
+        """Follows a dynamic source (`sync` at each of its updates) until cancelled."""
+        await source.watch(self.sync)
+
+    async def sync(self, nodes: list[NodeAddress]) -> list[asyncio.Task]:
+        """Makes the registered nodes `nodes`: joins new ones (in the background; the tasks are
+        returned), updates the load of known ones, removes those gone."""
+        self._registered = {node.address: node for node in nodes}
+        for address in [a for a, c in self._ready.items() if _registered(c)]:
+            if address not in self._registered:
+                await self._remove(address, "left the registry")
+        self._refused = {
+            a: node_id
+            for a, node_id in self._refused.items()
+            if a in self._registered and _node_id(self._registered[a]) == node_id
+        }
+        for node in nodes:
+            client = self._ready.get(node.address)
+            if client is not None:
+                if node.record is not None:
+                    client.load.update(node.record)
+                    if _registered(client):  # a static node stays static (never removed)
+                        client.record = node.record
+            elif node.address not in self._joining and node.address not in self._refused:
+                self._join(node)
+        return list(self._joining.values())
 
     async def add_node(self, node: NodeAddress, deadline_s: float) -> bool:
         """Connects to `node` (retrying until `deadline_s`, monotonic) and admits it if it is
@@ -72,6 +119,9 @@ class NodeRegistry:
         if node.address in self._ready:
             return True
         client = NodeClient(node.address)
+        client.record = node.record
+        if node.record is not None:
+            client.load.update(node.record)
         admitted = False
         try:
             await client.connect(deadline_s, self._config.node_rpc_timeout_s)
@@ -87,8 +137,66 @@ class NodeRegistry:
         return admitted
 
     async def close(self) -> None:
+        for task in [*self._joining.values(), *self._leaving]:
+            task.cancel()
+        await asyncio.gather(*self._joining.values(), *self._leaving, return_exceptions=True)
         clients, self._ready = list(self._ready.values()), {}
         await asyncio.gather(*(client.close() for client in clients))
+
+    def _routable(self, role: node_pb2.NodeRole.ValueType) -> list[NodeClient]:
+        """The ready nodes of `role`, less those in their unreachable cool-down (all of them
+        when every one is: better to try than to refuse)."""
+        nodes = [n for n in self._ready.values() if n.info.role == role]
+        now = time.monotonic()
+        reachable = [n for n in nodes if n.unreachable_until_s <= now]
+        return reachable or nodes
+
+    def _join(self, node: NodeAddress) -> None:
+        refusal = self._record_refusal(node)
+        if refusal is not None:
+            self._refused[node.address] = _node_id(node)
+            logger.error("%s node %s refused: %s", node.role_name, node.address, refusal)
+            return
+        deadline_s = time.monotonic() + self._config.node_wait_s
+        task = asyncio.create_task(self._add_registered(node, deadline_s))
+        self._joining[node.address] = task
+
+    async def _add_registered(self, node: NodeAddress, deadline_s: float) -> None:
+        try:
+            admitted = await self.add_node(node, deadline_s)
+        finally:
+            self._joining.pop(node.address, None)
+        if not admitted:
+            self._refused[node.address] = _node_id(node)
+        elif node.address not in self._registered:  # it left while we connected
+            await self._remove(node.address, "left the registry while joining")
+
+    async def _remove(self, address: str, why: str) -> None:
+        client = self._ready.pop(address)
+        logger.info("%s node %s %s: no new requests go there", _role_name(client), address, why)
+        task = asyncio.create_task(self._close_when_idle(client))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+        if self._on_change is not None:
+            await self._on_change()
+
+    async def _close_when_idle(self, client: NodeClient) -> None:
+        """Closing the channel would cancel the requests still running there (a draining node
+        finishes them): wait for the router's last one to end."""
+        with contextlib.suppress(asyncio.CancelledError):
+            while not client.load.idle:
+                await asyncio.sleep(_IDLE_POLL_S)
+        await client.close()
+
+    def _record_refusal(self, node: NodeAddress) -> str | None:
+        """Why a registered node's record shows it cannot join, before connecting to it."""
+        if node.record is None or self.model_info is None:
+            return None
+        for name in MATCHED_FIELDS:
+            theirs, ours = getattr(node.record, name), getattr(self.model_info, name)
+            if theirs != ours:
+                return f"its record's {name} {theirs!r} differs from the served {ours!r}"
+        return None
 
     async def _admit(self, node: NodeAddress, client: NodeClient) -> bool:
         info = client.info
@@ -96,7 +204,7 @@ class NodeRegistry:
         if refusal is not None:
             logger.error("%s node %s refused: %s", node.role_name, node.address, refusal)
             return False
-        if self.tokenizer is None:
+        if self.model_info is None:
             self.tokenizer = await client.fetch_tokenizer(self._config.node_rpc_timeout_s)
             self.model_info = info
         self._ready[node.address] = client
@@ -121,3 +229,15 @@ class NodeRegistry:
             if theirs != ours:
                 return f"{name} {theirs!r} differs from the other nodes' {ours!r}"
         return None
+
+
+def _registered(client: NodeClient) -> bool:
+    return client.record is not None
+
+
+def _node_id(node: NodeAddress) -> str:
+    return node.record.node_id if node.record is not None else ""
+
+
+def _role_name(client: NodeClient) -> str:
+    return "prefill" if client.info.role == node_pb2.NODE_ROLE_PREFILL else "decode"

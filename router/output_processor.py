@@ -11,6 +11,8 @@ NodeTokens (P's first token, D's chunks; any order, overlapping)
   └─ the node's finish_reason: flush held text (a stop string may still match); the last
      GenerateResponse carries finish_reason and usage
 ```
+
+Without a tokenizer (a model that has none) responses carry token ids and empty text.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ class NodeTokens:
 class OutputProcessor:
     """Turns one request's NodeTokens into GenerateResponses (`process`) until it finishes."""
 
-    def __init__(self, request: ProcessedRequest, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: ProcessedRequest, tokenizer: Tokenizer | None) -> None:
         self._request = request
-        self._detokenizer = IncrementalDetokenizer(
-            tokenizer, request.prompt_token_ids, skip_special_tokens=True
-        )
+        self._detokenizer = None
+        if tokenizer is not None:
+            self._detokenizer = IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids, skip_special_tokens=True
+            )
         self._stop_matcher = StopStringMatcher(request.sampling_params.stop)
         self._want_logprobs = request.sampling_params.logprobs is not None
         self.num_output_tokens = 0  # emitted so far; the next output index expected
@@ -77,9 +81,7 @@ class OutputProcessor:
             if self._want_logprobs and i < len(tokens.logprobs):
                 response.logprobs.append(tokens.logprobs[i])
             self.num_output_tokens += 1
-            text, matched = self._stop_matcher.feed(
-                self._detokenizer.update(tokens.token_ids[i : i + 1])
-            )
+            text, matched = self._stop_matcher.feed(self._text(tokens.token_ids[i : i + 1]))
             texts.append(text)
             if matched:
                 self.finish_reason = "stop"
@@ -102,10 +104,15 @@ class OutputProcessor:
             cached_tokens=self.num_cached_tokens,
         )
 
+    def _text(self, token_ids: Sequence[int]) -> str:
+        """The text `token_ids` add ("" without a tokenizer)."""
+        return self._detokenizer.update(token_ids) if self._detokenizer is not None else ""
+
     def _final_text(self) -> str:
         """The text held back at the end of the output; sets "stop" if it completes a stop
         string."""
-        text, matched = self._stop_matcher.feed(self._detokenizer.flush())
+        held = self._detokenizer.flush() if self._detokenizer is not None else ""
+        text, matched = self._stop_matcher.feed(held)
         if matched:
             self.finish_reason = "stop"
             return text

@@ -1,14 +1,18 @@
 """RouterServer: the router's grpc.aio server (Generation + grpc.health.v1 + reflection).
 
 ```
-start():  bind (health NOT_SERVING) -> serve -> NodeRegistry.start(source) (until node_wait_s)
-          health SERVING while at least one decode node is ready
-stop():   health NOT_SERVING, in-flight requests get grace_s, node channels closed
+start():  bind (health NOT_SERVING) -> serve -> NodeRegistry.start(static source) (until
+          node_wait_s) -> with a registry: admit its nodes (until node_wait_s), then follow it
+          in the background; health SERVING while at least one decode node is ready
+stop():   stop following the registry, health NOT_SERVING, in-flight requests get grace_s,
+          node channels closed
 ```
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -21,6 +25,7 @@ from router.dispatcher import Dispatcher
 from router.node_registry import NodeRegistry
 from router.node_source import NodeSource, StaticNodeSource
 from router.policy import make_policy
+from router.redis_node_source import RedisNodeSource
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
 
@@ -37,9 +42,14 @@ class RouterServer:
         self.stats = RouterStats()
         self.registry = NodeRegistry(config, on_change=self._update_health)
         self._source = source or StaticNodeSource(config.prefill_addrs, config.decode_addrs)
+        self.registry_source = RedisNodeSource(config.registry) if config.registry else None
+        self._watch_task: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server()
-        dispatcher = Dispatcher(self.registry, make_policy(config.policy), config, self.stats)
+        self.policy = make_policy(
+            config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens
+        )
+        dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.registry, dispatcher, self.stats), self._server
         )
@@ -65,6 +75,8 @@ class RouterServer:
         await self._server.start()
         logger.info("serving on %s; connecting to nodes", self.address)
         await self.registry.start(self._source)
+        if self.registry_source is not None:
+            await self._follow_registry(self.registry_source)
         return self.port
 
     async def wait_for_termination(self) -> None:
@@ -72,9 +84,29 @@ class RouterServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting requests; in-flight ones get `grace_s` (default: config.grace_s)."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         await self.registry.close()
+        if self.registry_source is not None:
+            await self.registry_source.close()
+
+    async def _follow_registry(self, source: RedisNodeSource) -> None:
+        """Admits the nodes registered now (each until node_wait_s), then follows the
+        registry in the background. Redis being away is logged, not raised."""
+        joining = await self.registry.sync(await source.list_nodes())
+        await asyncio.gather(*joining, return_exceptions=True)
+        logger.info(
+            "registry %s: %d prefill and %d decode nodes ready",
+            source.config.url,
+            len(self.registry.prefill_nodes),
+            len(self.registry.decode_nodes),
+        )
+        self._watch_task = asyncio.create_task(self.registry.watch(source), name="registry")
+        self._watch_task.add_done_callback(_log_failure)
 
     async def _update_health(self) -> None:
         serving = bool(self.registry.decode_nodes)
@@ -83,3 +115,8 @@ class RouterServer:
             status = health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", GENERATION_SERVICE):
             await self._health.set(service, status)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("following the registry failed", exc_info=task.exception())

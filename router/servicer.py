@@ -82,7 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _processor(self) -> InputProcessor:
         if self._input_processor is None:
-            if self._registry.tokenizer is None or self._registry.model_info is None:
+            if self._registry.model_info is None:  # the tokenizer may be None: token ids only
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_NODE_MESSAGE)
             self._input_processor = InputProcessor(
                 self._registry.tokenizer, self._registry.model_info
@@ -98,5 +98,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 _NO_NODE_MESSAGE = (
     "no node is ready yet: the router learns the model and its tokenizer from its nodes "
-    "(check the --prefill/--decode addresses and that the nodes are up)"
+    "(check the --prefill/--decode addresses or the --registry, and that the nodes are up)"
 )

@@ -11,8 +11,12 @@ class RouterStats:
     num_requests: int = 0  # Generate calls received
     num_cancelled: int = 0  # ended by the client (cancel or its deadline)
     num_prefill_failures: int = 0  # prefill calls that failed before the hand-off completed
+    num_retries: int = 0  # node calls run again elsewhere (their node was unreachable)
     finish_reasons: Counter[str] = field(default_factory=Counter)  # "stop" | "length" | "abort"
     errors: Counter[str] = field(default_factory=Counter)  # by gRPC status name
+    # Routes without a prefill node, by reason: "colocated" | "short_prompt" | "prefill_saturated"
+    local_prefill_routes: Counter[str] = field(default_factory=Counter)
+    requests_routed: Counter[str] = field(default_factory=Counter)  # node calls, by node address
 
     @property
     def num_finished(self) -> int:
@@ -21,3 +25,7 @@ class RouterStats:
     @property
     def num_errors(self) -> int:
         return sum(self.errors.values())
+
+    @property
+    def num_local_prefill_routes(self) -> int:
+        return sum(self.local_prefill_routes.values())

@@ -1,8 +1,9 @@
 """The one CLI builder every launcher shares (pd-router, pd-prefill, pd-decode, pd-serve).
 
 Torch-free, so the router starts fast. Each launcher calls `build_parser(role)` and gets the
-flags common to all roles plus those of its own; `node_engine_kwargs` turns node flags into
-the keyword arguments the engine config takes.
+flags common to all roles (listen address, logging, the registry) plus those of its own;
+`node_engine_kwargs` turns node flags into the keyword arguments the engine config takes and
+`registry_config` the registry flags into a `RegistryConfig`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import argparse
 import logging
 
+from pdserve.registry import RegistryConfig
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HOST = "127.0.0.1"
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ROLES = ("router", "prefill", "decode", "serve")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+DEFAULT_PREFILL_SATURATION_TOKENS = 16384
 
 
 def parse_size(text: str) -> int:
@@ -42,9 +47,57 @@ def build_parser(role: str, description: str | None = None) -> argparse.Argument
         help=f"gRPC port (default {default_port}{'' if default_port else ': pick a free one'})",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_registry_flags(parser)
+    if role in ("router", "serve"):
+        _add_routing_flags(parser)
     if role in ("prefill", "decode", "serve"):
         _add_node_flags(parser)
     return parser
+
+
+def _add_registry_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("service discovery")
+    group.add_argument(
+        "--registry", default=None, metavar="URL",
+        help="Redis registry, e.g. redis://127.0.0.1:6379/0: nodes register there (with a TTL "
+        "heartbeat) and routers discover them (default: none; give the router node addresses)",
+    )
+    group.add_argument(
+        "--registry-heartbeat-s", type=float, default=RegistryConfig.heartbeat_s,
+        help="how often nodes refresh their record and routers resync their view",
+    )
+    group.add_argument(
+        "--registry-ttl-s", type=float, default=RegistryConfig.ttl_s,
+        help="a node record not refreshed for this long expires (about 3 heartbeats)",
+    )
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("routing")
+    group.add_argument(
+        "--policy", default="round_robin", choices=POLICIES,
+        help="round_robin: each node in turn; least_loaded: fewest outstanding tokens, free KV "
+        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it",
+    )
+    group.add_argument(
+        "--local-prefill-max-tokens", type=int, default=0, metavar="N",
+        help="prompts of at most N tokens prefill on their decode node (0: off)",
+    )
+    group.add_argument(
+        "--prefill-saturation-tokens", type=int, default=DEFAULT_PREFILL_SATURATION_TOKENS,
+        metavar="N",
+        help="a prefill node with N queued prompt tokens is saturated; when all are, prompts "
+        "prefill on their decode node (0: off)",
+    )
+
+
+def registry_config(args: argparse.Namespace) -> RegistryConfig | None:
+    """The registry flags as a RegistryConfig (None without --registry); ValueError when bad."""
+    if args.registry is None:
+        return None
+    return RegistryConfig(
+        url=args.registry, heartbeat_s=args.registry_heartbeat_s, ttl_s=args.registry_ttl_s
+    )
 
 
 def _add_node_flags(parser: argparse.ArgumentParser) -> None:

@@ -3,10 +3,12 @@
     pd-serve                      router on 127.0.0.1:50051 + 1 prefill + 1 decode node
     pd-serve --prefill 2 --decode 2
     pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
+    pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
 
 Starts the decode nodes, then the prefill nodes (each on a free port; each prints the line
-"pd-<role> listening on HOST:PORT ..."), then the router pointed at them; prints where the
-router listens; forwards the engine flags to every node. Ctrl-C or SIGTERM stops every process
+"pd-<role> listening on HOST:PORT ..."), then the router pointed at them (with --registry: the nodes register there and the router discovers
+them); prints where the router listens; forwards the engine flags to every node and the
+routing flags to the router. Ctrl-C or SIGTERM stops every process
 it started (SIGTERM, then SIGKILL after a grace period); if any of them dies, it stops the rest
 and exits non-zero. Torch-free: the nodes load the model, not this process.
 """
@@ -69,6 +71,34 @@ def _node_args(args, role: str, index: int, num_nodes_on_gpu: int) -> list[str]:
         argv.append("--no-prefix-caching")
     if role == "decode":
         argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
+    return argv + _registry_args(args)
+
+
+def _registry_args(args) -> list[str]:
+    if args.registry is None:
+        return []
+    return [
+        "--registry", args.registry,
+        "--registry-heartbeat-s", str(args.registry_heartbeat_s),
+        "--registry-ttl-s", str(args.registry_ttl_s),
+    ]
+
+
+def _router_args(args, prefill_addrs: list[str], decode_addrs: list[str]) -> list[str]:
+    """With a registry the router finds the nodes there; else it gets their addresses."""
+    argv = [
+        "--host", args.host, "--port", str(args.port), "--log-level", args.log_level,
+        "--policy", args.policy,
+        "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+        "--prefill-saturation-tokens", str(args.prefill_saturation_tokens),
+        "--transfer-timeout-s", str(args.transfer_timeout_s),
+        *_registry_args(args),
+    ]
+    if args.registry is None:
+        for addr in prefill_addrs:
+            argv += ["--prefill", addr]
+        for addr in decode_addrs:
+            argv += ["--decode", addr]
     return argv
 
 
@@ -129,12 +159,7 @@ class LocalCluster:
             started[role].append(child)
         decode_addrs = self._await_ready(started["decode"])
         prefill_addrs = self._await_ready(started["prefill"])
-        router_argv = ["--host", args.host, "--port", str(args.port), "--log-level", args.log_level]
-        for addr in prefill_addrs:
-            router_argv += ["--prefill", addr]
-        for addr in decode_addrs:
-            router_argv += ["--decode", addr]
-        router = self._spawn("router", "router.cli", router_argv)
+        router = self._spawn("router", "router.cli", _router_args(args, prefill_addrs, decode_addrs))
         return self._await_ready([router])[0]
 
     def wait(self) -> int:

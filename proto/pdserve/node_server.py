@@ -3,8 +3,10 @@
 ```
 NodeServer.start():  bind HOST:PORT (0: a free port) -> serve `Node` + the role's service
                      + grpc.health.v1 + reflection -> health SERVING
-NodeServer.stop():   health NOT_SERVING, stop accepting; in-flight calls get grace_s, then are
-                     cancelled (each role's handlers free what their request holds)
+                     -> with a registry: NodeRegistrar.start (record + heartbeat)
+NodeServer.stop():   deregister first (routers stop sending), then health NOT_SERVING, stop
+                     accepting; in-flight calls get grace_s, then are cancelled (each role's
+                     handlers free what their request holds)
 
 serve_until_signalled(start_node, "pd-prefill"):
     start_node() ──► print "pd-prefill listening on HOST:PORT (kv ADDRESS)" (flushed)
@@ -20,6 +22,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,7 +32,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.node_registrar import NodeRegistrar
 from pdserve.node_service import NodeBackend, NodeServicer
+from pdserve.registry import NodeRecord, RegistryConfig, node_record
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ class NodeServerConfig:
     # timeout. Prefill: how long a sender may take from handshake to the decode node's result.
     transfer_timeout_s: float = 10.0
     grace_s: float = 5.0  # on stop, how long in-flight calls may take before they are cancelled
+    registry: RegistryConfig | None = None  # None: no registration (the router lists the node)
 
     def __post_init__(self) -> None:
         for name in ("port", "kv_port"):
@@ -79,10 +86,20 @@ class NodeServer:
         backend: NodeBackend,
         role_service: str,
         add_role_servicer: Callable[[grpc.aio.Server], None],
+        registry: RegistryConfig | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         """`role_service`: the full name of the role's service (e.g. "pdserve.v1.PrefillNode");
-        `add_role_servicer(server)` registers its servicer."""
+        `add_role_servicer(server)` registers its servicer. With `registry`, the node registers
+        itself once serving, under `advertise_host` (default: `host`, or this machine's
+        address when `host` is a wildcard)."""
         self._host = host
+        self._backend = backend
+        self._advertise_host = advertise_host
+        self.node_id = uuid.uuid4().hex
+        self.registrar = (
+            NodeRegistrar(registry, self.node_id, self._record) if registry is not None else None
+        )
         self._services = ("", NODE_SERVICE, role_service)
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server()
@@ -112,14 +129,42 @@ class NodeServer:
         self._started = True
         for service in self._services:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.registrar is not None:
+            await self.registrar.start()
         return self.port
 
+    @property
+    def dial_address(self) -> str:
+        """HOST:PORT other machines dial (what the registry record holds)."""
+        dial_host = self._advertise_host or _dial_host(self._host)
+        host = f"[{dial_host}]" if ":" in dial_host else dial_host
+        return f"{host}:{self.port}"
+
     async def stop(self, grace_s: float) -> None:
-        """Stop accepting calls; in-flight ones get `grace_s`, then are cancelled."""
+        """Deregister, stop accepting calls; in-flight ones get `grace_s`, then are cancelled."""
+        if self.registrar is not None and self._started:
+            await self.registrar.stop()
         await self._health.enter_graceful_shutdown()
         if self._started:
             await self._server.stop(grace_s)
             self._started = False
+
+    async def _record(self) -> NodeRecord:
+        return node_record(
+            self.node_id,
+            self.dial_address,
+            self._backend.kv_address,
+            self._backend.node_info,
+            await self._backend.stats(),
+            self.registrar.config,
+        )
+
+
+def _dial_host(host: str) -> str:
+    """`host`, or this machine's address when `host` is a wildcard (0.0.0.0, ::)."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 class RunningNode(Protocol):

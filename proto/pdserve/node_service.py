@@ -28,6 +28,11 @@ class NodeBackend(Protocol):
     @property
     def tokenizer_files(self) -> node_pb2.TokenizerFiles: ...
 
+    @property
+    def kv_address(self) -> str:
+        """Where peers reach this node's KV transport (for the registry record)."""
+        ...
+
     async def stats(self) -> node_pb2.NodeStats: ...
 
     async def abort(self, request_id: str) -> bool:

@@ -34,6 +34,9 @@ class Recorder:
     def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
         self.completed.append((peer_id, header, payload))
 
+    def abandon(self, peer_id: str, header: bytes, payload: torch.Tensor) -> None:
+        raise AssertionError(f"abandoned {header!r}: no connection breaks in these tests")
+
 
 async def _endpoints(backend: str) -> tuple[KVTransport, KVTransport, Recorder]:
     src, dst = make_transport(backend), make_transport(backend)
@@ -48,7 +51,7 @@ def _random_bytes(num_bytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=gen)
 
 
-@pytest.mark.parametrize("num_bytes", [1024, (1 << 20) + 3, 64 << 20])
+@pytest.mark.parametrize("num_bytes", [1024, (1 << 20) + 3, 64 << 20, 256 << 20])
 def test_payload_arrives_byte_exact(backend: str, num_bytes: int) -> None:
     payload = _random_bytes(num_bytes, seed=num_bytes)
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
-from cache_transfer.transport import KVTransport
+from cache_transfer.transport import KVTransport, ucx_available
 
-# The conformance suite runs against each of these (add "ucx" when that backend lands).
-BACKENDS = ("local", "tcp")
+# The conformance suite runs against each of these (ucx where `ucxx` imports).
+BACKENDS = ("local", "tcp", "ucx") if ucx_available() else ("local", "tcp")
 
 SENTINEL = -7.0  # what a receiver's cache holds wherever nothing may have been written
 
@@ -39,6 +39,11 @@ def make_layout(dtype: str = "float32", num_layers: int = 3, block_size: int = 4
         block_size=block_size,
         dtype=dtype,
     )
+
+
+def make_kill_layout() -> KVLayout:
+    """The layout peer_process.py sends: 8 layers of 512 KiB for 4096 tokens."""
+    return make_layout(num_layers=8, block_size=16)
 
 
 def random_caches(
@@ -106,6 +111,9 @@ class RawPeer:
 
     def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
         self.received.append((peer_id, header))
+
+    def abandon(self, peer_id: str, header: bytes, payload: torch.Tensor) -> None:
+        pass
 
 
 async def make_raw_peer(backend: str) -> RawPeer:

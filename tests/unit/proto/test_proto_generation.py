@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 # Fields where 0 is a real value or unset means "engine default": proto3 `optional`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pdserve.v1 import generation_pb2, node_pb2, node_pb2_grpc
 
 SERVER_STREAMING = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
+
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
 FILES = (generation_pb2.DESCRIPTOR, node_pb2.DESCRIPTOR, transfer_pb2.DESCRIPTOR)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf.message_factory import GetMessageClass
+
 from pdserve.v1 import transfer_pb2
 
 KINDS = list(transfer_pb2.TransferMessage.DESCRIPTOR.oneofs_by_name["kind"].fields)

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from router_fakes import CHATML_TEMPLATE, FakeModel, FakeNode, run
+from router_fakes import CHATML_TEMPLATE, FakeModel, FakeNode, RouterHarness, run
 
 from pdserve.v1 import node_pb2
 from router.config import RouterConfig
@@ -123,3 +123,30 @@ def test_tokenizer_from_node_files_uses_the_nodes_chat_template(tokenizer_files)
         tokenizer_from_files(type(files)(), "fake-model")
     with pytest.raises(ValueError, match="the tokenizer files of fake-model do not load"):
         tokenizer_from_files(type(files)(tokenizer_json=b"{}"), "fake-model")
+
+
+def test_a_model_without_a_tokenizer_is_served_on_token_ids_only() -> None:
+    no_tokenizer = node_pb2.TokenizerFiles()  # what a synthetic model's node returns
+
+    async def body():
+        async with RouterHarness(no_tokenizer, [5, 6, 7], num_prefill=1) as h:
+            result = await h.client.generate_all(prompt_token_ids=[3, 4], max_tokens=3)
+            failures = []
+            for kwargs in (
+                {"prompt": "hello"},
+                {"messages": [{"role": "user", "content": "hi"}]},
+                {"prompt_token_ids": [3], "stop": ["x"]},
+            ):
+                try:
+                    await h.client.generate_all(max_tokens=2, timeout_s=5, **kwargs)
+                except grpc.aio.AioRpcError as error:
+                    failures.append((error.code(), error.details()))
+            info = await h.client.model_info(timeout_s=5)
+            return result, failures, info, h.router.registry.tokenizer
+
+    result, failures, info, tokenizer = run(body())
+    assert tokenizer is None and info.model_name == "fake-model"
+    assert result.token_ids == [5, 6, 7] and result.text == "" and result.finish_reason == "length"
+    assert [code for code, _ in failures] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert all("this model has no tokenizer: send prompt_token_ids" in m for _, m in failures)
+    assert "stop strings cannot be matched" in failures[2][1]

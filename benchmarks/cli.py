@@ -1,0 +1,42 @@
+"""pd-bench: pdserve's benchmarks, each printing a table beside the ceiling it is measured
+against.
+
+    pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
+    pd-bench attention [...]   paged attention kernels (GPU)
+    pd-bench offline [...]     offline engine throughput
+
+`pd-bench COMMAND --help` lists each command's flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "transfer": "benchmarks.bench_transfer",
+    "attention": "benchmarks.bench_attention",
+    "offline": "benchmarks.bench_offline",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"{__doc__.strip()}\n\npd-bench: {problem}; choose one of {', '.join(COMMANDS)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    command, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[command])
+    if command == "transfer":
+        return module.main(rest)
+    sys.argv = [f"pd-bench {command}", *rest]  # these parse sys.argv themselves
+    return module.main() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

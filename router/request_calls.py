@@ -1,0 +1,304 @@
+"""RequestCalls: the node calls of one request on one route, read into one token stream.
+
+```
+stream()
+  D.Decode(DISAGGREGATED | LOCAL_PREFILL)     ─ read ticket first (ticket_timeout_s) when P
+  P.Prefill(request, ticket)                  ─ started once the ticket is in
+  _read_prefill task: PrefillFirstToken -> NodeTokens(0); PrefillTransferResult (logged)
+                      P unreachable before its first token: Prefill on another prefill node
+                      (retry_prefill), once; P failed otherwise: D.CancelTransfer (D
+                      prefills locally)
+  _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
+  both tasks -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
+  D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
+  D UNAVAILABLE after:  UNAVAILABLE "failed mid-stream ... not migrated"
+close (always): D not finished and not cancelled by the client -> D.Abort; cancel both
+  calls and both tasks (a cancelled call ends the request on its node, freeing its blocks)
+```
+
+In-flight accounting: D's `NodeLoad` counts the request (prompt + max_tokens) until close; P's
+counts its prompt tokens until its Prefill call ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from pdserve.v1 import node_pb2
+from router.config import RouterConfig
+from router.errors import NodeUnreachableError, RouterError, node_error
+from router.input_processor import ProcessedRequest
+from router.node_client import NodeClient
+from router.node_load import InflightWork
+from router.output_processor import NodeTokens
+from router.policy import Route
+from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
+
+_TASK_EXIT_TIMEOUT_S = 1.0  # cancelled reader tasks end at their next await
+
+# Given the prefill node that was unreachable: another one to run the Prefill on (counted as a
+# retry), or None.
+RetryPrefill = Callable[[NodeClient], NodeClient | None]
+
+
+class RequestCalls:
+    """The node calls of one request, and the tasks that read them into one queue."""
+
+    def __init__(
+        self,
+        route: Route,
+        request: ProcessedRequest,
+        config: RouterConfig,
+        stats: RouterStats,
+        timeout_s: float | None,
+        retry_prefill: RetryPrefill,
+    ) -> None:
+        self._decode = route.decode
+        self._prefill = route.prefill  # the current prefill node (a retry changes it)
+        self._request = request
+        self._config = config
+        self._stats = stats
+        self._timeout_s = timeout_s
+        self._retry_prefill = retry_prefill
+        self._events: asyncio.Queue[NodeTokens | RouterError] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._decode_call: grpc.aio.UnaryStreamCall | None = None
+        self._prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self._decode_ended = False  # D's stream delivered its finish or failed
+        self._num_yielded = 0
+        self._prefill_sent_first = False  # P's first token is in the queue
+        max_tokens = request.sampling_params.max_tokens
+        self._decode_work = self._decode.load.track(request.prompt_len + max_tokens)
+        self._prefill_work: InflightWork | None = None
+
+    async def stream(self) -> AsyncIterator[NodeTokens]:
+        disaggregated = self._prefill is not None
+        self._decode_call = self._decode.decode_stub.Decode(
+            node_pb2.DecodeRequest(
+                request_id=self._request.request_id,
+                prompt_token_ids=self._request.prompt_token_ids,
+                sampling=self._request.node_sampling,
+                mode=node_pb2.DECODE_MODE_DISAGGREGATED
+                if disaggregated
+                else node_pb2.DECODE_MODE_LOCAL_PREFILL,
+                transfer_timeout_s=self._config.transfer_timeout_s if disaggregated else 0.0,
+            ),
+            timeout=self._timeout_s,
+        )
+        if disaggregated:
+            ticket = await self._read_ticket()
+            self._start_prefill(ticket)
+            self._tasks.append(asyncio.create_task(self._read_prefill(ticket)))
+        self._tasks.append(asyncio.create_task(self._read_decode()))
+        while True:
+            try:  # asyncio.timeout: a client's cancel stays a cancel (see RedisNodeSource.watch)
+                async with asyncio.timeout(self._config.token_timeout_s):
+                    event = await self._events.get()
+            except TimeoutError:
+                raise RouterError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {self._request.request_id}: no tokens from decode node "
+                    f"{self._decode.address} for {self._config.token_timeout_s} s",
+                ) from None
+            if isinstance(event, RouterError):
+                raise self._decode_failure(event)
+            self._num_yielded += 1
+            yield event
+            if event.finish_reason:
+                return
+
+    async def close(self) -> None:
+        """Aborts D's request if it is still running (unless the client cancelled: then the
+        call's cancellation does it), and cancels every call and reader task."""
+        try:
+            if not self._decode_ended and not asyncio.current_task().cancelling():
+                await self._abort_decode()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            for call in (self._decode_call, self._prefill_call):
+                if call is not None:
+                    call.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=_TASK_EXIT_TIMEOUT_S)
+            self._decode_work.done()
+            if self._prefill_work is not None:
+                self._prefill_work.done()
+
+    def _decode_failure(self, error: RouterError) -> RouterError:
+        """D's stream failed: retryable if it was unreachable before any token went out."""
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            return error
+        if self._num_yielded == 0:
+            return NodeUnreachableError(error.message)
+        return RouterError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{error.message} (mid-stream, after {self._num_yielded} chunks; the request was "
+            "not migrated: send it again)",
+        )
+
+    async def _read_ticket(self) -> node_pb2.TransferTicket:
+        decode = self._decode
+        try:
+            async with asyncio.timeout(self._config.ticket_timeout_s):
+                message = await self._decode_call.read()
+        except TimeoutError:
+            raise RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"decode node {decode.address} sent no transfer ticket for request "
+                f"{self._request.request_id} in {self._config.ticket_timeout_s} s",
+            ) from None
+        except grpc.aio.AioRpcError as error:
+            self._decode_ended = True
+            raise self._decode_failure(node_error("decode", decode.address, error)) from None
+        if message is grpc.aio.EOF or message.WhichOneof("kind") != "ticket":
+            raise RouterError(
+                grpc.StatusCode.INTERNAL,
+                f"decode node {decode.address} did not start request "
+                f"{self._request.request_id} with a transfer ticket",
+            )
+        return message.ticket
+
+    async def _read_decode(self) -> None:
+        address = self._decode.address
+        try:
+            while True:
+                message = await self._decode_call.read()
+                if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
+                    self._events.put_nowait(self._protocol_error(address, message))
+                    return
+                chunk = message.tokens
+                self._events.put_nowait(
+                    NodeTokens(
+                        output_index=chunk.output_index,
+                        token_ids=list(chunk.token_ids),
+                        logprobs=list(chunk.logprobs),
+                        finish_reason=chunk.finish_reason,
+                        num_cached_tokens=chunk.num_cached_tokens,
+                    )
+                )
+                if chunk.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as error:
+            self._events.put_nowait(node_error("decode", address, error))
+        finally:
+            self._decode_ended = True
+
+    def _protocol_error(self, address: str, message: object) -> RouterError:
+        what = "ended its stream" if message is grpc.aio.EOF else "sent a non-token message"
+        return RouterError(
+            grpc.StatusCode.INTERNAL,
+            f"decode node {address} {what} for request {self._request.request_id} before a "
+            "finish_reason",
+        )
+
+    def _start_prefill(self, ticket: node_pb2.TransferTicket) -> None:
+        timeout_s = self._config.transfer_timeout_s  # D falls back to local prefill after it
+        if self._timeout_s is not None:
+            timeout_s = min(timeout_s, self._timeout_s)
+        if self._prefill_work is not None:
+            self._prefill_work.done()
+        self._prefill_work = self._prefill.load.track(self._request.prompt_len)
+        self._prefill_call = self._prefill.prefill_stub.Prefill(
+            node_pb2.PrefillRequest(
+                request_id=self._request.request_id,
+                prompt_token_ids=self._request.prompt_token_ids,
+                sampling=self._request.node_sampling,
+                ticket=ticket,
+            ),
+            timeout=timeout_s,
+        )
+
+    async def _read_prefill(self, ticket: node_pb2.TransferTicket) -> None:
+        """Forwards P's first token; if P is unreachable before it, runs the Prefill on another
+        prefill node once; if P fails otherwise before the hand-off ends, tells D to prefill
+        locally instead of waiting out its transfer timeout."""
+        try:
+            failure = await self._forward_prefill_with_retry(ticket)
+        finally:
+            self._prefill_work.done()
+        if failure is None:
+            return
+        self._stats.num_prefill_failures += 1
+        logger.warning(
+            "request %s: prefill node %s failed (%s); decode node %s prefills locally",
+            self._request.request_id,
+            self._prefill.address,
+            failure,
+            self._decode.address,
+        )
+        await self._cancel_transfer(ticket.transfer_id, f"prefill node failed: {failure}")
+
+    async def _forward_prefill_with_retry(self, ticket: node_pb2.TransferTicket) -> str | None:
+        """`_forward_prefill`, once more on another prefill node if the first was unreachable
+        before its first token; why the hand-off failed, or None."""
+        try:
+            return await self._forward_prefill()
+        except grpc.aio.AioRpcError as error:
+            failure = _describe(error)
+            other = None
+            if error.code() == grpc.StatusCode.UNAVAILABLE and not self._prefill_sent_first:
+                other = self._retry_prefill(self._prefill)
+            if other is None:
+                return failure
+        logger.warning(
+            "request %s: prefill node %s unreachable (%s); retrying on %s",
+            self._request.request_id, self._prefill.address, failure, other.address,
+        )  # fmt: skip
+        self._prefill_call.cancel()
+        self._prefill = other
+        self._start_prefill(ticket)
+        try:
+            return await self._forward_prefill()
+        except grpc.aio.AioRpcError as error:
+            return _describe(error)
+
+    async def _forward_prefill(self) -> str | None:
+        """Reads P's two messages; returns why the hand-off failed, or None."""
+        message = await self._prefill_call.read()
+        if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
+            return "its stream did not start with the first token"
+        first = message.first_token
+        self._prefill_sent_first = True
+        self._events.put_nowait(
+            NodeTokens(
+                output_index=0,
+                token_ids=[first.token_id],
+                logprobs=[first.logprob] if first.HasField("logprob") else [],
+                finish_reason=first.finish_reason,
+                num_cached_tokens=first.num_cached_tokens,
+            )
+        )
+        message = await self._prefill_call.read()
+        if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_result":
+            return "its stream ended without a transfer result"
+        result = message.transfer_result
+        if not result.ok:  # D refused or lost the KV and falls back on its own
+            logger.warning(
+                "request %s: KV transfer failed (%s); the decode node prefills locally",
+                self._request.request_id,
+                result.error,
+            )
+        return None
+
+    async def _cancel_transfer(self, transfer_id: str, reason: str) -> None:
+        decode = self._decode
+        try:
+            await decode.cancel_transfer(transfer_id, reason, self._config.node_rpc_timeout_s)
+        except grpc.aio.AioRpcError as error:  # D still falls back at its transfer timeout
+            logger.warning("CancelTransfer %s on %s failed: %s", transfer_id, decode.address, error)
+
+    async def _abort_decode(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # cancelling the call aborts it too
+            await self._decode.abort(self._request.request_id, self._config.node_rpc_timeout_s)
+
+
+def _describe(error: grpc.aio.AioRpcError) -> str:
+    return f"{error.code().name}: {error.details()}"
