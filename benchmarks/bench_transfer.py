@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
-import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -32,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks import transfer_ceilings
-from benchmarks.transfer_decode import TIMEOUT_S, DecodeSide, RequestResult, decode_process
+from benchmarks.transfer_decode import TIMEOUT_S
+from benchmarks.transfer_peer import DecodePeer
 from benchmarks.transfer_spec import TransferSpec, layout_for
 from cache_transfer import KVTransferManager, TransferState, make_transport
-from pdserve.v1 import node_pb2
 
 MODES = ("sequential", "pipelined")
 TOTAL_TIMEOUT_S = 240.0
@@ -54,118 +51,10 @@ class Run:
         return self.num_bytes / self.transfer_s / 1e9
 
 
-class DecodePeer:
-    """The decode side, in a child process (driven over a Pipe) or in this one (`local`)."""
-
-    def __init__(self, spec: TransferSpec, device: torch.device) -> None:
-        self._side: DecodeSide | None = None
-        self._process: mp.process.BaseProcess | None = None
-        if spec.transport == "local":
-            self._side = DecodeSide(spec, device)
-            return
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        child_device = "cpu" if device.type == "cpu" else "cuda:0"
-        self._process = ctx.Process(
-            target=decode_process, args=(child_conn, spec, child_device), daemon=True
-        )
-        with _visible_devices_first(device):
-            self._process.start()
-
-    @property
-    def in_process(self) -> bool:
-        return self._side is not None
-
-    async def ticket(self) -> node_pb2.TransferTicket:
-        raw = self._side.open() if self._side else await self._ask("ticket")
-        return node_pb2.TransferTicket.FromString(raw)
-
-    async def result(self, src_block_ids: list[int]) -> RequestResult:
-        if self._side is not None:
-            return await self._side.result(src_block_ids)
-        return await self._ask("result", src_block_ids)
-
-    async def socket_gbps(self, num_bytes: int, chunk_bytes: int, reps: int = 3) -> float:
-        """A plain loopback TCP socket into the decode process: GB/s, best of `reps`."""
-        server = socket.create_server(("127.0.0.1", 0))
-        payload = memoryview(os.urandom(num_bytes))
-        self._conn.send(("socket", server.getsockname()[1], num_bytes, reps))
-        server.settimeout(TIMEOUT_S)
-        conn, _ = await asyncio.to_thread(server.accept)
-        best_s = float("inf")
-        with conn, server:
-            for _ in range(reps):
-                start_s = time.perf_counter()
-                for offset in range(0, num_bytes, chunk_bytes):
-                    conn.sendall(payload[offset : offset + chunk_bytes])
-                conn.recv(1)  # the sink has everything
-                best_s = min(best_s, time.perf_counter() - start_s)
-        assert await self._recv() == "ok"
-        return num_bytes / best_s / 1e9
-
-    async def close(self) -> None:
-        if self._side is not None:
-            await self._side.close()
-        elif self._process is not None:
-            if self._process.is_alive():
-                self._conn.send(("stop",))
-            await asyncio.to_thread(self._process.join, TIMEOUT_S)
-            if self._process.is_alive():
-                self._process.kill()
-
-    async def _ask(self, *command: object) -> object:
-        self._conn.send(command)
-        return await self._recv()
-
-    async def _recv(self) -> object:
-        def recv() -> object:
-            assert self._process is not None
-            deadline_s = time.monotonic() + TIMEOUT_S
-            while not self._conn.poll(0.5):
-                if not self._process.is_alive():
-                    raise RuntimeError(f"the decode process died (exit {self._process.exitcode})")
-                if time.monotonic() > deadline_s:
-                    raise TimeoutError(f"the decode process answered nothing for {TIMEOUT_S}s")
-            return self._conn.recv()
-
-        return await asyncio.to_thread(recv)
-
-
-class _visible_devices_first:
-    """Spawn the decode process with `device` as its cuda:0 (what ucxx's progress thread and
-    UCX's cuda_ipc assume), every GPU still visible so cuda_ipc can reach the peer."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._saved: str | None = None
-        self._order: str | None = None
-        if device.type == "cuda":
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = (
-                visible.split(",")
-                if visible
-                else [str(i) for i in range(torch.cuda.device_count())]
-            )
-            index = device.index or 0
-            self._order = ",".join([ids[index], *ids[:index], *ids[index + 1 :]])
-            self._saved = visible
-
-    def __enter__(self) -> None:
-        if self._order is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self._order
-
-    def __exit__(self, *exc: object) -> None:
-        if self._order is None:
-            return
-        if self._saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self._saved
-
-
 async def run_requests(
     spec: TransferSpec, devices: tuple[torch.device, torch.device], iters: int
 ) -> tuple[dict[str, list[Run]], float | None]:
-    """Per mode, `iters` requests after one warm-up; then the socket ceiling (child only)."""
+    """Per mode, `iters` requests after one warm-up; then, on the host, the socket ceiling."""
     peer = DecodePeer(spec, devices[1])
     try:
         manager = KVTransferManager(make_transport(spec.transport), spec.layout)
@@ -179,7 +68,7 @@ async def run_requests(
             del runs[mode][0]
         await manager.close()
         socket_gbps = None
-        if not peer.in_process:
+        if not peer.in_process and devices[0].type == "cpu":
             socket_gbps = await peer.socket_gbps(spec.request_bytes, spec.layer_bytes)
         return runs, socket_gbps
     finally:

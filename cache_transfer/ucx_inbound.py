@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cache_transfer.transport import TransportHandler, check_payload
-from cache_transfer.ucx_runtime import UCXError, UCXMessageTruncatedError, ucxx
+from cache_transfer.ucx_runtime import UCXCloseError, UCXError, UCXMessageTruncatedError, ucxx
 from cache_transfer.ucx_wire import (
     HEAD,
     MAX_HEAD_BYTES,
@@ -66,9 +66,12 @@ class UcxInbound:
                 raise ValueError("the hello carries a payload")
             self.peer_id = self._name_peer(header.decode(errors="replace")[:256])
             await self._read()
-        except (UCXError, ValueError) as error:
-            level = logging.WARNING if isinstance(error, ValueError) else logging.INFO
-            logger.log(level, "ucx connection from %s ended: %r", self.peer_id, error)
+        except UCXError as error:  # the peer closed or died, or we closed
+            logger.info("ucx connection from %s ended: %r", self.peer_id, error)
+        except ValueError as error:
+            logger.warning("closed the ucx connection from %s: %s", self.peer_id, error)
+        except Exception:
+            logger.exception("ucx connection from %s failed", self.peer_id)
         finally:
             self.close()
             if self._last is not None:
@@ -95,10 +98,15 @@ class UcxInbound:
 
     async def _recv_head(self, seq: int) -> tuple[bytes, int]:
         try:
-            await self._endpoint.recv(self._head, tag=message_tag(seq, HEAD))
+            await self._recv(self._head, message_tag(seq, HEAD))
         except UCXMessageTruncatedError:
             raise ValueError(f"a message head over {MAX_HEAD_BYTES} bytes") from None
         return decode_head(self._head)
+
+    async def _recv(self, buffer: object, tag: int) -> None:
+        if self._endpoint.closed:  # ucxx cannot receive on an aborted endpoint
+            raise UCXCloseError("the endpoint is closed")
+        await self._endpoint.recv(buffer, tag=tag)
 
     def _prepare(self, header: bytes, payload_bytes: int) -> torch.Tensor | None:
         try:
@@ -115,10 +123,10 @@ class UcxInbound:
         tag = message_tag(seq, PAYLOAD)
         if dst is None:  # refused: receive one byte, UCX drops the rest
             with contextlib.suppress(UCXMessageTruncatedError):
-                await self._endpoint.recv(np.empty(1, dtype=np.uint8), tag=tag)
+                await self._recv(np.empty(1, dtype=np.uint8), tag)
             return
         await wait_for_stream(dst)  # nothing queued on the stream may still read dst
-        await self._endpoint.recv(as_ucx_buffer(dst), tag=tag)
+        await self._recv(as_ucx_buffer(dst), tag)
 
     async def _land(
         self,
@@ -129,12 +137,13 @@ class UcxInbound:
     ) -> None:
         """Wait for the payload and the previous message, then hand the message over."""
         try:
+            failed = False
             if receive is not None:
                 await asyncio.wait({receive})
-                if receive.cancelled() or receive.exception() is not None:
-                    self._broken = True
+                failed = receive.cancelled() or receive.exception() is not None
             if previous is not None:
                 await asyncio.wait({previous})
+            self._broken |= failed  # this message and every later one are lost
             if receive is None or dst is not None:
                 self._deliver(header, dst)
         finally:

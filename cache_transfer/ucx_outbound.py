@@ -91,7 +91,7 @@ class UcxOutbound:
         await asyncio.wait({self._connecting})
         if payload is not None:
             await wait_for_stream(payload)
-        if self.failed or self._endpoint is None:
+        if self.failed or self._endpoint is None or self._endpoint.closed:
             raise self._fail("not connected")
         head = encode_head(header, _num_bytes(payload))
         sends = [self._endpoint.send(head, tag=message_tag(seq, HEAD))]
@@ -100,10 +100,8 @@ class UcxOutbound:
         # Both sends run to the end, even when one fails, so no buffer is freed under UCX.
         results = await asyncio.gather(*sends, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        if errors and (self.failed or isinstance(errors[0], UCXError)):
-            raise self._fail(f"send failed: {errors[0]!r}")
-        if errors:
-            raise errors[0]
+        if errors:  # UCXError, or ucxx tripping over an endpoint aborted under it
+            raise self._fail(f"send failed: {errors[0]!r}") from errors[0]
 
     def _fail(self, reason: str) -> TransportError:
         """Mark the connection broken (once) and abort its endpoint."""

@@ -33,7 +33,7 @@ for _name, _value in _UCX_ENV_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
 import ucxx  # noqa: E402  (the other ucx modules import it from here, after the defaults)
-from ucxx.exceptions import UCXError, UCXMessageTruncatedError  # noqa: E402
+from ucxx.exceptions import UCXCloseError, UCXError, UCXMessageTruncatedError  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -91,4 +91,11 @@ def _wake_notifier() -> None:
 
 RUNTIME = UcxRuntime()
 
-__all__ = ["RUNTIME", "UCXError", "UCXMessageTruncatedError", "UcxRuntime", "ucxx"]
+__all__ = [
+    "RUNTIME",
+    "UCXCloseError",
+    "UCXError",
+    "UCXMessageTruncatedError",
+    "UcxRuntime",
+    "ucxx",
+]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ PREAMBLE = struct.Struct("<QQ")  # header_len, payload_len
 MAX_HEAD_BYTES = 64 << 10
 MAX_HEADER_BYTES = MAX_HEAD_BYTES - PREAMBLE.size
 HEAD, PAYLOAD = 0, 1
-_STREAM_POLL_MAX_S = 0.0005
+_STREAM_SPIN_S = 0.002
+_STREAM_POLL_S = 0.001
 
 
 def message_tag(seq: int, part: int) -> int:
@@ -58,13 +60,14 @@ def as_ucx_buffer(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
 
 
 async def wait_for_stream(tensor: torch.Tensor) -> None:
-    """For a CUDA tensor: until the work queued so far on its device's current stream is done
-    (polled, so the event loop keeps running). Nothing to wait for on the host."""
+    """For a CUDA tensor: until the work queued so far on its device's current stream is done.
+    Polled so the event loop keeps running: yielding at first (kernels take microseconds, and
+    the loop's timers only tick in milliseconds), then every millisecond. Nothing to wait for
+    on the host."""
     if tensor.device.type != "cuda":
         return
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(tensor.device))
-    delay_s = 0.0
+    spin_until_s = time.perf_counter() + _STREAM_SPIN_S
     while not event.query():
-        await asyncio.sleep(delay_s)
-        delay_s = min(max(2 * delay_s, 20e-6), _STREAM_POLL_MAX_S)
+        await asyncio.sleep(0 if time.perf_counter() < spin_until_s else _STREAM_POLL_S)

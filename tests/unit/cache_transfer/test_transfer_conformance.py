@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
@@ -125,7 +126,8 @@ def test_sender_that_disappears_mid_transfer_fails_the_receiver_by_its_deadline(
         start_s = time.monotonic()
         assert await receiver.wait() == TransferState.FAILED
         assert time.monotonic() - start_s < 2.0  # the peer-side timeout is 10 s
-        assert "timed out" in (receiver.error or "")
+        # By the deadline, or sooner where the transport saw the connection break mid-layer.
+        assert re.search("timed out|connection .* broke", receiver.error or ""), receiver.error
         assert pair.decode.num_pending == 0 and pair.decode.num_failed == 1
         assert pair.decode.get(receiver.transfer_id) is None
         await pair.decode.close()

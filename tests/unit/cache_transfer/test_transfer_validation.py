@@ -237,6 +237,9 @@ def test_a_repeated_layer_is_refused_and_the_first_copy_stays(backend: str) -> N
         manager, receiver, forger = await _setup(backend)
         await forger.handshake()
         await forger.layer(0, value=1.0)
+        # Landed before the repeat is refused (ucx lands payloads while reading later heads:
+        # a layer still landing when its session fails is dropped, never scattered).
+        await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
         await forger.layer(0, value=MARKER)
         assert await receiver.wait(timeout_s=5) == TransferState.FAILED
         assert "token_end 10 must exceed 10" in (receiver.error or "")

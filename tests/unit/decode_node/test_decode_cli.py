@@ -48,10 +48,10 @@ def test_pd_decode_serves_then_stops_on_sigint() -> None:
     assert rest == ""
 
 
-def test_unknown_transport_exits_1() -> None:
-    argv = [sys.executable, "-m", "decode_node.cli", "--model", MODEL, "--device", "cpu"]
-    argv += ["--kv-transport", "ucx", "--log-level", "error"]
+def test_unknown_model_exits_1_with_a_message() -> None:
+    argv = [sys.executable, "-m", "decode_node.cli", "--model", "/nonexistent/no-such-model"]
+    argv += ["--device", "cpu", "--log-level", "error"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 1
-    assert "pd-decode: unknown KV transport 'ucx'" in done.stderr
+    assert "pd-decode: model '/nonexistent/no-such-model' is neither an existing path" in done.stderr
     assert done.stdout == ""
