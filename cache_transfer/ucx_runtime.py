@@ -70,7 +70,8 @@ class UcxRuntime:
         if self._users or self._loop is None:
             return
         await asyncio.sleep(0)  # ucxx's listener handlers finish unwinding
-        self._stop()
+        if not self._users:  # nobody acquired it meanwhile
+            self._stop()
 
     def _stop(self) -> None:
         self._loop = None

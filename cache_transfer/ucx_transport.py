@@ -37,7 +37,7 @@ class UcxTransport(KVTransport):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
         """Listen on `port` (0: a free one) and advertise `advertise_host` (default: `host`, or
         this machine's address when `host` is a wildcard). Build it inside the running event
-        loop that will use it: UCX progresses on that loop."""
+        loop that will use it: UCX completes its requests there (see ucx_runtime.py)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -129,7 +129,7 @@ class UcxTransport(KVTransport):
 
 
 def _parse_address(address: str) -> tuple[str, int]:
-    """ "ucx://host:port" (IPv6 hosts in brackets) -> (host, port)."""
+    """(host, port) of "ucx://host:port" (an IPv6 host in brackets)."""
     host, sep, port = address.removeprefix(SCHEME).rpartition(":")
     if not address.startswith(SCHEME) or not sep or not port.isdigit() or not host:
         raise TransportError(f"ucx transport cannot reach {address!r}: expected ucx://HOST:PORT")

@@ -57,10 +57,10 @@ def test_sender_killed_mid_transfer_fails_the_receiver_within_its_deadline(backe
         peer = await _start_peer("layers", backend)
         dst = sentinel_caches(layout, 2 * num_blocks)
         manager = KVTransferManager(make_transport(backend), layout, dst)
-        receiver = manager.create_receiver(dst_ids, NUM_TOKENS, timeout_s=3)
+        receiver = manager.create_receiver(dst_ids, NUM_TOKENS, timeout_s=5)
         assert peer.stdin is not None
         peer.stdin.write(receiver.ticket().SerializeToString().hex().encode() + b"\n")
-        await wait_until(lambda: receiver.state == TransferState.TRANSFERRING, timeout_s=3)
+        await wait_until(lambda: receiver.state == TransferState.TRANSFERRING, timeout_s=5)
         await _kill(peer)
 
         assert await receiver.wait() == TransferState.FAILED
