@@ -9,14 +9,13 @@ cluster launcher reads it); SIGINT/SIGTERM stop it gracefully (exit 0).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from decode_node.decode_server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from pdserve.cli import build_parser, configure_logging, node_engine_kwargs, registry_config
-from pdserve.node_server import NodeServerConfig, serve_until_signalled
+from pdserve.node_server import NodeServerConfig, run_node
 
 
 def build_decode_parser() -> argparse.ArgumentParser:
@@ -54,22 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     configure_logging(args.log_level, "decode")
 
-    async def start() -> DecodeServer:
-        core = await asyncio.to_thread(EngineCore, engine_config)  # signals still handled
-        server = DecodeServer(core, node_config)
-        try:
-            await server.start()
-        except BaseException:
-            await server.stop(grace_s=0)
-            raise
-        return server
-
-    try:
-        asyncio.run(serve_until_signalled(start, "pd-decode"))
-    except (OSError, ValueError) as error:
-        print(f"pd-decode: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_node(
+        "pd-decode", lambda: EngineCore(engine_config), lambda core: DecodeServer(core, node_config)
+    )
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ cluster launcher reads it); SIGINT/SIGTERM stop it gracefully (exit 0).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from pdserve.cli import build_parser, configure_logging, node_engine_kwargs, registry_config
-from pdserve.node_server import NodeServerConfig, serve_until_signalled
+from pdserve.node_server import NodeServerConfig, run_node
 from prefill_node.prefill_server import PrefillServer
 
 
@@ -45,22 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     configure_logging(args.log_level, "prefill")
 
-    async def start() -> PrefillServer:
-        core = await asyncio.to_thread(EngineCore, engine_config)  # signals still handled
-        server = PrefillServer(core, node_config)
-        try:
-            await server.start()
-        except BaseException:
-            await server.stop(grace_s=0)
-            raise
-        return server
-
-    try:
-        asyncio.run(serve_until_signalled(start, "pd-prefill"))
-    except (OSError, ValueError) as error:
-        print(f"pd-prefill: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return run_node(
+        "pd-prefill",
+        lambda: EngineCore(engine_config),
+        lambda core: PrefillServer(core, node_config),
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,10 +49,10 @@ class NodeServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # gRPC port; 0: a free one
-    kv_transport: str = "auto"  # "auto" | "tcp" | "local" (see cache_transfer.make_transport)
+    kv_transport: str = "auto"  # "auto" | "ucx" | "tcp" | "local" (cache_transfer.make_transport)
     kv_port: int = 0  # KV transport port; 0: a free one
     # The address peers reach this node's KV transport at (e.g. the pod IP when `host` is
-    # 0.0.0.0); it must be one of this machine's addresses: the transport binds to it.
+    # 0.0.0.0); None: `host`.
     advertise_host: str | None = None
     # Decode: how long a DISAGGREGATED request waits for its KV when the request gives no
     # timeout. Prefill: how long a sender may take from handshake to the decode node's result.
@@ -168,7 +169,7 @@ def _dial_host(host: str) -> str:
 
 
 class RunningNode(Protocol):
-    """What `serve_until_signalled` runs: a started prefill or decode server."""
+    """What `serve_until_signalled` runs: a prefill or decode server."""
 
     @property
     def address(self) -> str: ...
@@ -176,7 +177,9 @@ class RunningNode(Protocol):
     @property
     def kv_address(self) -> str: ...
 
-    async def stop(self) -> None: ...
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float | None = None) -> None: ...
 
 
 async def serve_until_signalled(
@@ -208,3 +211,30 @@ async def serve_until_signalled(
             await node.stop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+
+
+def run_node(
+    name: str,
+    make_core: Callable[[], object],
+    make_server: Callable[[object], RunningNode],
+) -> int:
+    """The launchers' main loop, shared by pd-prefill and pd-decode: build the engine core off
+    the event loop (signals stay handled while the model loads), start the role's server, serve
+    until SIGINT/SIGTERM. Returns the exit code (1, with a message, when it cannot start)."""
+
+    async def start() -> RunningNode:
+        core = await asyncio.to_thread(make_core)
+        server = make_server(core)
+        try:
+            await server.start()
+        except BaseException:
+            await server.stop(grace_s=0)
+            raise
+        return server
+
+    try:
+        asyncio.run(serve_until_signalled(start, name))
+    except (OSError, ValueError) as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return 1
+    return 0
