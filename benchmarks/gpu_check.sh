@@ -6,7 +6,7 @@
 # Writes logs to $OUT when set (the device tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log_dir="${OUT:-/tmp}"
 if [ "${WITH_FA:-0}" = 1 ]; then
   bash .fa/build.sh && export PYTHONPATH="$HOME/fa/src:$PYTHONPATH"

@@ -24,7 +24,7 @@ ls .whl/*.whl >/dev/null 2>&1 ||
 SITE=$(mktemp -d)
 timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
   >>"$log" 2>&1 || fail_setup "installing .whl/*.whl into $SITE failed (see $log)"
-export PYTHONPATH="$SITE:$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -n 3

@@ -6,7 +6,7 @@ from cache_transfer.packing import pack_layer, unpack_layer
 from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.state import TransferState
-from cache_transfer.transport import KVTransport, TransportError, make_transport
+from cache_transfer.transports import KVTransport, TransportError, make_transport
 
 __all__ = [
     "KVLayout",

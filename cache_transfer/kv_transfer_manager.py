@@ -29,7 +29,7 @@ from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
-from cache_transfer.transport import KVTransport
+from cache_transfer.transports.base import KVTransport
 from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
-from cache_transfer.transport import KVTransport
+from cache_transfer.transports.base import KVTransport
 from pdserve.v1 import node_pb2, transfer_pb2
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import torch
 from cache_transfer import protocol
 from cache_transfer.protocol import TransferMessage
 from cache_transfer.state import TransferState
-from cache_transfer.transport import KVTransport, TransportError
+from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)

@@ -19,27 +19,26 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_transfer import KVReceiver, KVTransferManager, TransferState
+from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
-from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore, NoFreeBlocksError
+from engine.engine_core import NoFreeBlocksError
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from pdserve.node_messages import sampling_kwargs, token_logprob
+from node_common.node_messages import to_engine_request, token_logprob
+from node_common.role_server import RoleServer
+from node_common.role_servicer import NodeCounters, RoleServicer
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DecodeCounters:
-    """Since the node started."""
+class DecodeCounters(NodeCounters):
+    """Since the node started (num_finished_requests: streams that ended with a finish_reason;
+    num_queued_prefill_tokens: prompt tokens of local prefills with no token yet)."""
 
-    num_finished_requests: int = 0  # streams that ended with a finish_reason
     num_local_prefills: int = 0  # LOCAL_PREFILL requests and fallbacks
     num_fallbacks: int = 0  # DISAGGREGATED requests whose hand-off failed
-    num_queued_prefill_tokens: int = 0  # prompt tokens of local prefills with no token yet
 
 
 @dataclass
@@ -53,19 +52,10 @@ class _DecodeJob:
     finished: bool = False  # the stream delivered its finish_reason
 
 
-class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        manager: KVTransferManager,
-        traces: DecodeTraces,
-        transfer_timeout_s: float,
-    ) -> None:
-        self.counters = DecodeCounters()
-        self._engine = engine
-        self._manager = manager
+class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, node: RoleServer, traces: DecodeTraces) -> None:
+        super().__init__(node, DecodeCounters())
         self._traces = traces
-        self._transfer_timeout_s = transfer_timeout_s
         self._jobs: dict[str, _DecodeJob] = {}
 
     async def Decode(
@@ -130,16 +120,7 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 f"transfer_timeout_s must be >= 0 (0: the node's default), got "
                 f"{request.transfer_timeout_s}",
             )
-        prompt = list(request.prompt_token_ids)
-
-        def make(core: EngineCore) -> Request:
-            params = SamplingParams(**sampling_kwargs(request.sampling))
-            return core.make_request(request.request_id, prompt, params)
-
-        try:
-            return await self._engine.call(make)
-        except ValueError as error:  # InvalidRequestError included
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return await to_engine_request(self._engine, request, context)
 
     async def _reserve(
         self,

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from engine.config import DEFAULT_MODEL
+from pdserve.config import DEFAULT_MODEL
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -23,9 +22,10 @@ from engine.model_runner import LayerHook, ModelRunner
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
-from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
 from kernels.attention import get_attention_backend
+from pdserve.config import EngineConfig
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import CacheConfig
 from engine.model.arch_config import ModelArchConfig
+from pdserve.config import CacheConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 

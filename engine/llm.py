@@ -11,20 +11,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from engine.config import (
-    DEFAULT_MODEL,
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput, StepOutput
 from engine.request import FinishReason
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.tokenizer import Tokenizer
+from pdserve.config import DEFAULT_MODEL, EngineConfig
+from pdserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -38,43 +33,11 @@ class _Tracked:
 
 class LLM:
     def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        device: str = "auto",
-        dtype: str = "auto",
-        *,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
-        enable_chunked_prefill: bool = True,
+        self, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", **kwargs: Any
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                seed=seed,
-                attention_backend=attention_backend,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-        )
+        """`kwargs`: any other field of EngineConfig's sections by name (`block_size`,
+        `max_num_seqs`, `kv_cache_memory`, `gpu_memory_utilization`, ...; pdserve/config.py)."""
+        config = EngineConfig.from_kwargs(model=model, device=device, dtype=dtype, **kwargs)
         self.engine = EngineCore(config)
         tokenizer_dir = self.engine.loaded.tokenizer_dir
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5

@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Mapping
 
 from engine.block_hash import request_token_ids
-from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus, TokenLogprobs
-from engine.sampling_params import InvalidRequestError
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.config import SchedulerConfig
+from pdserve.sampling_params import InvalidRequestError
 
 SampledTokens = Mapping[str, tuple[int, TokenLogprobs | None]]  # request_id -> (token, logprobs)
 

@@ -14,53 +14,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
-from cache_transfer import KVLayout, KVSender, KVTransferManager, TransferState
-from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore
+from cache_transfer import KVSender, TransferState
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from pdserve.node_messages import sampling_kwargs, token_logprob
+from node_common.node_messages import to_engine_request, token_logprob
+from node_common.role_server import RoleServer
+from node_common.role_servicer import NodeCounters, RoleServicer
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class PrefillCounters:
-    """Since the node started."""
-
-    num_finished_requests: int = 0  # prefills whose first token went out
-    num_queued_prefill_tokens: int = 0  # prompt tokens of prefills with no first token yet
-
-
-class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        manager: KVTransferManager,
-        streamer: LayerStreamer,
-        layout: KVLayout,
-        transfer_timeout_s: float,
-    ) -> None:
-        self.counters = PrefillCounters()
-        self._engine = engine
-        self._manager = manager
+class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, node: RoleServer, streamer: LayerStreamer) -> None:
+        """Counters: num_finished_requests counts prefills whose first token went out."""
+        super().__init__(node, NodeCounters())
         self._streamer = streamer
-        self._layout_hash = layout.layout_hash()
-        self._layout = layout
-        self._transfer_timeout_s = transfer_timeout_s
+        self._layout = node.layout
+        self._layout_hash = node.layout.layout_hash()
 
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.PrefillResponse]:
         await self._check_ticket(request, context)
-        engine_request = await self._make_request(request, context)
+        engine_request = await to_engine_request(self._engine, request, context)
         request_id = request.request_id
         sender = await self._open_sender(request, context)
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
@@ -120,20 +101,6 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
             )
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
-
-    async def _make_request(
-        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> Request:
-        prompt = list(request.prompt_token_ids)
-
-        def make(core: EngineCore) -> Request:
-            params = SamplingParams(**sampling_kwargs(request.sampling))
-            return core.make_request(request.request_id, prompt, params)
-
-        try:
-            return await self._engine.call(make)
-        except ValueError as error:  # InvalidRequestError included
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def _open_sender(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext

@@ -1,11 +1,12 @@
 """Regenerate the Python modules of pdserve's wire schemas from proto/pdserve/v1/*.proto.
 
-    python proto/generate.py            # rewrite *_pb2.py, *_pb2.pyi, *_pb2_grpc.py in place
+    python proto/generate.py            # rewrite pdserve/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py
     python proto/generate.py --check    # exit 1 naming every generated file that is out of date
 
 Only a .proto that declares a service gets a *_pb2_grpc.py.
 
-The generated files are committed. They import each other as `pdserve.v1.*` because protoc runs
+The generated files are committed in the top-level `pdserve/v1/` package (OUT_ROOT is the
+repository root, beside proto/). They import each other as `pdserve.v1.*` because protoc runs
 with proto/ as its include root. Their content depends on the grpcio-tools version, so --check
 fails after an upgrade until they are regenerated.
 """
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
+OUT_ROOT = PROTO_ROOT.parent  # generated modules land in OUT_ROOT/pdserve/v1
 PACKAGE_DIR = Path("pdserve") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 SERVICE_RE = re.compile(r"^service\s+\w+", re.MULTILINE)
@@ -62,13 +64,13 @@ def protoc(*args: str | Path) -> None:
 
 
 def stale_files(fresh_root: Path) -> list[Path]:
-    """Generated files that differ between fresh_root and PROTO_ROOT, missing, or left over."""
+    """Generated files that differ between fresh_root and OUT_ROOT, missing, or left over."""
     fresh = generated_files(fresh_root)
-    committed = generated_files(PROTO_ROOT)
+    committed = generated_files(OUT_ROOT)
     differing = {
         path
         for path in fresh & committed
-        if (fresh_root / path).read_bytes() != (PROTO_ROOT / path).read_bytes()
+        if (fresh_root / path).read_bytes() != (OUT_ROOT / path).read_bytes()
     }
     return sorted(differing | (fresh ^ committed))
 
@@ -85,17 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         stale = stale_files(fresh_root)
         if args.check:
             for path in stale:
-                print(f"out of date: proto/{path}", file=sys.stderr)
+                print(f"out of date: {path}", file=sys.stderr)
             if stale:
                 print("regenerate with: python proto/generate.py", file=sys.stderr)
             return 1 if stale else 0
         for path in stale:
             if (fresh_root / path).exists():
-                shutil.copyfile(fresh_root / path, PROTO_ROOT / path)
-                print(f"wrote proto/{path}")
+                shutil.copyfile(fresh_root / path, OUT_ROOT / path)
+                print(f"wrote {path}")
             else:
-                (PROTO_ROOT / path).unlink()
-                print(f"removed proto/{path}")
+                (OUT_ROOT / path).unlink()
+                print(f"removed {path}")
     return 0
 
 

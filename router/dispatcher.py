@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from router.config import RouterConfig
+from pdserve.config import RouterConfig
 from router.errors import NodeUnreachableError, RouterError
 from router.input_processor import ProcessedRequest
 from router.node_client import NodeClient
 from router.node_registry import NodeRegistry
 from router.output_processor import NodeTokens
-from router.policy import Route, RoutingPolicy
+from router.policies import Route, RoutingPolicy
 from router.request_calls import RequestCalls
 from router.stats import RouterStats
 

@@ -8,29 +8,14 @@ it as INVALID_ARGUMENT). A model without a tokenizer (`synthetic:*`) takes token
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.tokenizer import Tokenizer
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, node_pb2
 
-# generation.proto's `optional` sampling fields; unset ones take SamplingParams' defaults.
-OPTIONAL_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "min_tokens",
-    "logprobs",
-)
 _SEED_BITS = 63
 NO_TOKENIZER = "this model has no tokenizer: send prompt_token_ids"
 
@@ -57,7 +42,7 @@ class InputProcessor:
         self._vocab_size = model_info.vocab_size
 
     def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
-        params = sampling_params_from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         if params.seed is None:  # P and a falling-back D must draw the same first token
             params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
         self._check_token_ids("sampling.stop_token_ids", params.stop_token_ids)
@@ -78,7 +63,7 @@ class InputProcessor:
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            node_sampling=node_sampling_params(params),
+            node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
         )
 
     def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
@@ -112,29 +97,3 @@ class InputProcessor:
                     f"{name}[{i}] = {token_id} is not a token id: the vocabulary has "
                     f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})"
                 )
-
-
-def sampling_params_from_proto(proto: generation_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams (validated) from the client's; unset fields keep defaults."""
-    kwargs = {
-        name: getattr(proto, name) for name in OPTIONAL_SAMPLING_FIELDS if proto.HasField(name)
-    }
-    for name, value in kwargs.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidRequestError(f"sampling.{name} must be a finite number, got {value}")
-    return SamplingParams(
-        **kwargs,
-        stop=list(proto.stop),
-        stop_token_ids=list(proto.stop_token_ids),
-        ignore_eos=proto.ignore_eos,
-    )
-
-
-def node_sampling_params(params: SamplingParams) -> node_pb2.NodeSamplingParams:
-    """Every value explicit, so the nodes sample with exactly what the router validated."""
-    values = {name: getattr(params, name) for name in OPTIONAL_SAMPLING_FIELDS}
-    return node_pb2.NodeSamplingParams(
-        **{name: value for name, value in values.items() if value is not None},
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-    )

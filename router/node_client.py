@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from engine.tokenizer import Tokenizer
 from pdserve.registry import NodeRecord
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.node_load import NodeLoad
 

@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from engine.tokenizer import Tokenizer
+from pdserve.config import RouterConfig
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2
-from router.config import RouterConfig
 from router.node_client import NodeClient
 from router.node_source import NodeAddress, NodeSource
 

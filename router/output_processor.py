@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.tokenizer import Tokenizer
+from pdserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2
 from router.errors import RouterError
 from router.input_processor import ProcessedRequest

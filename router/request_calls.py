@@ -29,14 +29,14 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
-from router.config import RouterConfig
 from router.errors import NodeUnreachableError, RouterError, node_error
 from router.input_processor import ProcessedRequest
 from router.node_client import NodeClient
 from router.node_load import InflightWork
 from router.output_processor import NodeTokens
-from router.policy import Route
+from router.policies import Route
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)

@@ -19,12 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.config import RouterConfig
+from pdserve.net import host_port
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.node_registry import NodeRegistry
 from router.node_source import NodeSource, StaticNodeSource
-from router.policy import make_policy
+from router.policies import make_policy
 from router.redis_node_source import RedisNodeSource
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
@@ -61,8 +62,7 @@ class RouterServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        return f"{host}:{self.port if self.port is not None else self.config.port}"
+        return host_port(self.config.host, self.port if self.port is not None else self.config.port)
 
     async def start(self) -> int:
         """Serves, then connects to the nodes (returns once each is ready, refused or given up

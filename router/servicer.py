@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from engine.sampling_params import InvalidRequestError
+from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.dispatcher import Dispatcher
 from router.errors import RouterError

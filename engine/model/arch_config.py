@@ -43,12 +43,6 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
-    @classmethod
-    def from_hf_config(cls, config: dict) -> ModelArchConfig:
-        from engine.model.hf_config import arch_config_from_hf
-
-        return arch_config_from_hf(config)
-
     def layout_fields(self) -> dict:
         """The fields a KV layout depends on (used in the transfer layout hash)."""
         return {

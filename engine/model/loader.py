@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
 from engine.model.arch_config import ModelArchConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
+from pdserve.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

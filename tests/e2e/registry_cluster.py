@@ -31,10 +31,10 @@ from typing import Any
 
 import grpc
 
-from pdserve.registry import NODE_KEY_PATTERN, NodeRecord, RegistryConfig
+from pdserve.config import RegistryConfig, RouterConfig
+from pdserve.registry import NODE_KEY_PATTERN, NodeRecord
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
-from router.config import RouterConfig
 from router.server import RouterServer
 from tests.redis_server import RedisServer
 

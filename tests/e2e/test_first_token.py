@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from pdserve.config import RouterConfig
 from router.client import GenerationClient
-from router.config import RouterConfig
 from router.server import RouterServer
 from tests.unit.decode_node.node_harness import engine_config, run, running_nodes
 

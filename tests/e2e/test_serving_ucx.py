@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cache_transfer.transport import ucx_available
+from cache_transfer.transports import ucx_available
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import MODEL

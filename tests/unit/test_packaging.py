@@ -1,4 +1,4 @@
-"""The project's top-level packages import from this checkout. `kernels`, `router` and `proto` are
+"""The project's top-level packages import from this checkout. `kernels` and `router` are
 also names of other PyPI distributions, which must not shadow ours."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ PACKAGES = (
     "engine",
     "kernels",
     "cache_transfer",
+    "node_common",
     "prefill_node",
     "decode_node",
     "router",

@@ -13,7 +13,7 @@ import torch
 from benchmarks.cli import main as pd_bench
 from benchmarks.transfer_ceilings import _parse_perftest
 from benchmarks.transfer_spec import TransferSpec, layout_for
-from cache_transfer.transport import ucx_available
+from cache_transfer.transports import ucx_available
 
 TRANSPORTS = [
     "tcp",

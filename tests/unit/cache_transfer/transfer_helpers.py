@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
-from cache_transfer.transport import KVTransport, ucx_available
+from cache_transfer.transports import KVTransport, ucx_available
 
 # The conformance suite runs against each of these (ucx where `ucxx` imports).
 BACKENDS = ("local", "tcp", "ucx") if ucx_available() else ("local", "tcp")

@@ -20,11 +20,10 @@ import grpc
 import torch
 
 from cache_transfer import KVLayout, make_transport, protocol
-from cache_transfer.transport import KVTransport
+from cache_transfer.transports.base import KVTransport
 from decode_node.decode_server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from pdserve.node_server import NodeServerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, NodeConfig, SchedulerConfig
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 from prefill_node.prefill_server import PrefillServer
 
@@ -120,7 +119,7 @@ async def running_nodes(
 ) -> AsyncIterator[Nodes]:
     """Start a prefill node and a decode node on 127.0.0.1 (free ports) sharing `transport`;
     on a clean exit assert both pools are whole again; always stop both."""
-    config = NodeServerConfig(kv_transport=transport, transfer_timeout_s=transfer_timeout_s)
+    config = NodeConfig(kv_transport=transport, transfer_timeout_s=transfer_timeout_s)
     prefill_core = EngineCore(prefill_engine or engine_config(prefill_only=True))
     decode_core = EngineCore(decode_engine or engine_config(prefill_only=False))
     prefill = PrefillServer(prefill_core, config)

@@ -12,9 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_node.cli import build_decode_parser
+from decode_node.decode_server import DecodeServer
+from node_common.launcher import build_node_parser
+from pdserve.config import NodeConfig, RouterConfig
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from tests.unit.decode_node.node_harness import LAUNCH_TIMEOUT_S, MODEL, RPC_TIMEOUT_S, NodeProcess
+from router.cli import build_router_parser
+from tests.unit.decode_node.node_harness import LAUNCH_TIMEOUT_S, RPC_TIMEOUT_S, NodeProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,9 +27,11 @@ def test_console_script_is_declared() -> None:
     assert pyproject["project"]["scripts"]["pd-decode"] == "decode_node.cli:main"
 
 
-def test_parser_adds_transfer_timeout() -> None:
-    parser = build_decode_parser()
-    assert parser.parse_args([]).transfer_timeout_s == 10.0
+def test_parser_adds_transfer_timeout_with_the_one_default_every_role_shares() -> None:
+    parser = build_node_parser(DecodeServer)
+    default = parser.parse_args([]).transfer_timeout_s
+    assert default == NodeConfig().transfer_timeout_s == RouterConfig().transfer_timeout_s
+    assert build_router_parser().parse_args(["--decode", "h:1"]).transfer_timeout_s == default
     assert parser.parse_args(["--transfer-timeout-s", "2.5"]).transfer_timeout_s == 2.5
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.sampling_params import SamplingParams
 from tests.unit.engine.conftest import random_prompts
 
 
@@ -90,7 +90,7 @@ def test_prefill_decode_handoff(tiny_checkpoints, params):
 
 
 def test_add_prefilled_refuses_unreserved_blocks(tiny_checkpoints):
-    from engine.sampling_params import InvalidRequestError
+    from pdserve.sampling_params import InvalidRequestError
 
     engine = make_engine(tiny_checkpoints["llama"], num_blocks=16)
     request = engine.make_request("x", [5, 6, 7], SamplingParams(max_tokens=2))

@@ -7,7 +7,7 @@ import pytest
 from engine.block_hash import request_token_ids
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -5,7 +5,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import Sampler, apply_min_tokens, apply_penalties
-from engine.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 EOS = 3

@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from pdserve.config import SchedulerConfig
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 BLOCK_SIZE = 4
 EOS = 2

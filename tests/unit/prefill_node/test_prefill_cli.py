@@ -9,8 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from node_common.launcher import build_node_parser
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.cli import build_prefill_parser
+from prefill_node.prefill_server import PrefillServer
 from tests.unit.decode_node.node_harness import RPC_TIMEOUT_S, NodeProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +23,7 @@ def test_console_script_is_declared() -> None:
 
 
 def test_parser_has_the_shared_node_flags() -> None:
-    args = build_prefill_parser().parse_args(["--kv-transport", "tcp", "--kv-port", "5600"])
+    args = build_node_parser(PrefillServer).parse_args(["--kv-transport", "tcp", "--kv-port", "5600"])
     assert (args.port, args.kv_transport, args.kv_port, args.host) == (0, "tcp", 5600, "127.0.0.1")
 
 

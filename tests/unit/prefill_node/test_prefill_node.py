@@ -214,11 +214,11 @@ def test_failed_hand_off_is_reported_not_raised(receiver: str) -> None:
 def test_roles_need_the_right_engine_mode() -> None:
     from decode_node.decode_server import DecodeServer
     from engine.engine_core import EngineCore
-    from pdserve.node_server import NodeServerConfig
+    from pdserve.config import NodeConfig
     from prefill_node.prefill_server import PrefillServer
 
     async def main() -> None:
-        config = NodeServerConfig(kv_transport="local")
+        config = NodeConfig(kv_transport="local")
         with pytest.raises(ValueError, match="prefill_only=True"):
             PrefillServer(EngineCore(engine_config(prefill_only=False)), config)
         with pytest.raises(ValueError, match="without"):

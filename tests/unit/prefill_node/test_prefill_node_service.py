@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.node_client import tokenizer_from_files
 from tests.unit.decode_node.node_harness import (
@@ -99,7 +99,7 @@ def test_tokenizer_files_of_a_model_folder(tmp_path: Path) -> None:
     """A Hugging Face folder with a tokenizer: the node returns its files byte for byte and
     its chat template, and the router builds a working tokenizer from them."""
     from tests.unit.engine.conftest import build_tiny_checkpoint
-    from tests.unit.engine.conftest_text import CHATML_TEMPLATE, build_byte_level_tokenizer
+    from tests.unit.pdserve.text_fixtures import CHATML_TEMPLATE, build_byte_level_tokenizer
 
     folder = build_tiny_checkpoint("llama", tmp_path / "tiny-llama")
     build_byte_level_tokenizer(folder)

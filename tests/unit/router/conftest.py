@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from router_fakes import build_tokenizer_files
 
-from engine.tokenizer import Tokenizer
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2
 from router.node_client import tokenizer_from_files
 

@@ -20,9 +20,9 @@ import grpc
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from pdserve.config import RouterConfig
 from pdserve.v1 import generation_pb2, node_pb2, node_pb2_grpc
 from router.client import GenerationClient
-from router.config import RouterConfig
 from router.server import RouterServer
 
 CORPUS = [

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from router_fakes import CHATML_TEMPLATE, MAX_MODEL_LEN, VOCAB_SIZE, RouterHarness, run
 
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.v1 import generation_pb2, node_pb2
 from router.client import build_request
 from router.input_processor import InputProcessor

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 import pytest
 from router_fakes import FakeModel, FakeNode, run
 
-from pdserve.node_registrar import NodeRegistrar
-from pdserve.registry import RegistryConfig, node_record
+from node_common.node_registrar import NodeRegistrar
+from pdserve.config import RegistryConfig, RouterConfig
+from pdserve.registry import node_record
 from pdserve.v1 import node_pb2
 from router.client import GenerationClient
-from router.config import RouterConfig
 from router.server import RouterServer
 from tests.redis_server import RedisServer
 

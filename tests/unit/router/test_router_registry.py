@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_fakes import CHATML_TEMPLATE, FakeModel, FakeNode, RouterHarness, run
 
+from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
-from router.config import RouterConfig
 from router.node_client import tokenizer_from_files
 from router.node_registry import NodeRegistry
 from router.node_source import NodeAddress, StaticNodeSource

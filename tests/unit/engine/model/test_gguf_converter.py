@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.model import gguf_converter, load_model
 from engine.model.gguf_converter import convert_gguf
 from engine.model.sources import ALIASES
 from kernels.attention.torch_backend import TorchAttentionBackend
+from pdserve.config import ModelConfig
 from tests.unit.engine.model.conftest import (
     HFCheckpoint,
     assign_blocks,

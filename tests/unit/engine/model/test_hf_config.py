@@ -200,7 +200,3 @@ def test_read_arch_config_merges_generation_config(tmp_path):
 def test_unsupported_configs_raise_with_what_is_supported(overrides, message):
     with pytest.raises(ValueError, match=message):
         arch_config_from_hf(llama_config(**overrides))
-
-
-def test_from_hf_config_classmethod_delegates():
-    assert ModelArchConfig.from_hf_config(llama_config()) == arch_config_from_hf(llama_config())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.model import LoadedModel, load_model
 from kernels.attention.torch_backend import TorchAttentionBackend
+from pdserve.config import ModelConfig
 from tests.unit.engine.model.conftest import (
     HF_VARIANTS,
     assign_blocks,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.model import load_model, resolve_device, resolve_dtype
 from engine.model.sources import ALIASES, resolve_model_source
 from kernels.attention.torch_backend import TorchAttentionBackend
+from pdserve.config import ModelConfig
 
 
 def test_hf_folder_resolves_with_its_name_and_tokenizer(hf_checkpoints, tmp_path):

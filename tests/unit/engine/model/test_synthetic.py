@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.model import load_model
 from engine.model.synthetic import SHAPES, parse_synthetic
 from kernels.attention.torch_backend import TorchAttentionBackend
+from pdserve.config import ModelConfig
 from tests.unit.engine.model.conftest import (
     assign_blocks,
     build_step,

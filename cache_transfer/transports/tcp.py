@@ -1,0 +1,162 @@
+"""`TcpTransport`: host-memory transport on pyzmq (asyncio).
+
+    peer DEALER ──[header, payload?]──► our ROUTER (bound at `address`) ──► handler
+    our DEALER per peer address (created on first send, reused) ──► peer ROUTER
+
+The ROUTER prefixes each message with the sending DEALER's routing id, which becomes the
+`peer_id` handlers see. zmq multipart messages are atomic: all frames arrive or none do.
+Payloads of at least `ZERO_COPY_MIN_BYTES` are sent without a copy (`copy=False`) and `send`
+waits on zmq's tracker until libzmq has released the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from cache_transfer.transports.base import (
+    KVTransport,
+    TransportError,
+    TransportHandler,
+    check_payload,
+    dispatch_message,
+)
+from pdserve.net import bracket, dial_host
+
+logger = logging.getLogger(__name__)
+
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking the buffer
+_HEARTBEAT_IVL_MS = 2000  # zmq pings idle connections; a silent peer is dropped after:
+_HEARTBEAT_TIMEOUT_MS = 6000
+_TRACKER_POLL_MAX_S = 0.0005
+_CLOSE_LINGER_MS = 1000  # how long closed connections keep delivering what was queued
+
+
+class TcpTransport(KVTransport):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
+        """Bind a listener on `host:port` (`port=0`: a free port). Peers are told
+        `advertise_host` (default: `host`, or this machine's address when `host` is 0.0.0.0)."""
+        # The process-wide context: never terminated, so a transport left unclosed cannot
+        # block the interpreter in Context.term() when it is garbage collected.
+        self._ctx = zmq.asyncio.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.ipv6 = ":" in host
+        self._router.bind(f"tcp://{bracket(host)}:{port or '*'}")
+        bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound_port = int(bound.rsplit(":", 1)[1])
+        self._address = f"tcp://{bracket(advertise_host or dial_host(host))}:{bound_port}"
+        self._routing_id = f"{self._address}#{secrets.token_hex(4)}".encode()
+        self._peers: dict[str, zmq.asyncio.Socket] = {}
+        self._handler: TransportHandler | None = None
+        self._recv_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self, handler: TransportHandler) -> None:
+        if self._handler is not None:
+            raise RuntimeError(f"transport {self._address} was already started")
+        self._handler = handler
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def send(
+        self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
+    ) -> None:
+        payload_bytes = check_payload(payload)
+        if payload is not None and payload.device.type != "cpu":
+            raise ValueError(f"tcp carries host memory; payload is on {payload.device}")
+        if self._closed:
+            raise TransportError(f"transport {self._address} is closed")
+        sock = self._peer_socket(peer_address)
+        frames: list[object] = [header]
+        if payload is not None:
+            frames.append(payload.numpy())  # zero-copy view of the tensor
+        try:
+            if payload_bytes < ZERO_COPY_MIN_BYTES:
+                await sock.send_multipart(frames, copy=True)
+                return
+            tracker = await sock.send_multipart(frames, copy=False, track=True)
+            await self._wait_released(tracker)
+        except zmq.ZMQError as e:
+            raise TransportError(f"send to {peer_address} failed: {e}") from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                # close() cancelled the socket's pending send, not our caller
+                raise TransportError(f"transport {self._address} closed during a send") from None
+            raise
+
+    def buffer_device(self, cache_device: torch.device) -> torch.device:
+        return torch.device("cpu")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recv_task
+        for sock in self._peers.values():  # flush queued control messages in the background
+            sock.close(linger=_CLOSE_LINGER_MS)
+        self._peers.clear()
+        self._router.close(linger=0)
+
+    def _peer_socket(self, peer_address: str) -> zmq.asyncio.Socket:
+        sock = self._peers.get(peer_address)
+        if sock is None:
+            if not peer_address.startswith("tcp://"):
+                raise TransportError(f"tcp transport cannot reach {peer_address!r}")
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            sock.ipv6 = peer_address.startswith("tcp://[")
+            sock.connect(peer_address)
+            self._peers[peer_address] = sock
+        return sock
+
+    async def _wait_released(self, tracker: zmq.MessageTracker) -> None:
+        """Until libzmq no longer references the payload (polled: its signal is a thread
+        event, not an awaitable)."""
+        delay_s = 0.0
+        while not tracker.done:
+            if self._closed:
+                raise TransportError(f"transport {self._address} closed during a send")
+            await asyncio.sleep(delay_s)
+            delay_s = min(max(2 * delay_s, 50e-6), _TRACKER_POLL_MAX_S)
+
+    async def _recv_loop(self) -> None:
+        assert self._handler is not None
+        while True:
+            try:
+                frames = await self._router.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                logger.exception("tcp transport %s: receive failed", self._address)
+                continue
+            if len(frames) not in (2, 3):
+                logger.warning(
+                    "tcp transport %s: dropped a %d-frame message", self._address, len(frames)
+                )
+                continue
+            peer_id = frames[0].bytes.decode(errors="replace")
+            payload = frames[2].buffer if len(frames) == 3 else None
+
+            def fill(dst: torch.Tensor, src: memoryview | None = payload) -> None:
+                np.copyto(dst.numpy(), np.frombuffer(src, dtype=np.uint8))
+
+            num_bytes = 0 if payload is None else payload.nbytes
+            dispatch_message(self._handler, peer_id, frames[1].bytes, num_bytes, fill)

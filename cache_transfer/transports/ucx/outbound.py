@@ -1,0 +1,123 @@
+"""`UcxOutbound`: this node's connection to one peer's listener (framing in wire.py).
+
+    UcxOutbound(peer)          connects in the background; its hello is message 0
+    submit(header, payload)    numbers the message at once (call order = arrival order) and
+                               sends it once connected: any number of messages in flight, so
+                               layers of several transfers to one peer share the link
+    a UCX error (peer died, refused, endpoint error) ──► failed: the endpoint is aborted and
+                               every message in flight raises TransportError
+    close()                    flushes briefly, then aborts: UCX cancels what is in flight
+
+A message's send task owns its buffers until UCX is done with them, even when the caller
+stops waiting: a caller's timeout never frees memory UCX still reads, nor leaves a gap in the
+numbering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import torch
+
+from cache_transfer.transports.base import TransportError
+from cache_transfer.transports.ucx.runtime import UCXError, ucxx
+from cache_transfer.transports.ucx.wire import (
+    HEAD,
+    PAYLOAD,
+    as_ucx_buffer,
+    encode_head,
+    message_tag,
+    wait_for_stream,
+)
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+_CLOSE_FLUSH_S = 1.0  # how long close() lets queued messages (failure notices) go out
+
+
+class UcxOutbound:
+    def __init__(self, local_address: str, peer_address: str, host: str, port: int) -> None:
+        """Connect to the listener at `host:port` (`peer_address` names it in errors). Call
+        inside the transport's event loop."""
+        self.peer_address = peer_address
+        self.error: str | None = None
+        self._loop = asyncio.get_running_loop()
+        self._seq = itertools.count()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._endpoint: ucxx.Endpoint | None = None
+        self._connecting = self._loop.create_task(self._connect(host, port))
+        self._connecting.add_done_callback(_retrieve)
+        self.submit(local_address.encode())  # the hello
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def submit(self, header: bytes, payload: torch.Tensor | None = None) -> asyncio.Task[None]:
+        """Send one message in the background; the task raises TransportError on failure."""
+        task = self._loop.create_task(self._deliver(next(self._seq), header, payload))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        task.add_done_callback(_retrieve)
+        return task
+
+    async def close(self) -> None:
+        """Let messages in flight finish for up to a second, then abort the endpoint."""
+        if self._inflight and not self.failed:
+            await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
+        self._fail("the transport closed")
+        self._connecting.cancel()
+        if self._inflight:  # UCX cancelled their requests: they end with TransportError
+            await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
+
+    async def _connect(self, host: str, port: int) -> ucxx.Endpoint:
+        try:
+            endpoint = await asyncio.wait_for(
+                ucxx.create_endpoint(host, port, connect_timeout=CONNECT_TIMEOUT_S),
+                CONNECT_TIMEOUT_S,
+            )
+        except (UCXError, OSError, TimeoutError, RuntimeError) as error:
+            raise self._fail(f"cannot connect: {error!r}") from None
+        if self.failed:  # closed while connecting
+            endpoint.abort()
+            raise self._fail("closed while connecting")
+        self._endpoint = endpoint
+        return endpoint
+
+    async def _deliver(self, seq: int, header: bytes, payload: torch.Tensor | None) -> None:
+        await asyncio.wait({self._connecting})
+        if payload is not None:
+            await wait_for_stream(payload)
+        if self.failed or self._endpoint is None or self._endpoint.closed:
+            raise self._fail("not connected")
+        head = encode_head(header, _num_bytes(payload))
+        sends = [self._endpoint.send(head, tag=message_tag(seq, HEAD))]
+        if payload is not None:
+            sends.append(self._endpoint.send(as_ucx_buffer(payload), tag=message_tag(seq, PAYLOAD)))
+        # Both sends run to the end, even when one fails, so no buffer is freed under UCX.
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:  # UCXError, or ucxx tripping over an endpoint aborted under it
+            raise self._fail(f"send failed: {errors[0]!r}") from errors[0]
+
+    def _fail(self, reason: str) -> TransportError:
+        """Mark the connection broken (once) and abort its endpoint."""
+        if self.error is None:
+            self.error = reason
+            logger.info("ucx connection to %s: %s", self.peer_address, reason)
+            if self._endpoint is not None:
+                self._endpoint.abort()
+        return TransportError(f"ucx connection to {self.peer_address} failed: {self.error}")
+
+
+def _num_bytes(payload: torch.Tensor | None) -> int:
+    return 0 if payload is None else payload.numel()
+
+
+def _retrieve(task: asyncio.Task[object]) -> None:
+    """Mark a background task's exception as seen (callers that gave up never read it)."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,141 @@
+"""`UcxTransport`: the KV transport on UCX (ucxx), for host and CUDA memory alike.
+
+    peer UcxOutbound ──tagged UCX messages──► our listener ──► UcxInbound ──► handler
+    our UcxOutbound per peer address (created on first send, reused) ──► peer listener
+
+UCX picks the wire per message: cuda_ipc (NVLink) between GPUs of one host, RDMA between hosts
+where it exists, tcp otherwise; CUDA payloads are sent and received in place, never staged
+through the host. Framing (wire.py): every message is numbered on its connection and its
+parts are tagged with that number, so one connection carries any number of messages at once
+(no lock: a layer never waits behind another transfer's layer) and the receiver still takes
+them in call order. A broken connection fails the messages in flight on both ends: sends raise
+TransportError, payloads half received are abandoned, and the sessions they belong to fail
+(or time out, for those with nothing in flight).
+
+ucxx listens on every interface (it has no bind address); `host` only chooses the address
+advertised to peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import torch
+
+from cache_transfer.transports.base import (
+    KVTransport,
+    TransportError,
+    TransportHandler,
+    check_payload,
+)
+from cache_transfer.transports.ucx.inbound import UcxInbound
+from cache_transfer.transports.ucx.outbound import UcxOutbound
+from cache_transfer.transports.ucx.runtime import RUNTIME, ucxx
+from cache_transfer.transports.ucx.wire import MAX_HEADER_BYTES
+from pdserve.net import bracket, dial_host
+
+SCHEME = "ucx://"
+
+
+class UcxTransport(KVTransport):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
+        """Listen on `port` (0: a free one) and advertise `advertise_host` (default: `host`, or
+        this machine's address when `host` is a wildcard). Build it inside the running event
+        loop that will use it: UCX completes its requests there (see runtime.py)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "build UcxTransport inside the running event loop that will use it"
+            ) from None
+        RUNTIME.acquire(self)
+        try:
+            self._listener = ucxx.create_listener(self._on_connect, port)
+        except Exception:
+            RUNTIME.forget(self)
+            raise
+        host = advertise_host or dial_host(host)
+        self._address = f"{SCHEME}{bracket(host)}:{self._listener.port}"
+        self._handler: TransportHandler | None = None
+        self._outbound: dict[str, UcxOutbound] = {}
+        self._inbound: set[UcxInbound] = set()
+        self._serving: set[asyncio.Task[None]] = set()  # our listener callbacks still running
+        self._peer_numbers = itertools.count()
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self, handler: TransportHandler) -> None:
+        if self._handler is not None:
+            raise RuntimeError(f"transport {self._address} was already started")
+        self._handler = handler
+
+    async def send(
+        self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
+    ) -> None:
+        check_payload(payload)
+        if len(header) > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"a {len(header)}-byte header exceeds the ucx transport's {MAX_HEADER_BYTES} "
+                "bytes; headers are control messages, put bulk data in the payload"
+            )
+        if self._closed:
+            raise TransportError(f"transport {self._address} is closed")
+        task = self._connection(peer_address).submit(bytes(header), payload)
+        await asyncio.shield(task)  # the send goes on (owning its buffers) if our caller leaves
+
+    def buffer_device(self, cache_device: torch.device) -> torch.device:
+        return cache_device
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        outbound = list(self._outbound.values())
+        self._outbound.clear()
+        for inbound in self._inbound:
+            inbound.close()
+        await asyncio.gather(*(connection.close() for connection in outbound))
+        if self._serving:
+            await asyncio.wait(set(self._serving))
+        self._listener.close()
+        await RUNTIME.release(self)
+
+    def _connection(self, peer_address: str) -> UcxOutbound:
+        """The live connection to `peer_address`, opening a new one after a failure."""
+        connection = self._outbound.get(peer_address)
+        if connection is None or connection.failed:
+            host, port = _parse_address(peer_address)
+            connection = UcxOutbound(self._address, peer_address, host, port)
+            self._outbound[peer_address] = connection
+        return connection
+
+    async def _on_connect(self, endpoint: ucxx.Endpoint) -> None:
+        """The listener's callback: serve one incoming connection until it ends."""
+        if self._closed or self._handler is None:
+            endpoint.abort()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        inbound = UcxInbound(endpoint, self._handler, self._name_peer)
+        self._inbound.add(inbound)
+        self._serving.add(task)
+        try:
+            await inbound.run()
+        finally:
+            self._inbound.discard(inbound)
+            self._serving.discard(task)
+
+    def _name_peer(self, peer_address: str) -> str:
+        return f"{peer_address}#{next(self._peer_numbers)}"
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of "ucx://host:port" (an IPv6 host in brackets)."""
+    host, sep, port = address.removeprefix(SCHEME).rpartition(":")
+    if not address.startswith(SCHEME) or not sep or not port.isdigit() or not host:
+        raise TransportError(f"ucx transport cannot reach {address!r}: expected ucx://HOST:PORT")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,83 @@
+"""Wire conversions both node roles need.
+
+a Prefill/Decode request ──to_engine_request──► the engine's validated Request (INVALID_ARGUMENT)
+a token's log-probabilities ──token_logprob──► TokenLogprob
+a model's tokenizer folder ──read_tokenizer_files──► TokenizerFiles
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore
+from engine.request import Request
+from pdserve.sampling_params import SamplingParams
+from pdserve.v1 import generation_pb2, node_pb2
+
+
+class TokenLogprobsLike(Protocol):
+    """What `token_logprob` reads (the engine's `TokenLogprobs` has these fields)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: Sequence[tuple[int, float]]
+
+
+class NodeRequest(Protocol):
+    """What `to_engine_request` reads: a PrefillRequest or a DecodeRequest."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: node_pb2.NodeSamplingParams
+
+
+async def to_engine_request(
+    engine: AsyncEngine, request: NodeRequest, context: grpc.aio.ServicerContext
+) -> Request:
+    """The engine's Request for a node RPC's request, validated by the engine (token ids in
+    the vocabulary, context length, sampling values); the call ends INVALID_ARGUMENT if not."""
+    prompt = list(request.prompt_token_ids)
+
+    def make(core: EngineCore) -> Request:
+        params = SamplingParams.from_proto(request.sampling)
+        return core.make_request(request.request_id, prompt, params)
+
+    try:
+        return await engine.call(make)
+    except ValueError as error:  # InvalidRequestError included
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+def token_logprob(logprobs: TokenLogprobsLike) -> generation_pb2.TokenLogprob:
+    """One sampled token's log-probability, rank and top alternatives, as sent on the wire."""
+    return generation_pb2.TokenLogprob(
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
+        top=[
+            generation_pb2.TopLogprob(token_id=token_id, logprob=logprob)
+            for token_id, logprob in logprobs.top
+        ],
+    )
+
+
+def read_tokenizer_files(
+    folder: Path | None, chat_template: str | None = None
+) -> node_pb2.TokenizerFiles:
+    """`tokenizer.json` and `tokenizer_config.json` of `folder` (empty when absent: a synthetic
+    model has no tokenizer, and the router can then take token ids only), and the chat template
+    the node resolved (`""` when none)."""
+    if folder is None:
+        return node_pb2.TokenizerFiles(chat_template=chat_template or "")
+    config_path = folder / "tokenizer_config.json"
+    return node_pb2.TokenizerFiles(
+        tokenizer_json=(folder / "tokenizer.json").read_bytes(),
+        tokenizer_config_json=config_path.read_bytes() if config_path.is_file() else b"",
+        chat_template=chat_template or "",
+    )

@@ -1,0 +1,271 @@
+"""Every setting of pdserve: one frozen dataclass per concern, each field written once.
+
+```
+EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both node roles, LLM)
+NodeConfig                                                     where a node listens, KV transfer
+RouterConfig                                                   routing, node addresses, timeouts
+RegistryConfig                                                 the Redis registry
+```
+
+A field's default, help text and flag live in its `knob(...)`: the launchers' flags are generated
+from these dataclasses (`pdserve.cli.add_config_flags`), and the offline `LLM(**kwargs)` accepts
+every `EngineConfig` field (`EngineConfig.from_kwargs`). Torch-free; nothing here reads the
+environment (see `pdserve.envs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_ROUTER_PORT = 50051
+KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1G', '1073741824' -> bytes (ValueError when not a size)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    cleaned = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if cleaned and cleaned[-1] in units:
+            return int(float(cleaned[:-1]) * units[cleaned[-1]])
+        return int(cleaned)
+    except ValueError:
+        raise ValueError(
+            f"not a size: {text!r} (use bytes or a suffix, e.g. 512MiB, 2GiB)"
+        ) from None
+
+
+def knob(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+    cli: bool = True,
+) -> Any:
+    """A config field with its command-line flag. `flag`: the flag's name when it is not
+    `--field-name` (a bool that defaults to True gets `--no-...`); `parse`: how the flag's text
+    becomes the value (default: the field's type); `cli=False`: no flag (set by code)."""
+    metadata = {"help": help, "flag": flag, "parse": parse, "choices": choices, "cli": cli}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, in which dtype, on which device."""
+
+    model: str = knob(DEFAULT_MODEL, "alias, Hugging Face folder, .gguf file, or synthetic:<shape>")
+    dtype: str = knob("auto", "weights and KV cache dtype (auto: the checkpoint's)", choices=DTYPES)
+    device: str = knob("auto", "auto | cpu | cuda | cuda:N")
+    max_model_len: int | None = knob(None, "context length (default: the model's)")
+    seed: int = knob(0, "synthetic weights and unseeded sampling")
+    attention_backend: str = knob(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry and how much memory the pool takes.
+
+    Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
+    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
+
+    block_size: int = knob(16, "tokens per KV block")
+    num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
+    kv_cache_memory: int | None = knob(
+        None,
+        "KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
+        parse=parse_size,
+    )
+    gpu_memory_utilization: float = knob(
+        0.85,
+        "on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
+    )
+    enable_prefix_caching: bool = knob(
+        True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = knob(2048, "token budget of one step (prefill chunks + decodes)")
+    max_num_seqs: int = knob(128, "requests running at once")
+    enable_chunked_prefill: bool = knob(
+        True, "split long prompts over several steps", flag="--no-chunked-prefill"
+    )
+    # Prefill-only (the prefill role): a request finishes after its first token and keeps its
+    # blocks until `EngineCore.release` (the KV transfer resolved).
+    prefill_only: bool = knob(False, "set by the prefill role", cli=False)
+
+
+ENGINE_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Any field of any section by its own name, e.g. `from_kwargs(model="...",
+        block_size=32, max_num_seqs=8)`. TypeError names an unknown keyword."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_SECTIONS}
+        owner = {
+            f.name: section
+            for section, section_cls in ENGINE_SECTIONS.items()
+            for f in dataclasses.fields(section_cls)
+        }
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise TypeError(
+                    f"unknown engine setting {name!r}; known: {', '.join(sorted(owner))}"
+                )
+            sections[owner[name]][name] = value
+        return cls(**{s: ENGINE_SECTIONS[s](**values) for s, values in sections.items()})
+
+
+REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Where the registry is, and the heartbeat that keeps a node's record alive
+    (pdserve.registry)."""
+
+    url: str  # redis://HOST:PORT/DB
+    heartbeat_s: float = 1.0  # nodes refresh their record; routers resync their view
+    ttl_s: float = 3.0  # a record not refreshed for this long expires (a dead node vanishes)
+    timeout_s: float = 0.5  # a Redis call (connect, command) gives up after this
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(REGISTRY_URL_SCHEMES):
+            raise ValueError(
+                f"registry URL must look like redis://HOST:PORT/DB (or rediss://, unix://), "
+                f"got {self.url!r}"
+            )
+        for name in ("heartbeat_s", "ttl_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"registry {name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"registry ttl_s ({self.ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
+                "or records expire between heartbeats (use about 3 heartbeats)"
+            )
+
+
+def transfer_timeout_knob() -> Any:
+    """The one KV hand-off timeout: the router sends it with each disaggregated request, the
+    decode node falls back to local prefill after it, the prefill node gives up sending."""
+    return knob(
+        30.0,
+        "how long a KV hand-off may take before the decode node prefills the prompt itself",
+    )
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where a node listens and how it hands KV over (both roles)."""
+
+    host: str = knob(DEFAULT_HOST, "address to listen on", cli=False)  # a common flag
+    port: int = knob(0, "gRPC port (0: a free one)", cli=False)  # a common flag
+    kv_transport: str = knob("auto", "KV transport (auto: ucx when ucxx imports, else tcp)",
+                             choices=KV_TRANSPORTS)  # fmt: skip
+    kv_port: int = knob(0, "KV transport port (0: a free one)")
+    advertise_host: str | None = knob(
+        None,
+        "host other nodes use to reach this one (default: --host; set it to the pod IP when "
+        "listening on 0.0.0.0)",
+    )
+    transfer_timeout_s: float = transfer_timeout_knob()
+    grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
+    registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
+
+    def __post_init__(self) -> None:
+        for name in ("port", "kv_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def kv_host(self) -> str:
+        """Where the KV transport listens (and what it advertises)."""
+        return self.advertise_host or self.host
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What one router serves, where its nodes are, how it routes, how long it waits."""
+
+    host: str = knob(DEFAULT_HOST, "address to listen on", cli=False)  # a common flag
+    port: int = knob(DEFAULT_ROUTER_PORT, "gRPC port (0: a free one)", cli=False)
+    # none: colocated mode (decode nodes prefill locally); flags --prefill/--decode ADDR
+    prefill_addrs: tuple[str, ...] = knob((), "prefill nodes' HOST:PORT", cli=False)
+    decode_addrs: tuple[str, ...] = knob((), "decode nodes' HOST:PORT", cli=False)
+    registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
+    policy: str = knob(
+        "round_robin",
+        "round_robin: each node in turn; least_loaded: fewest outstanding tokens, free KV "
+        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it",
+        choices=POLICY_NAMES,
+    )
+    local_prefill_max_tokens: int = knob(
+        0, "prompts of at most N tokens prefill on their decode node (0: off)"
+    )
+    prefill_saturation_tokens: int = knob(
+        16384,
+        "a prefill node with N queued prompt tokens is saturated; when all are, prompts "
+        "prefill on their decode node (0: off)",
+    )
+    node_wait_s: float = knob(60.0, "how long to wait at start for nodes that are not up yet")
+    node_rpc_timeout_s: float = knob(5.0, "deadline of GetNodeInfo, GetTokenizer, Abort calls")
+    ticket_timeout_s: float = knob(30.0, "how long a decode node may take to reserve KV blocks")
+    transfer_timeout_s: float = transfer_timeout_knob()
+    token_timeout_s: float = knob(120.0, "the longest wait for a request's next token")
+    grace_s: float = knob(5.0, "on stop, how long in-flight requests may take")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; expected one of {POLICY_NAMES}")
+        for name in ("local_prefill_max_tokens", "prefill_saturation_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in (
+            "node_wait_s",
+            "node_rpc_timeout_s",
+            "ticket_timeout_s",
+            "transfer_timeout_s",
+            "token_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        addrs = [*self.prefill_addrs, *self.decode_addrs]
+        if any(not a or ":" not in a for a in addrs):
+            raise ValueError(f"node addresses must be HOST:PORT, got {addrs}")
+        if len(set(addrs)) != len(addrs):
+            raise ValueError(f"a node address is listed twice: {addrs}")

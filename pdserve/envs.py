@@ -1,0 +1,27 @@
+"""Every environment variable pdserve reads, in one place.
+
+Functions, not constants, so tests can set a variable and see it take effect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models (GGUF -> safetensors) are cached. PDSERVE_CACHE_DIR, else
+    $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve."""
+    explicit = os.environ.get("PDSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve"
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """The GPU ids CUDA_VISIBLE_DEVICES lists (None when unset: every GPU is visible)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    return [device.strip() for device in visible.split(",") if device.strip()]

@@ -1,0 +1,73 @@
+"""The launchers' signal loop, shared by the router and both node roles.
+
+```
+serve_until_signalled(start, ready_line):
+    start() ──► print ready_line(server) (flushed: pd-serve and tests read it)
+    SIGINT / SIGTERM (also while starting) ──► server.stop() ──► return
+run_server(name, start, ready_line) -> exit code: the above under asyncio.run, and
+    "NAME: <error>" on stderr with exit code 1 when the server cannot start
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
+
+
+class RunningServer(Protocol):
+    """What `serve_until_signalled` runs: a router or a node."""
+
+    async def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=RunningServer)
+
+
+async def serve_until_signalled(
+    start: Callable[[], Awaitable[S]], ready_line: Callable[[S], str]
+) -> None:
+    """Start a server, print `ready_line(server)` once it serves, and stop it gracefully on
+    SIGINT or SIGTERM (also one that arrives while it is starting)."""
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop_requested.set)
+    starting = asyncio.create_task(start())
+    stopping = asyncio.create_task(stop_requested.wait())
+    server: S | None = None
+    try:
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            server = starting.result()  # raises what start() raised
+            print(ready_line(server), flush=True)
+            await stopping
+        logger.info("stopping")
+    finally:
+        stopping.cancel()
+        if not starting.done():  # a signal while starting: let it clean up after itself
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        if server is not None:
+            await server.stop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def run_server(name: str, start: Callable[[], Awaitable[S]], ready_line: Callable[[S], str]) -> int:
+    """`serve_until_signalled` in a new event loop; the exit code (1, with a message on stderr,
+    when the server cannot start: a taken port, a bad model, ...)."""
+    try:
+        asyncio.run(serve_until_signalled(start, ready_line))
+    except (OSError, ValueError) as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return 1
+    return 0

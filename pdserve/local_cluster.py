@@ -1,0 +1,221 @@
+"""`pd-serve`: one command that runs a local pdserve cluster.
+
+    pd-serve                      router on 127.0.0.1:50051 + 1 prefill + 1 decode node
+    pd-serve --prefill 2 --decode 2
+    pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
+    pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
+
+Starts the decode nodes, then the prefill nodes (each on a free port; each prints the line
+"pd-<role> listening on HOST:PORT ..."), then the router pointed at them (with --registry: the
+nodes register there and the router discovers them); prints where the router listens. Each flag
+goes, as given, to the processes it concerns (`pdserve.cli.forwarded_argv`: engine and node
+flags to every node, routing flags to the router, common ones to both). Ctrl-C or SIGTERM stops
+every process it started (SIGTERM, then SIGKILL after a grace period); if any of them dies, it
+stops the rest and exits non-zero. Torch-free: the nodes load the model, not this process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdserve import envs
+from pdserve.cli import (
+    NODE,
+    ROUTER,
+    ArgumentParser,
+    build_parser,
+    configure_logging,
+    forwarded_argv,
+)
+from pdserve.config import CacheConfig
+
+_LISTENING = re.compile(r"listening on (\S+)")
+NODE_START_TIMEOUT_S = 600.0  # the first start converts the default model (seconds, but slow disks)
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen
+    address: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+def _pump(child: _Child) -> None:
+    """Echo the child's stdout with its name; note its address from the listening line."""
+    for line in child.process.stdout:
+        if child.address is None and (match := _LISTENING.search(line)):
+            child.address = match.group(1)
+            child.ready.set()
+        sys.stderr.write(f"[{child.name}] {line}")
+    child.ready.set()  # EOF: it exited (address stays None)
+
+
+def _node_argv(forwarded: list[str], gpu_share: int) -> list[str]:
+    """A node's argv: pd-serve's node flags as given, on a free port; a GPU shared by
+    `gpu_share` nodes gives each that share of --gpu-memory-utilization."""
+    argv = [*forwarded, "--port", "0"]
+    if gpu_share > 1:
+        utilization = CacheConfig.gpu_memory_utilization
+        for i, token in enumerate(forwarded[:-1]):
+            if token == "--gpu-memory-utilization":
+                utilization = float(forwarded[i + 1])
+        argv += ["--gpu-memory-utilization", str(utilization / gpu_share)]
+    return argv
+
+
+def _router_argv(
+    forwarded: list[str], args, prefill_addrs: list[str], decode_addrs: list[str]
+) -> list[str]:
+    """With a registry the router finds the nodes there; else it gets their addresses."""
+    argv = [*forwarded, "--port", str(args.port)]
+    if args.registry is None:
+        for addr in prefill_addrs:
+            argv += ["--prefill", addr]
+        for addr in decode_addrs:
+            argv += ["--decode", addr]
+    return argv
+
+
+def _num_gpus() -> int:
+    visible = envs.cuda_visible_devices()
+    if visible is not None:
+        return len(visible)
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+class LocalCluster:
+    def __init__(self, args, node_argv: list[str], router_argv: list[str]) -> None:
+        """`node_argv` / `router_argv`: the flags pd-serve forwards to each (as given)."""
+        self.args = args
+        self.node_argv = node_argv
+        self.router_argv = router_argv
+        self.children: list[_Child] = []
+
+    def _spawn(self, name: str, module: str, argv: list[str], env: dict | None = None) -> _Child:
+        process = subprocess.Popen(
+            [sys.executable, "-u", "-m", module, *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        child = _Child(name, process)
+        self.children.append(child)
+        threading.Thread(target=_pump, args=(child,), daemon=True).start()
+        return child
+
+    def _await_ready(self, children: list[_Child]) -> list[str]:
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        for child in children:
+            if not child.ready.wait(max(0.0, deadline - time.monotonic())) or child.address is None:
+                raise RuntimeError(
+                    f"{child.name} did not start (exit code {child.process.poll()}); see its log above"
+                )
+        return [child.address for child in children]
+
+    def start(self) -> str:
+        args = self.args
+        num_gpus = _num_gpus() if args.device in ("auto", "cuda") else 0
+        num_nodes = args.prefill + args.decode
+        nodes_per_gpu = -(-num_nodes // num_gpus) if num_gpus else 1
+        roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+        started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
+        for slot, (role, index) in enumerate(roles):
+            env = dict(os.environ)
+            if num_gpus:  # spread the nodes over the GPUs, one device each
+                env["CUDA_VISIBLE_DEVICES"] = str(slot % num_gpus)
+            child = self._spawn(
+                f"{role}-{index}", f"{role}_node.cli",
+                _node_argv(self.node_argv, nodes_per_gpu if num_gpus else 1), env,
+            )
+            started[role].append(child)
+        decode_addrs = self._await_ready(started["decode"])
+        prefill_addrs = self._await_ready(started["prefill"])
+        router_argv = _router_argv(self.router_argv, args, prefill_addrs, decode_addrs)
+        router = self._spawn("router", "router.cli", router_argv)
+        return self._await_ready([router])[0]
+
+    def wait(self) -> int:
+        """Block until a child exits; return its exit code."""
+        while True:
+            for child in self.children:
+                code = child.process.poll()
+                if code is not None:
+                    print(f"pd-serve: {child.name} exited with code {code}", file=sys.stderr)
+                    return code or 1
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait(5)
+
+
+def build_serve_parser() -> ArgumentParser:
+    parser = build_parser("serve", description="Run a local pdserve cluster: router + nodes.")
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
+    group.add_argument("--decode", type=int, default=1, help="decode nodes (>= 1)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_serve_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, "serve")
+    if args.decode < 1 or args.prefill < 0:
+        print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(
+        args, forwarded_argv(parser, argv, NODE), forwarded_argv(parser, argv, ROUTER)
+    )
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        stopping.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        address = cluster.start()
+        mode = "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
+        print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
+        code = cluster.wait()
+    except KeyboardInterrupt:
+        code = 0
+    except RuntimeError as exc:
+        print(f"pd-serve: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        cluster.stop()
+    print("pd-serve: stopped every process it started", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Host and address helpers every process shares (torch-free).
+
+bracket("::1") -> "[::1]"                 an IPv6 host as it appears in HOST:PORT
+host_port("::1", 80) -> "[::1]:80"
+dial_host("0.0.0.0") -> this machine's address (peers cannot dial a wildcard)
+"""
+
+from __future__ import annotations
+
+import socket
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+
+
+def bracket(host: str) -> str:
+    """`host` ready to be followed by ":PORT" (IPv6 literals in brackets, once)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def host_port(host: str, port: int | str) -> str:
+    """ "HOST:PORT", with an IPv6 host in brackets."""
+    return f"{bracket(host)}:{port}"
+
+
+def dial_host(host: str) -> str:
+    """The host peers should dial to reach a listener bound to `host`: `host` itself, or this
+    machine's address when `host` is a wildcard (0.0.0.0, ::, *)."""
+    if host in WILDCARD_HOSTS:
+        return socket.gethostbyname(socket.gethostname())
+    return host

@@ -1,0 +1,137 @@
+"""Per-request sampling parameters (vLLM-compatible names and defaults), and their wire form.
+
+generation_pb2.SamplingParams ──SamplingParams.from_proto──► SamplingParams (validated)
+SamplingParams ──to_proto(node_pb2.NodeSamplingParams)──► what the nodes receive
+node_pb2.NodeSamplingParams ──SamplingParams.from_proto──► the engine's SamplingParams
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+# proto3 `optional` fields of both SamplingParams messages: unset means "the default".
+OPTIONAL_PROTO_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "logprobs",
+)
+ProtoT = TypeVar("ProtoT", bound=Message)
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+class InvalidRequestError(ValueError):
+    """A request or its parameters cannot be served; the message says what to fix."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; 1 disables
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    seed: int | None = None  # same tokens for the same seed, whatever else is in the batch
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n alternatives
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    @classmethod
+    def from_proto(cls, proto: Message) -> SamplingParams:
+        """From a `SamplingParams` (client) or `NodeSamplingParams` (nodes) message: the fields
+        it sets (unset optional ones keep the defaults). Raises InvalidRequestError."""
+        kwargs: dict[str, object] = {
+            name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)
+        }
+        for name, value in kwargs.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidRequestError(f"sampling.{name} must be a finite number, got {value}")
+        if "stop" in proto.DESCRIPTOR.fields_by_name:
+            kwargs["stop"] = list(proto.stop)
+        return cls(**kwargs, stop_token_ids=list(proto.stop_token_ids), ignore_eos=proto.ignore_eos)
+
+    def to_proto(self, message_type: type[ProtoT]) -> ProtoT:
+        """Every value explicit (None ones unset), so the receiver samples with exactly these;
+        stop strings only where the message has them."""
+        values = {name: getattr(self, name) for name in OPTIONAL_PROTO_FIELDS}
+        message = message_type(
+            **{name: value for name, value in values.items() if value is not None},
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+        if "stop" in message.DESCRIPTOR.fields_by_name:
+            message.stop.extend(self.stop)
+        return message
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {value}")
+        if self.min_tokens < 0:
+            raise bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative token ids")

@@ -1,1 +1,0 @@
-"""pdserve: wire schemas (`pdserve.v1`) and the project-wide environment (`pdserve.envs`)."""

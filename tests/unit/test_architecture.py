@@ -1,0 +1,92 @@
+"""The layout rules of ARCHITECTURE.md, enforced:
+
+- import rules and no import circles: the contracts in pyproject.toml's [tool.importlinter],
+  checked by lint-imports over the real import graph (lazy imports included);
+- sizes: no hand-written file over 400 lines, no function over 60 lines outside kernels/,
+  except the allow-list below (each entry says why);
+- docs: every top-level package has a README.md whose module table names each of its modules
+  (`sub/module.py` for a subpackage's).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (
+    "pdserve",
+    "engine",
+    "kernels",
+    "cache_transfer",
+    "node_common",
+    "prefill_node",
+    "decode_node",
+    "router",
+    "benchmarks",
+)
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+# (path, function) -> why it may be longer than MAX_FUNCTION_LINES
+LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], str] = {
+    ("tests/unit/kernels/attention/attention_batch.py", "make_batch"): (
+        "builds the kernels' reference batch step by step; kernels/ code is exempt"
+    ),
+}
+LONG_FILES_ALLOWED: dict[str, str] = {}
+
+
+def _hand_written_python() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return [REPO_ROOT / p for p in listed if "_pb2" not in p and (REPO_ROOT / p).is_file()]
+
+
+def test_import_contracts_hold() -> None:
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run(
+        [str(lint_imports), "--no-cache"], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_files_and_functions_stay_small() -> None:
+    too_long: list[str] = []
+    for path in _hand_written_python():
+        relative = path.relative_to(REPO_ROOT).as_posix()
+        source = path.read_text(encoding="utf-8")
+        num_lines = source.count("\n")
+        if num_lines > MAX_FILE_LINES and relative not in LONG_FILES_ALLOWED:
+            too_long.append(f"{relative}: {num_lines} lines (max {MAX_FILE_LINES})")
+        if relative.startswith("kernels/"):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and (relative, node.name) not in LONG_FUNCTIONS_ALLOWED:
+                too_long.append(f"{relative}:{node.lineno} {node.name}(): {length} lines")
+    assert not too_long, "split these (or allow-list them with a reason):\n" + "\n".join(too_long)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_readme_lists_every_module(package: str) -> None:
+    folder = REPO_ROOT / package
+    readme = folder / "README.md"
+    assert readme.is_file(), f"{package}/ has no README.md"
+    table = "\n".join(line for line in readme.read_text().splitlines() if line.startswith("|"))
+    missing = [
+        module.relative_to(folder).as_posix()
+        for module in sorted(folder.rglob("*.py"))
+        if module.name != "__init__.py"
+        and "_pb2" not in module.name
+        and f"`{module.relative_to(folder).as_posix()}`" not in table
+    ]
+    assert not missing, f"{package}/README.md's module table lacks {missing}"
