@@ -120,7 +120,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 f"transfer_timeout_s must be >= 0 (0: the node's default), got "
                 f"{request.transfer_timeout_s}",
             )
-        return await to_engine_request(self._engine, request, context)
+        if request.output_token_ids and request.mode != node_pb2.DECODE_MODE_LOCAL_PREFILL:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "output_token_ids (a migrated request) needs DECODE_MODE_LOCAL_PREFILL",
+            )
+        return await to_engine_request(self._engine, request, context, request.output_token_ids)
 
     async def _reserve(
         self,
@@ -188,10 +193,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             return
         job.trace.prefilled_locally = True
         self.counters.num_local_prefills += 1
-        num_queued = request.prompt_len  # load, reported until the first token
+        num_queued = request.num_tokens  # load, reported until the first token
         self.counters.num_queued_prefill_tokens += num_queued
+        next_index = len(request.output_token_ids)  # a migrated request continues its output
         try:
-            async for chunk in self._chunks(job, self._engine.generate(request), next_index=0):
+            outputs = self._engine.generate(request)
+            async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
                 num_queued = 0
                 yield chunk

@@ -12,6 +12,8 @@ class RouterStats:
     num_cancelled: int = 0  # ended by the client (cancel or its deadline)
     num_prefill_failures: int = 0  # prefill calls that failed before the hand-off completed
     num_retries: int = 0  # node calls run again elsewhere (their node was unreachable)
+    # Requests continued on another decode node after theirs died mid-stream (one per move).
+    num_migrations: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)  # "stop" | "length" | "abort"
     errors: Counter[str] = field(default_factory=Counter)  # by gRPC status name
     # Routes without a prefill node, by reason: "colocated" | "short_prompt" | "prefill_saturated"

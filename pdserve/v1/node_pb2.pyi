@@ -71,18 +71,20 @@ class TransferTicket(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "transfer_timeout_s", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: NodeSamplingParams
     mode: DecodeMode
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., transfer_timeout_s: _Optional[float] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("ticket", "tokens")
