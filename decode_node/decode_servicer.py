@@ -21,7 +21,7 @@ import grpc
 
 from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
-from engine.engine_core import NoFreeBlocksError
+from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
@@ -57,6 +57,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         super().__init__(node, DecodeCounters())
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
+        config = node.config
+        self.admission = KVAdmission(
+            self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
+        )
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -80,6 +84,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 chunks = self._prefill_locally(job, engine_request)
             async for chunk in chunks:
                 yield node_pb2.DecodeResponse(tokens=chunk)
+        except _Refused as refused:
+            await _refuse(context, refused.error)
         finally:
             self._close(job)
 
@@ -137,9 +143,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
         try:
-            block_ids = await self._engine.call(lambda core: core.reserve(request_id, num_tokens))
-        except NoFreeBlocksError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            block_ids = await self.admission.reserve(request_id, num_tokens)
+        except AdmissionRefused as error:
+            await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         receiver = self._manager.create_receiver(block_ids, request.prompt_len, timeout_s)
@@ -196,14 +202,21 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         num_queued = request.num_tokens  # load, reported until the first token
         self.counters.num_queued_prefill_tokens += num_queued
         next_index = len(request.output_token_ids)  # a migrated request continues its output
+        admitted = None
         try:
+            admitted = await self.admission.admit_local(request.num_tokens)
             outputs = self._engine.generate(request)
             async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
                 num_queued = 0
+                admitted.done()  # its prompt's blocks are the engine's now
                 yield chunk
+        except AdmissionRefused as error:
+            raise _Refused(error) from None
         finally:
             self.counters.num_queued_prefill_tokens -= num_queued
+            if admitted is not None:
+                admitted.done()
 
     async def _chunks(
         self, job: _DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
@@ -234,8 +247,23 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     def _close(self, job: _DecodeJob) -> None:
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
+        self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         if job.receiver is not None:
             job.receiver.abort("the decode call ended")
         if not job.finished:
             request_id = job.request_id
             self._engine.post(lambda core: core.abort(request_id))
+
+
+class _Refused(Exception):
+    """Carries an AdmissionRefused out of a token generator to the Decode handler."""
+
+    def __init__(self, error: AdmissionRefused) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: AdmissionRefused) -> None:
+    """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
+    context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

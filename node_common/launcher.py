@@ -6,6 +6,8 @@ run_node(PrefillServer | DecodeServer, argv), e.g.
     flags (pdserve.cli.build_parser(role)) ──► EngineConfig + NodeConfig (bad: exit 2)
     EngineCore built off the event loop (signals stay handled while the model loads)
     ──► the role's server started ──► "pd-<role> listening on HOST:PORT (kv ADDRESS)"
+    ──► a port that cannot be bound (taken; a killed node's ucx port not released yet):
+        retried every 0.5 s for --bind-retry-s, then exit 1 with the message
     ──► served until SIGINT/SIGTERM (pdserve.lifecycle); exit 1 with a message when it
         cannot start (a taken port, an unknown model)
 ```
@@ -15,12 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
 from pdserve.cli import build_parser, configure_logging, engine_config, node_config
 from pdserve.lifecycle import run_server
+
+logger = logging.getLogger(__name__)
+
+_BIND_RETRY_INTERVAL_S = 0.5
 
 
 def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
@@ -47,16 +55,36 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
 
     async def start() -> RoleServer:
         core = await asyncio.to_thread(EngineCore, engine)
-        server = server_cls(core, node)
-        try:
-            await server.start()
-        except BaseException:
-            await server.stop(grace_s=0)
-            raise
-        return server
+        return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
 
     name = f"pd-{role}"
     return run_server(name, start, lambda s: f"{name} listening on {s.address} (kv {s.kv_address})")
+
+
+async def start_with_bind_retry(
+    make_server: Callable[[], RoleServer], retry_s: float
+) -> RoleServer:
+    """Builds and starts a server (which binds its gRPC and KV ports), again every
+    `_BIND_RETRY_INTERVAL_S` while a port cannot be bound, for up to `retry_s`; then raises
+    the OSError (the launcher exits 1 with its message)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        server = None
+        try:
+            server = make_server()
+            await server.start()
+            return server
+        except OSError as error:
+            if server is not None:
+                await server.stop(grace_s=0)
+            if time.monotonic() + _BIND_RETRY_INTERVAL_S > deadline:
+                raise OSError(f"{error} (gave up after retrying for {retry_s} s)") from None
+            logger.warning("%s; retrying in %s s", error, _BIND_RETRY_INTERVAL_S)
+            await asyncio.sleep(_BIND_RETRY_INTERVAL_S)
+        except BaseException:
+            if server is not None:
+                await server.stop(grace_s=0)
+            raise
 
 
 def _role(server_cls: type[RoleServer]) -> str:

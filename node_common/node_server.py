@@ -111,6 +111,6 @@ class NodeServer:
             self.dial_address,
             self._backend.kv_address,
             self._backend.node_info,
-            await self._backend.stats(),
+            await self._backend.stats(fresh=False),  # never waits for an engine step
             self.registrar.config,
         )

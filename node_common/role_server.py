@@ -126,8 +126,13 @@ class RoleServer(abc.ABC):
     def tokenizer_files(self) -> node_pb2.TokenizerFiles:
         return self._tokenizer_files
 
-    async def stats(self) -> node_pb2.NodeStats:
-        stats = await self.engine.call(lambda core: core.stats())
+    async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
+        """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
+        the engine thread (a long prefill step must not delay a registry heartbeat)."""
+        if fresh:
+            stats = await self.engine.call(lambda core: core.stats())
+        else:
+            stats = self.engine.last_stats
         counters = self.servicer.counters
         fields = {
             "num_kv_blocks": stats.num_total_blocks,

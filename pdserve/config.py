@@ -197,8 +197,28 @@ class NodeConfig:
     transfer_timeout_s: float = transfer_timeout_knob()
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
+    max_queued_requests: int = knob(
+        64,
+        "decode: requests that may wait for free KV blocks at once; more are refused "
+        "RESOURCE_EXHAUSTED at once",
+    )
+    queue_timeout_s: float = knob(
+        10.0, "decode: the longest a request waits for free KV blocks before RESOURCE_EXHAUSTED"
+    )
+    bind_retry_s: float = knob(
+        10.0,
+        "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a killed "
+        "node) before exiting with an error",
+    )
 
     def __post_init__(self) -> None:
+        if self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
+            raise ValueError(
+                f"max_queued_requests must be >= 0 and queue_timeout_s > 0, got "
+                f"{self.max_queued_requests} and {self.queue_timeout_s}"
+            )
+        if not self.bind_retry_s >= 0:
+            raise ValueError(f"bind_retry_s must be >= 0, got {self.bind_retry_s}")
         for name in ("port", "kv_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:
