@@ -146,6 +146,7 @@ def test_gpu_overlay_asks_for_gpus_cuda_and_more_shared_memory() -> None:
         assert _gibibytes(shm) > _gibibytes(base_shm)
     for _, _, container in pdserve_containers(base):
         assert "nvidia.com/gpu" not in str(container["resources"])
+    assert find(gpu, "ConfigMap", "pdserve-config")["data"]["KV_TRANSPORT"] == "ucx"
 
 
 def _gibibytes(quantity: str) -> float:
