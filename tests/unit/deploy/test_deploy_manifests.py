@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.unit.deploy import dockerfile
 from tests.unit.deploy.manifests import (
     WITH_PENDING,
     find,
@@ -152,3 +153,16 @@ def test_gpu_overlay_asks_for_gpus_cuda_and_more_shared_memory() -> None:
 def _gibibytes(quantity: str) -> float:
     units = {"Mi": 1 / 1024, "Gi": 1}
     return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_the_image_exposes_every_port_the_manifests_declare(name: str) -> None:
+    exposed = {
+        int(port)
+        for step in dockerfile.instructions()
+        if step.keyword == "EXPOSE"
+        for port in step.arguments.split()
+    }
+    for workload, _, container in pdserve_containers(rendered(name)):
+        declared = {p["containerPort"] for p in container["ports"]}
+        assert declared <= exposed, f"{workload['metadata']['name']}: {declared - exposed}"
