@@ -17,12 +17,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": "benchmarks.bench_serve",
-    "compare": "benchmarks.bench_compare",
-    "dataset": "benchmarks.bench_dataset",
     "transfer": "benchmarks.bench_transfer",
     "attention": "benchmarks.bench_attention",
     "offline": "benchmarks.bench_offline",
+    "serve": "benchmarks.bench_serve",
+    "compare": "benchmarks.bench_compare",
+    "dataset": "benchmarks.bench_dataset",
 }
 ARGV_COMMANDS = ("transfer", "serve", "compare", "dataset")  # main(argv); others read sys.argv
 

@@ -9,7 +9,8 @@ random    token ids; lengths uniform in [len * (1 - ratio), len * (1 + ratio)]
 prefix    --prefix-groups groups, each sharing one random prefix of --prefix-len tokens, then
           a random suffix (random's lengths); groups interleaved (prefix-aware routing)
 jsonl     one {"prompt": str | "prompt_token_ids": [int], "max_tokens": int} per line (the
-          format `pd-bench dataset` writes, so a sample travels to a machine without the data)
+          format `pd-bench dataset` writes, so a sample travels to a machine without the data;
+          its "prompt_len" counts a text prompt when no tokenizer is at hand)
 ```
 Seeded: the same flags give the same requests. Text prompts need the model's tokenizer to be
 counted; token-id prompts go as ids (the way to feed `synthetic:` models, which have none).
@@ -168,9 +169,11 @@ def _jsonl_request(row: dict, tokenizer: Tokenizer | None, where: str) -> Sample
         return SampleRequest(len(ids), max_tokens, prompt, tuple(int(i) for i in ids))
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: needs a prompt (text) or prompt_token_ids (list of ints)")
-    if tokenizer is None:
-        raise ValueError(f"{where}: a text prompt needs the model's tokenizer (--tokenizer DIR)")
-    return SampleRequest(len(tokenizer.encode(prompt)), max_tokens, prompt)
+    if tokenizer is not None:
+        return SampleRequest(len(tokenizer.encode(prompt)), max_tokens, prompt)
+    if isinstance(row.get("prompt_len"), int):  # counted when the file was written
+        return SampleRequest(row["prompt_len"], max_tokens, prompt)
+    raise ValueError(f"{where}: a text prompt needs the model's tokenizer (--tokenizer DIR)")
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, num: int) -> list[int]:
