@@ -24,8 +24,14 @@ from typing import Any
 import grpc
 
 from benchmarks import serve_report
-from benchmarks.bench_serve import add_dataset_flags, add_run_flags, check_flags, prepare, report
-from benchmarks.bench_serve import run_sweep
+from benchmarks.bench_serve import (
+    add_dataset_flags,
+    add_run_flags,
+    check_flags,
+    prepare,
+    report,
+    run_sweep,
+)
 from benchmarks.serve_cluster import BenchCluster, ClusterSpec
 
 

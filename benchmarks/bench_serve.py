@@ -56,15 +56,21 @@ def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="count tokens with this Hugging Face tokenizer folder (default: "
                        "the served model's, from the router)")  # fmt: skip
-    group.add_argument("--num-prompts", type=int, default=200, help="requests per rate (default 200)")
+    group.add_argument(
+        "--num-prompts", type=int, default=200, help="requests per rate (default 200)"
+    )
     group.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
                        help="cap every request's max_tokens at N (default: no cap)")  # fmt: skip
     group.add_argument("--random-input-len", type=int, default=1024,
                        help="random / prefix: prompt (suffix) tokens (default 1024)")  # fmt: skip
     group.add_argument("--random-output-len", type=int, default=128,
                        help="random / prefix: max_tokens (default 128)")  # fmt: skip
-    group.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="random / prefix: lengths uniform in len * [1 - r, 1 + r] (default 0)")
+    group.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random / prefix: lengths uniform in len * [1 - r, 1 + r] (default 0)",
+    )
     group.add_argument("--prefix-len", type=int, default=512,
                        help="prefix: tokens of the prefix a group shares (default 512)")  # fmt: skip
     group.add_argument("--prefix-groups", type=int, default=8,
@@ -115,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     target = parser.add_argument_group("target: a running router, or a cluster started here")
     target.add_argument("--addr", default=None, metavar="HOST:PORT",
                         help="benchmark this router (default: start pd-serve)")  # fmt: skip
-    target.add_argument("--prefill", type=int, default=1, help="prefill nodes to start (0: colocated)")
+    target.add_argument(
+        "--prefill", type=int, default=1, help="prefill nodes to start (0: colocated)"
+    )
     target.add_argument("--decode", type=int, default=1, help="decode nodes to start (>= 1)")
     add_dataset_flags(parser)
     add_run_flags(parser)
@@ -207,7 +215,9 @@ def report(runs: list[dict], args: argparse.Namespace, payload: dict) -> None:
         print(f"wrote {args.plot}")
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+def check_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]
+) -> None:
     """Refuse bad values early; validate the flags meant for pd-serve with its own parser."""
     if args.num_prompts < 1:
         parser.error("--num-prompts must be >= 1")

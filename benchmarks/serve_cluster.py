@@ -87,7 +87,9 @@ class BenchCluster:
 
     def argv(self) -> list[str]:
         flags = self.serve_flags
-        port = [] if any(f == "--port" or f.startswith("--port=") for f in flags) else ["--port", "0"]
+        port = (
+            [] if any(f == "--port" or f.startswith("--port=") for f in flags) else ["--port", "0"]
+        )
         return [sys.executable, "-m", "pdserve.local_cluster", "--prefill", str(self.spec.num_prefill),
                 "--decode", str(self.spec.num_decode), *port, *flags]  # fmt: skip
 

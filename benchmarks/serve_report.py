@@ -94,7 +94,9 @@ def plot(path: str | Path, runs: list[dict], slo: Slo) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for axis, (title, value, target) in zip(axes, panels):
         for config in configs:
-            by_rate = {r["request_rate"]: value(r["summary"]) for r in runs if r["config"] == config}
+            by_rate = {
+                r["request_rate"]: value(r["summary"]) for r in runs if r["config"] == config
+            }
             xs = [i for i, rate in enumerate(rates) if by_rate.get(rate) is not None]
             axis.plot(xs, [by_rate[rates[i]] for i in xs], marker="o", label=config)
         if target is not None:

@@ -40,7 +40,10 @@ def test_cluster_forwards_flags_and_picks_a_free_port(tmp_path) -> None:
     argv = cluster.argv()
     assert argv[1:] == ["-m", "pdserve.local_cluster", "--prefill", "0", "--decode", "2",
                         "--port", "0", "--model", "m"]  # fmt: skip
-    assert "--port" not in BenchCluster(ClusterSpec.parse("1P1D"), ["--port=5"], tmp_path, 1).argv()[:-1]
+    assert (
+        "--port"
+        not in BenchCluster(ClusterSpec.parse("1P1D"), ["--port=5"], tmp_path, 1).argv()[:-1]
+    )
 
 
 def test_serve_flags_and_pd_serve_passthrough() -> None:

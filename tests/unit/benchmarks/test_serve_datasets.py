@@ -70,8 +70,11 @@ def test_sharegpt_sample_is_seeded_and_reads_a_cut_file(tmp_path):
     entries = [_conversation(_words(5 + i), _words(5 + i)) for i in range(40)]
     path = _sharegpt_file(tmp_path, entries, cut=True)
     assert len(list(iter_sharegpt(path))) == 39  # the cut-off last entry is left out
-    sample = lambda seed: [r.prompt_len for r in load_requests(  # noqa: E731
-        DatasetSpec(path=path, num_prompts=10, seed=seed), WordTokenizer(), 8192, 100)]
+
+    def sample(seed: int) -> list[int]:
+        spec = DatasetSpec(path=path, num_prompts=10, seed=seed)
+        return [r.prompt_len for r in load_requests(spec, WordTokenizer(), 8192, 100)]
+
     assert sample(1) == sample(1) and len(sample(1)) == 10
     assert sample(1) != sample(2)
 
