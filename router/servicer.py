@@ -6,6 +6,7 @@ Generate(request)
   Dispatcher.run(request)       -> NodeTokens from P and D
     OutputProcessor.process     -> GenerateResponse, written at once; stops at the finish
   RouterError                   -> its status; client cancel -> counted, node calls cancelled
+GetTokenizer                    the first ready node's tokenizer files, for clients (pd-bench)
 ```
 """
 
@@ -18,7 +19,7 @@ import logging
 import grpc
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
 from router.dispatcher import Dispatcher
 from router.errors import RouterError
 from router.input_processor import InputProcessor
@@ -65,6 +66,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids,
         )
 
+    async def GetTokenizer(
+        self, request: generation_pb2.GetModelTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelTokenizer:
+        """The tokenizer files of a ready node (empty for a model without a tokenizer)."""
+        nodes = self._registry.decode_nodes + self._registry.prefill_nodes
+        if self._registry.model_info is None or not nodes:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_NODE_MESSAGE)
+        try:
+            files = await nodes[0].node_stub.GetTokenizer(
+                node_pb2.GetTokenizerRequest(), timeout=_TOKENIZER_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
+            )
+        return generation_pb2.ModelTokenizer(
+            tokenizer_json=files.tokenizer_json,
+            tokenizer_config_json=files.tokenizer_config_json,
+            chat_template=files.chat_template,
+        )
+
     async def _generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
@@ -96,6 +118,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await context.abort(error.code, error.message)
 
 
+_TOKENIZER_TIMEOUT_S = 30.0  # a large tokenizer.json is tens of MB
 _NO_NODE_MESSAGE = (
     "no node is ready yet: the router learns the model and its tokenizer from its nodes "
     "(check the --prefill/--decode addresses or the --registry, and that the nodes are up)"
