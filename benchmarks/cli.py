@@ -4,6 +4,7 @@ against.
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
+    pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -17,6 +18,7 @@ COMMANDS = {
     "transfer": "benchmarks.bench_transfer",
     "attention": "benchmarks.bench_attention",
     "offline": "benchmarks.bench_offline",
+    "engine": "benchmarks.bench_engine",
 }
 
 
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[command])
-    if command == "transfer":
+    if command in ("transfer", "engine"):
         return module.main(rest)
     sys.argv = [f"pd-bench {command}", *rest]  # these parse sys.argv themselves
     return module.main() or 0
