@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import engine_ceilings as ceil
 from engine.engine_core import EngineCore
+from engine.model import resolve_device, resolve_dtype
 from pdserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
 from pdserve.sampling_params import SamplingParams
 
@@ -188,10 +189,13 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
     max_len = max(
         max(lengths) + args.steps + args.warmup_steps + 8, max(args.prefill_lens, default=0) + 8
     )
-    core = make_engine(args, args.model, max_len, max(args.batch_sizes))
-    device = core.device
+    device = resolve_device(args.device)
+    # Ceilings first, while the memory is free (the engine's KV pool then takes most of it).
     bandwidth = ceil.memory_bandwidth(device, args.bandwidth_bytes)
-    gemm = ceil.gemm_rate(device, core.dtype, args.gemm_size)
+    gemm = ceil.gemm_rate(device, resolve_dtype(args.dtype, device, args.model), args.gemm_size)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    core = make_engine(args, args.model, max_len, max(args.batch_sizes))
     graphs = core.runner.decode_graphs
     info = {
         "model": args.model, "dtype": str(core.dtype), "device": str(device),
