@@ -7,6 +7,7 @@ against.
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
+    pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -23,8 +24,9 @@ COMMANDS = {
     "serve": "benchmarks.bench_serve",
     "compare": "benchmarks.bench_compare",
     "dataset": "benchmarks.bench_dataset",
+    "engine": "benchmarks.bench_engine",
 }
-ARGV_COMMANDS = ("transfer", "serve", "compare", "dataset")  # main(argv); others read sys.argv
+ARGV_COMMANDS = ("transfer", "serve", "compare", "dataset", "engine")  # main(argv); others read sys.argv
 
 
 def main(argv: list[str] | None = None) -> int:

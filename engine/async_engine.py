@@ -157,7 +157,9 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

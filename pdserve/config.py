@@ -71,6 +71,9 @@ class ModelConfig:
     attention_backend: str = knob(
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS
     )
+    enforce_eager: bool = knob(
+        False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,9 @@ class CacheConfig:
     Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
     `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
 
-    block_size: int = knob(16, "tokens per KV block")
+    block_size: int = knob(
+        16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
+    )
     num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
     kv_cache_memory: int | None = knob(
         None,
