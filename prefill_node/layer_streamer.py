@@ -174,13 +174,13 @@ class LayerStreamer:
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             return pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
         computed = torch.cuda.Event()
-        computed.record()  # the compute stream, after this layer's KV write
+        computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(computed)
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(self._pack_stream)
         return packed, ready
 
     def _start_send(
