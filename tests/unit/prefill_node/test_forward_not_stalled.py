@@ -62,6 +62,13 @@ def test_slow_sends_do_not_stall_the_forward(transport: str) -> None:
             assert result.transfer_result.ok, result.transfer_result.error
             assert sends_started == num_layers
             assert all(t is not None for t in trace.layer_sent_s)
+            # the timeline pd-bench ttft prints: computed <= sent (P), landed (D), via GetStats
+            prefill_stats, decode_stats = await nodes.stats()
+            p_line, d_line = prefill_stats.last_transfer, decode_stats.last_transfer
+            assert p_line.transfer_id == d_line.transfer_id == ticket.transfer_id
+            assert len(p_line.computed_s) == len(d_line.landed_s) == num_layers
+            assert all(0 < c <= s for c, s in zip(p_line.computed_s, p_line.sent_s))
+            assert all(t > 0 for t in d_line.landed_s)
             decode_call.cancel()
 
     run(main())
