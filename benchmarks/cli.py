@@ -2,6 +2,7 @@
 against.
 
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
+    pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
 
@@ -15,6 +16,7 @@ import sys
 
 COMMANDS = {
     "transfer": "benchmarks.bench_transfer",
+    "ttft": "benchmarks.bench_ttft",
     "attention": "benchmarks.bench_attention",
     "offline": "benchmarks.bench_offline",
 }
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[command])
-    if command == "transfer":
+    if command in ("transfer", "ttft"):
         return module.main(rest)
     sys.argv = [f"pd-bench {command}", *rest]  # these parse sys.argv themselves
     return module.main() or 0
