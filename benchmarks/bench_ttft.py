@@ -91,7 +91,9 @@ def timeline_rows(cluster: ServeCluster, sent_s: float) -> list[str]:
     def ms(t: float) -> str:
         return f"{(t - sent_s) * 1e3:9.2f}" if t > 0 else "        -"
 
-    rows = [f"{'layer':>5} {'computed':>9} {'sent':>9} {'landed':>9}   ms after the request was sent"]
+    rows = [
+        f"{'layer':>5} {'computed':>9} {'sent':>9} {'landed':>9}   ms after the request was sent"
+    ]
     for i, (c, s, landed) in enumerate(zip(prefill.computed_s, prefill.sent_s, decode.landed_s)):
         rows.append(f"{i:5d} {ms(c)} {ms(s)} {ms(landed)}")
     last_gap = (decode.landed_s[-1] - prefill.computed_s[-1]) * 1e3

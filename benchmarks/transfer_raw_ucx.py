@@ -77,9 +77,7 @@ async def raw_ucx_gbps(
         best_s = float("inf")
         for _ in range(reps):
             start_s = time.perf_counter()
-            await asyncio.wait_for(
-                asyncio.gather(*(ep.send(_ucx(buf)) for buf in bufs)), TIMEOUT_S
-            )
+            await asyncio.wait_for(asyncio.gather(*(ep.send(_ucx(buf)) for buf in bufs)), TIMEOUT_S)
             await asyncio.wait_for(ep.recv(ack.numpy()), TIMEOUT_S)
             best_s = min(best_s, time.perf_counter() - start_s)
         await ep.close()

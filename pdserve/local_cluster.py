@@ -113,7 +113,9 @@ def node_devices(
     if device not in ("auto", "cuda") or num_gpus == 0:
         shared = device.startswith("cuda")
         return None, (num_nodes if shared else 1)
-    order = [("prefill", i) for i in range(num_prefill)] + [("decode", i) for i in range(num_decode)]
+    order = [("prefill", i) for i in range(num_prefill)] + [
+        ("decode", i) for i in range(num_decode)
+    ]
     devices: dict[str, list[str]] = {"prefill": [], "decode": []}
     for slot, (role, _) in enumerate(order):
         devices[role].append(f"cuda:{slot % num_gpus}")
@@ -131,7 +133,9 @@ class LocalCluster:
     def _spawn(self, name: str, module: str, argv: list[str]) -> _Child:
         process = subprocess.Popen(
             [sys.executable, "-u", "-m", module, *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         child = _Child(name, process)
         self.children.append(child)
@@ -149,7 +153,9 @@ class LocalCluster:
 
     def start(self) -> str:
         args = self.args
-        roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+        roles = [("decode", i) for i in range(args.decode)] + [
+            ("prefill", i) for i in range(args.prefill)
+        ]
         devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
         for role, index in roles:  # decode nodes start first: the prefill's tickets come from them
@@ -216,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         address = cluster.start()
-        mode = "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        mode = (
+            "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        )
         print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
-        print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
+        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

@@ -56,7 +56,11 @@ if triton is not None:
 
 
 def _launch(
-    k_rows: torch.Tensor, v_rows: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, gather: bool
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    gather: bool,
 ) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed")
