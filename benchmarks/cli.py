@@ -5,6 +5,7 @@ against.
     pd-bench compare [...]     the same sweep on several cluster configurations, goodput ratio
     pd-bench dataset [...]     sample a serve dataset into a JSONL file (it travels to the GPU)
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
+    pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
@@ -19,6 +20,7 @@ import sys
 
 COMMANDS = {
     "transfer": "benchmarks.bench_transfer",
+    "ttft": "benchmarks.bench_ttft",
     "attention": "benchmarks.bench_attention",
     "offline": "benchmarks.bench_offline",
     "serve": "benchmarks.bench_serve",
@@ -26,7 +28,8 @@ COMMANDS = {
     "dataset": "benchmarks.bench_dataset",
     "engine": "benchmarks.bench_engine",
 }
-ARGV_COMMANDS = ("transfer", "serve", "compare", "dataset", "engine")  # main(argv); others read sys.argv
+# These take main(argv); the others parse sys.argv themselves.
+ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,10 @@ class RoleServer(abc.ABC):
         """NodeStats fields the role reports on top of the shared ones."""
         return {}
 
+    def last_transfer(self) -> node_pb2.LayerTimeline | None:
+        """The most recent KV hand-off's per-layer timeline on this node, if any."""
+        return None
+
     # ---- NodeBackend ----------------------------------------------------------------------
 
     @property
@@ -140,7 +144,11 @@ class RoleServer(abc.ABC):
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
         }
-        return node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
+        reply = node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
+        timeline = self.last_transfer()
+        if timeline is not None:
+            reply.last_transfer.CopyFrom(timeline)
+        return reply
 
     # ---- lifecycle ------------------------------------------------------------------------
 

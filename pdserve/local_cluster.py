@@ -16,7 +16,6 @@ stops the rest and exits non-zero. Torch-free: the nodes load the model, not thi
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -101,6 +100,28 @@ def _num_gpus() -> int:
     return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
+def node_devices(
+    device: str, num_prefill: int, num_decode: int, num_gpus: int
+) -> tuple[dict[str, list[str]] | None, int]:
+    """Where each node runs, and how many nodes share a GPU (each gets that share of
+    --gpu-memory-utilization). With `--device auto|cuda` and GPUs visible the nodes are spread
+    over the visible GPUs by index, prefill nodes first (1P1D on 2 GPUs: prefill on cuda:0,
+    decode on cuda:1), each told its `--device cuda:N`; CUDA_VISIBLE_DEVICES is left as the
+    user set it, so every node sees every listed GPU (UCX's cuda_ipc maps a peer's memory only
+    when its GPU is visible). `None`: nodes keep the given --device (cpu, or one cuda:N)."""
+    num_nodes = num_prefill + num_decode
+    if device not in ("auto", "cuda") or num_gpus == 0:
+        shared = device.startswith("cuda")
+        return None, (num_nodes if shared else 1)
+    order = [("prefill", i) for i in range(num_prefill)] + [
+        ("decode", i) for i in range(num_decode)
+    ]
+    devices: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for slot, (role, _) in enumerate(order):
+        devices[role].append(f"cuda:{slot % num_gpus}")
+    return devices, -(-num_nodes // num_gpus)
+
+
 class LocalCluster:
     def __init__(self, args, node_argv: list[str], router_argv: list[str]) -> None:
         """`node_argv` / `router_argv`: the flags pd-serve forwards to each (as given)."""
@@ -109,10 +130,12 @@ class LocalCluster:
         self.router_argv = router_argv
         self.children: list[_Child] = []
 
-    def _spawn(self, name: str, module: str, argv: list[str], env: dict | None = None) -> _Child:
+    def _spawn(self, name: str, module: str, argv: list[str]) -> _Child:
         process = subprocess.Popen(
             [sys.executable, "-u", "-m", module, *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         child = _Child(name, process)
         self.children.append(child)
@@ -130,19 +153,16 @@ class LocalCluster:
 
     def start(self) -> str:
         args = self.args
-        num_gpus = _num_gpus() if args.device in ("auto", "cuda") else 0
-        num_nodes = args.prefill + args.decode
-        nodes_per_gpu = -(-num_nodes // num_gpus) if num_gpus else 1
-        roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+        roles = [("decode", i) for i in range(args.decode)] + [
+            ("prefill", i) for i in range(args.prefill)
+        ]
+        devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
-        for slot, (role, index) in enumerate(roles):
-            env = dict(os.environ)
-            if num_gpus:  # spread the nodes over the GPUs, one device each
-                env["CUDA_VISIBLE_DEVICES"] = str(slot % num_gpus)
-            child = self._spawn(
-                f"{role}-{index}", f"{role}_node.cli",
-                _node_argv(self.node_argv, nodes_per_gpu if num_gpus else 1), env,
-            )
+        for role, index in roles:  # decode nodes start first: the prefill's tickets come from them
+            argv = _node_argv(self.node_argv, share)
+            if devices is not None:  # every listed GPU stays visible (cuda_ipc maps peers)
+                argv += ["--device", devices[role][index]]
+            child = self._spawn(f"{role}-{index}", f"{role}_node.cli", argv)
             started[role].append(child)
         decode_addrs = self._await_ready(started["decode"])
         prefill_addrs = self._await_ready(started["prefill"])
@@ -202,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         address = cluster.start()
-        mode = "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        mode = (
+            "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        )
         print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
-        print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
+        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0
