@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
-from pdserve.cli import build_parser, configure_logging, engine_config, node_config
+from pdserve.cli import build_parser, setup_logging, engine_config, node_config
 from pdserve.lifecycle import run_server
 
 
@@ -43,7 +43,7 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
-    configure_logging(args.log_level, role)
+    setup_logging(args, role)
 
     async def start() -> RoleServer:
         core = await asyncio.to_thread(EngineCore, engine)

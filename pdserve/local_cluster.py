@@ -32,8 +32,8 @@ from pdserve.cli import (
     ROUTER,
     ArgumentParser,
     build_parser,
-    configure_logging,
     forwarded_argv,
+    setup_logging,
 )
 from pdserve.config import CacheConfig
 
@@ -112,7 +112,10 @@ class LocalCluster:
     def _spawn(self, name: str, module: str, argv: list[str], env: dict | None = None) -> _Child:
         process = subprocess.Popen(
             [sys.executable, "-u", "-m", module, *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         child = _Child(name, process)
         self.children.append(child)
@@ -133,15 +136,19 @@ class LocalCluster:
         num_gpus = _num_gpus() if args.device in ("auto", "cuda") else 0
         num_nodes = args.prefill + args.decode
         nodes_per_gpu = -(-num_nodes // num_gpus) if num_gpus else 1
-        roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+        roles = [("decode", i) for i in range(args.decode)] + [
+            ("prefill", i) for i in range(args.prefill)
+        ]
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
         for slot, (role, index) in enumerate(roles):
             env = dict(os.environ)
             if num_gpus:  # spread the nodes over the GPUs, one device each
                 env["CUDA_VISIBLE_DEVICES"] = str(slot % num_gpus)
             child = self._spawn(
-                f"{role}-{index}", f"{role}_node.cli",
-                _node_argv(self.node_argv, nodes_per_gpu if num_gpus else 1), env,
+                f"{role}-{index}",
+                f"{role}_node.cli",
+                _node_argv(self.node_argv, nodes_per_gpu if num_gpus else 1),
+                env,
             )
             started[role].append(child)
         decode_addrs = self._await_ready(started["decode"])
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_serve_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level, "serve")
+    setup_logging(args, "serve")
     if args.decode < 1 or args.prefill < 0:
         print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
@@ -202,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         address = cluster.start()
-        mode = "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        mode = (
+            "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        )
         print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
-        print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
+        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

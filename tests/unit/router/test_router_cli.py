@@ -41,6 +41,8 @@ def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokeni
             "router.cli",
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--decode",
             node.address,
             "--log-level",
