@@ -53,6 +53,10 @@ class RouterMetrics:
             "from a request's arrival to its last output token (served requests)",
             buckets=E2E_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self._add_counters(r)
+        self._migrations: Counter | None = None  # created by the first migration()
+
+    def _add_counters(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "prompt tokens of served requests", registry=r
         )
@@ -85,7 +89,6 @@ class RouterMetrics:
             "local prefill)",
             registry=r,
         )
-        self._migrations: Counter | None = None  # created by the first migration()
 
     def migration(self) -> None:
         """Hook for request migration (a running request moved to another decode node):
