@@ -47,5 +47,8 @@ class DecodeServer(RoleServer):
     def role_stats(self, stats: EngineStats) -> dict[str, int]:
         return {"num_local_prefills": self.servicer.counters.num_local_prefills}
 
+    def role_metric_counters(self) -> dict[str, int]:
+        return {"num_fallbacks": self.servicer.counters.num_fallbacks}
+
     async def abort(self, request_id: str) -> bool:
         return await self.servicer.abort(request_id)
