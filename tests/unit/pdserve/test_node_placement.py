@@ -50,7 +50,9 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
 
     monkeypatch.setattr(local_cluster.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(local_cluster.sys, "stderr", open(os.devnull, "w"))  # noqa: SIM115
-    args = types.SimpleNamespace(device="auto", prefill=1, decode=1, registry=None, port=0)
+    args = types.SimpleNamespace(
+        device="auto", prefill=1, decode=1, registry=None, port=0, metrics_port=0, model="m"
+    )
     cluster = LocalCluster(args, ["--model", "m"], [])
     cluster.start()
     by_module = {cmd[cmd.index("-m") + 1]: (cmd, env) for cmd, env in spawned}
