@@ -27,6 +27,7 @@ from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
 from node_common.role_server import RoleServer
 from node_common.role_servicer import NodeCounters, RoleServicer
+from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.DecodeResponse]:
+        set_request_id(request.request_id)  # this call's log lines carry the request id
         engine_request = await self._make_request(request, context)
         if request.request_id in self._jobs:
             await context.abort(
@@ -152,6 +154,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job.receiver = receiver
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
+        receiver.add_finish_callback(self._metrics.transfer_finished)
         return receiver
 
     async def _after_transfer(
@@ -232,6 +235,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 chunk.finish_reason = out.finish_reason.value
                 chunk.num_cached_tokens = out.num_cached_tokens
                 self._finish(job)
+                logger.info(
+                    "decode finished (%s): %d output tokens, prefilled %s, %d cached prompt "
+                    "tokens", chunk.finish_reason, next_index,
+                    "here" if job.trace.prefilled_locally else "by a prefill node",
+                    out.num_cached_tokens,
+                )  # fmt: skip
             yield chunk
 
     def _abort_chunk(self, job: _DecodeJob, output_index: int) -> node_pb2.TokenChunk:

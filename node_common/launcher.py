@@ -4,7 +4,8 @@
 run_node(PrefillServer | DecodeServer, argv), e.g.
     pd-prefill --model smollm2-135m --port 50061 --kv-transport tcp --kv-port 5600:
     flags (pdserve.cli.build_parser(role)) ──► EngineConfig + NodeConfig (bad: exit 2)
-    EngineCore built off the event loop (signals stay handled while the model loads)
+    "loading MODEL" logged; EngineCore built off the event loop (signals stay handled while
+    the model loads; conversion and weight loading log their progress)
     ──► the role's server started ──► "pd-<role> listening on HOST:PORT (kv ADDRESS)"
     ──► a port that cannot be bound (taken; a killed node's ucx port not released yet):
         retried every 0.5 s for --bind-retry-s, then exit 1 with the message
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
-from pdserve.cli import build_parser, configure_logging, engine_config, node_config
+from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,20 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
-    configure_logging(args.log_level, role)
+    setup_logging(args, role)
 
     async def start() -> RoleServer:
+        logger.info("loading model %s on %s", engine.model.model, engine.model.device)
         core = await asyncio.to_thread(EngineCore, engine)
         return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
 
     name = f"pd-{role}"
-    return run_server(name, start, lambda s: f"{name} listening on {s.address} (kv {s.kv_address})")
+    return run_server(name, start, lambda s: _ready_line(name, s))
+
+
+def _ready_line(name: str, server: RoleServer) -> str:
+    metrics = f", metrics {server.metrics.url}" if server.metrics.url else ""
+    return f"{name} listening on {server.address} (kv {server.kv_address}{metrics})"
 
 
 async def start_with_bind_retry(

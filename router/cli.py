@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import build_parser, configure_logging, router_config
+from pdserve.cli import build_parser, router_config, setup_logging
 from pdserve.lifecycle import run_server
 from router.server import RouterServer
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    configure_logging(args.log_level, "router")
+    setup_logging(args, "router")
 
     async def start() -> RouterServer:
         """Serves, then waits for its nodes (a signal meanwhile stops it cleanly)."""
@@ -58,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return server
 
-    return run_server("pd-router", start, lambda s: f"pd-router listening on {s.address}")
+    return run_server("pd-router", start, _ready_line)
+
+
+def _ready_line(server: RouterServer) -> str:
+    line = f"pd-router listening on {server.address}"
+    if server.http is not None:
+        line += f" (http {server.http.url})"
+    return line
 
 
 if __name__ == "__main__":

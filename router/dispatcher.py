@@ -36,6 +36,7 @@ from router.node_registry import NodeRegistry
 from router.output_processor import NodeTokens
 from router.policies import Route, RoutingPolicy
 from router.request_calls import RequestCalls
+from router.request_record import RequestRecord
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,16 @@ class Dispatcher:
         self._stats = stats
 
     async def run(
-        self, request: ProcessedRequest, timeout_s: float | None = None
+        self,
+        request: ProcessedRequest,
+        timeout_s: float | None = None,
+        record: RequestRecord | None = None,
     ) -> AsyncIterator[NodeTokens]:
         """Yields the request's tokens from both streams, ending after one with a finish_reason.
         `timeout_s` (the client's deadline) bounds the node calls. Use it inside
-        `contextlib.aclosing` so that stopping early aborts the request on its nodes at once."""
-        route = self._route(request)
+        `contextlib.aclosing` so that stopping early aborts the request on its nodes at once.
+        `record` (if given) gets the route taken (the last attempt's)."""
+        route = self._route(request, record=record)
         if route is None:
             raise RouterError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -88,7 +93,7 @@ class Dispatcher:
                 return
             except (NodeUnreachableError, DecodeLostError) as error:
                 lost.append(route.decode)
-                route = self._reroute(request, route, lost, error, output_token_ids)
+                route = self._reroute(request, route, lost, error, output_token_ids, record)
             finally:
                 await calls.close()
 
@@ -99,6 +104,7 @@ class Dispatcher:
         lost: list[NodeClient],
         error: RouterError,
         output_token_ids: list[int],
+        record: RequestRecord | None,
     ) -> Route:
         """The route to run the request on after `route.decode` failed: a retry (nothing
         streamed yet, once) or a migration (with the tokens streamed so far); raises `error`
@@ -107,7 +113,7 @@ class Dispatcher:
         migrating = bool(output_token_ids)
         retry = None
         if migrating or len(lost) == 1:
-            retry = self._route(request, exclude=lost)
+            retry = self._route(request, exclude=lost, record=record)
         if retry is None:
             if migrating:
                 raise RouterError(
@@ -117,31 +123,39 @@ class Dispatcher:
                 ) from None
             raise error
         if migrating:
-            self._stats.num_migrations += 1
+            self._stats.migration()
             logger.warning(
                 "request %s: %s; migrating it after %d tokens to decode node %s",
                 request.request_id, error.message, len(output_token_ids), retry.decode.address,
             )  # fmt: skip
         else:
-            self._stats.num_retries += 1
+            self._stats.retry()
             logger.warning(
                 "request %s: %s; retrying on decode node %s",
                 request.request_id, error.message, retry.decode.address,
             )  # fmt: skip
         return retry
 
-    def _route(self, request: ProcessedRequest, exclude: Sequence[NodeClient] = ()) -> Route | None:
+    def _route(
+        self,
+        request: ProcessedRequest,
+        exclude: Sequence[NodeClient] = (),
+        record: RequestRecord | None = None,
+    ) -> Route | None:
         """The policy's route among the ready nodes (less `exclude`), counted; None when no
         decode node is left."""
         decode_nodes = [n for n in self._registry.decode_nodes if n not in exclude]
         if not decode_nodes:
             return None
         route = self._policy.pick(request, self._registry.prefill_nodes, decode_nodes)
-        self._stats.requests_routed[route.decode.address] += 1
+        self._stats.routed(route.decode.address)
         if route.prefill is not None:
-            self._stats.requests_routed[route.prefill.address] += 1
+            self._stats.routed(route.prefill.address)
+            self._stats.route_picked(None)
         else:
-            self._stats.local_prefill_routes[route.local_reason] += 1
+            self._stats.route_picked(route.local_reason)
+        if record is not None:
+            record.route = _describe_route(route)
         return route
 
     def _retry_prefill(self, request: ProcessedRequest, failed: NodeClient) -> NodeClient | None:
@@ -151,8 +165,8 @@ class Dispatcher:
         if not others:
             return None
         node = self._policy.pick_prefill(request, others)
-        self._stats.num_retries += 1
-        self._stats.requests_routed[node.address] += 1
+        self._stats.retry()
+        self._stats.routed(node.address)
         return node
 
 
@@ -161,3 +175,10 @@ def _extend(output_token_ids: list[int], tokens: NodeTokens) -> None:
     start = len(output_token_ids) - tokens.output_index
     if start >= 0:
         output_token_ids.extend(tokens.token_ids[start:])
+
+
+def _describe_route(route: Route) -> str:
+    """For the access log: "P=ADDR D=ADDR" or "local(REASON) D=ADDR"."""
+    if route.prefill is not None:
+        return f"P={route.prefill.address} D={route.decode.address}"
+    return f"local({route.local_reason}) D={route.decode.address}"

@@ -228,7 +228,7 @@ class RequestCalls:
             self._prefill_work.done()
         if failure is None:
             return
-        self._stats.num_prefill_failures += 1
+        self._stats.prefill_failure()
         logger.warning(
             "request %s: prefill node %s failed (%s); decode node %s prefills locally",
             self._request.request_id,

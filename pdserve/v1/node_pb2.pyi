@@ -211,7 +211,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class NodeStats(_message.Message):
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_running_requests: int
@@ -232,7 +233,22 @@ class NodeStats(_message.Message):
     num_failed_transfers: int
     num_prefix_cache_hit_tokens: int
     num_queued_prefill_tokens: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    last_transfer: LayerTimeline
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ...) -> None: ...
+
+class LayerTimeline(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_S_FIELD_NUMBER: _ClassVar[int]
+    SENT_S_FIELD_NUMBER: _ClassVar[int]
+    LANDED_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    computed_s: _containers.RepeatedScalarFieldContainer[float]
+    sent_s: _containers.RepeatedScalarFieldContainer[float]
+    landed_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., computed_s: _Optional[_Iterable[float]] = ..., sent_s: _Optional[_Iterable[float]] = ..., landed_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -251,7 +251,7 @@ class RouterHarness:
         self.decode = [
             FakeNode(node_pb2.NODE_ROLE_DECODE, self.model, files) for _ in range(num_decode)
         ]
-        self._config = {"port": 0, "node_wait_s": 2.0, "grace_s": 0.0, **config}
+        self._config = {"port": 0, "http_port": 0, "node_wait_s": 2.0, "grace_s": 0.0, **config}
         self.router: RouterServer | None = None
         self.client: GenerationClient | None = None
 
