@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.floor_model:
-        floor = make_engine(args, args.floor_model, max_len, 8)
+        floor_len = args.floor_context + args.steps + args.warmup_steps + 8  # decode only
+        floor = make_engine(args, args.floor_model, floor_len, 8)
         floor_args = argparse.Namespace(**{**vars(args), "contexts": [args.floor_context],
                                            "batch_sizes": [1]})  # fmt: skip
         floor_label = args.floor_model.removeprefix("synthetic:") + " floor"
