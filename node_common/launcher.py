@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import Sequence
 
 from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
 from pdserve.cli import build_parser, configure_logging, engine_config, node_config
 from pdserve.lifecycle import run_server
+from pdserve.security import load_cluster_auth, open_cluster_warning
 
 
 def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
@@ -40,10 +42,13 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     try:
         engine = engine_config(args, prefill_only=server_cls.prefill_only)
         node = node_config(args)
+        auth = load_cluster_auth(node.security)
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
     configure_logging(args.log_level, role)
+    if auth is None:
+        logging.getLogger(__name__).warning(open_cluster_warning(f"pd-{role}"))
 
     async def start() -> RoleServer:
         core = await asyncio.to_thread(EngineCore, engine)

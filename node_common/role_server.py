@@ -29,6 +29,7 @@ from engine.engine_core import EngineCore, EngineStats
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_server import NodeServer
 from pdserve.config import NodeConfig
+from pdserve.security import load_cluster_auth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, transfer_pb2
 
@@ -59,6 +60,7 @@ class RoleServer(abc.ABC):
             **core.arch.layout_fields(),
         )
         self.engine = AsyncEngine(core)
+        self.auth = load_cluster_auth(config.security)
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
@@ -76,6 +78,8 @@ class RoleServer(abc.ABC):
             self.add_servicer,
             registry=config.registry,
             advertise_host=config.advertise_host,
+            security=config.security,
+            auth=self.auth,
         )
         self._engine_started = False
         self._stopped = False
