@@ -64,7 +64,9 @@ class RoleServer(abc.ABC):
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        self.manager = KVTransferManager(transport, self.layout, self.receive_into())
+        self.manager = KVTransferManager(
+            transport, self.layout, self.receive_into(), auth=self.auth
+        )
         self.servicer = self.make_servicer()
         self._node_info = self._make_node_info()
         tokenizer_dir = core.loaded.tokenizer_dir
