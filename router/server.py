@@ -63,7 +63,8 @@ class RouterServer:
         )
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.registry, dispatcher, self.stats), self._server
+            GenerationServicer(self.registry, dispatcher, self.stats, config.max_prompt_chars),
+            self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

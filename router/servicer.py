@@ -32,7 +32,14 @@ logger = logging.getLogger(__name__)
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves Generate and GetModelInfo for the model of the registry's nodes."""
 
-    def __init__(self, registry: NodeRegistry, dispatcher: Dispatcher, stats: RouterStats) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        dispatcher: Dispatcher,
+        stats: RouterStats,
+        max_prompt_chars: int = 0,
+    ) -> None:
+        self._max_prompt_chars = max_prompt_chars
         self._registry = registry
         self._dispatcher = dispatcher
         self._stats = stats
@@ -68,7 +75,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        processed = self._processor().process(request)
+        # Tokenizing takes a while for a long prompt: off the event loop, so other calls go on.
+        processed = await asyncio.to_thread(self._processor().process, request)
         output = OutputProcessor(processed, self._registry.tokenizer)
         stream = self._dispatcher.run(processed, context.time_remaining())
         async with contextlib.aclosing(stream):
@@ -85,7 +93,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if self._registry.model_info is None:  # the tokenizer may be None: token ids only
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_NODE_MESSAGE)
             self._input_processor = InputProcessor(
-                self._registry.tokenizer, self._registry.model_info
+                self._registry.tokenizer, self._registry.model_info, self._max_prompt_chars
             )
         return self._input_processor
 
