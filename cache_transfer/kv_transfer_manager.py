@@ -35,6 +35,8 @@ from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
+MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
+
 S = TypeVar("S", KVReceiver, KVSender)
 
 
@@ -68,12 +70,21 @@ class KVTransferManager:
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
         self._senders: dict[str, KVSender] = {}
+        transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
 
     @property
     def address(self) -> str:
         """This node's KV transport address (what tickets carry)."""
         return self._transport.address
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a peer may send this node: one layer of the whole pool (no
+        ticket reserves more), or headers only for a node that receives no KV."""
+        if self._kv_caches is None:
+            return MAX_HEADER_BYTES
+        return max(self.layout.layer_bytes(self._kv_caches[0][0].shape[0]), MAX_HEADER_BYTES)
 
     @property
     def num_pending(self) -> int:
