@@ -69,6 +69,7 @@ class KVTransport(abc.ABC):
         """Refuse, before buffering it, any incoming frame (header or payload) larger than
         `max_frame_bytes` (call before peers connect). Transports that hand the handler the
         payload size before receiving it (ucx, local) need not: `prepare` refuses first."""
+        return None
 
     @abc.abstractmethod
     def buffer_device(self, cache_device: torch.device) -> torch.device:
