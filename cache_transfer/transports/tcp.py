@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 
 import numpy as np
 import torch
@@ -104,7 +105,14 @@ class TcpTransport(KVTransport):
         # libzmq copies a listener's options when it binds: rebind the same endpoint to apply it
         endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._router.unbind(endpoint)
-        self._router.bind(endpoint)
+        for attempt in range(200):  # libzmq closes the old listener on its I/O thread
+            try:
+                self._router.bind(endpoint)
+                return
+            except zmq.ZMQError:
+                if attempt == 199:
+                    raise
+                time.sleep(0.005)
 
     def buffer_device(self, cache_device: torch.device) -> torch.device:
         return torch.device("cpu")
