@@ -35,6 +35,7 @@ from benchmarks.transfer_spec import TransferSpec, layout_for
 from cache_transfer import KVTransferManager, TransferState, make_transport
 
 MODES = ("sequential", "pipelined")
+RAW_UCX_ROW = "raw ucxx sends, same 2 processes"
 TOTAL_TIMEOUT_S = 240.0
 
 
@@ -53,8 +54,9 @@ class Run:
 
 async def run_requests(
     spec: TransferSpec, devices: tuple[torch.device, torch.device], iters: int
-) -> tuple[dict[str, list[Run]], float | None]:
-    """Per mode, `iters` requests after one warm-up; then, on the host, the socket ceiling."""
+) -> tuple[dict[str, list[Run]], dict[str, float | None]]:
+    """Per mode, `iters` requests after one warm-up; then the ceilings between the same two
+    processes: on the host a plain socket, over ucx raw ucxx sends."""
     peer = DecodePeer(spec, devices[1])
     try:
         manager = KVTransferManager(make_transport(spec.transport), spec.layout)
@@ -67,10 +69,14 @@ async def run_requests(
                 runs[mode].append(await _one_request(spec, manager, peer, caches, mode, rng))
             del runs[mode][0]
         await manager.close()
-        socket_gbps = None
+        between: dict[str, float | None] = {"socket": None, "raw_ucx": None}
         if not peer.in_process and devices[0].type == "cpu":
-            socket_gbps = await peer.socket_gbps(spec.request_bytes, spec.layer_bytes)
-        return runs, socket_gbps
+            between["socket"] = await peer.socket_gbps(spec.request_bytes, spec.layer_bytes)
+        if spec.transport == "ucx" and not peer.in_process:
+            between["raw_ucx"] = await peer.raw_ucx_gbps(
+                devices[0], spec.layout.num_layers, spec.layer_bytes
+            )
+        return runs, between
     finally:
         await peer.close()
 
@@ -109,22 +115,26 @@ async def _one_request(
 
 
 def measure_ceilings(
-    spec: TransferSpec, devices: tuple[torch.device, torch.device], socket_gbps: float | None
+    spec: TransferSpec,
+    devices: tuple[torch.device, torch.device],
+    between: dict[str, float | None],
 ) -> list[tuple[str, float | None]]:
     """(label, GB/s) rows; the first with a figure is the ceiling."""
     src, dst = devices
+    raw = [(RAW_UCX_ROW, between["raw_ucx"])] if spec.transport == "ucx" else []
     if src.type == "cuda":
-        return [
-            (f"torch peer copy {src} -> {dst}", transfer_ceilings.peer_copy_gbps(spec, src, dst))
-        ]
-    socket_row = ("plain TCP socket, 2 processes", socket_gbps)
+        peer = transfer_ceilings.peer_copy_gbps(spec, src, dst)
+        return [(f"torch peer copy {src} -> {dst}", peer), *raw]
+    socket_row = ("plain TCP socket, 2 processes", between["socket"])
     if spec.transport == "local":
         return [("memcpy, in process", transfer_ceilings.peer_copy_gbps(spec, src, dst))]
     perftest = transfer_ceilings.ucx_perftest_gbps(
         spec.layer_bytes, max(64, (1 << 30) // spec.layer_bytes)
     )
     perftest_row = ("ucx_perftest tag_bw over tcp, 2 processes", perftest)
-    return [perftest_row, socket_row] if spec.transport == "ucx" else [socket_row, perftest_row]
+    if spec.transport == "ucx":
+        return [perftest_row, *raw, socket_row]
+    return [socket_row, perftest_row]
 
 
 def print_report(
@@ -132,7 +142,7 @@ def print_report(
     device: str,
     runs: dict[str, list[Run]],
     ceilings: list[tuple[str, float | None]],
-    pack_unpack: tuple[float, float],
+    pack_unpack: dict[str, tuple[float, float]],
 ) -> bool:
     """Print the table; True when every request landed byte-exact."""
     iters = len(runs[MODES[0]])
@@ -154,8 +164,14 @@ def print_report(
             p50_ms, max_ms = statistics.median(best.layer_s) * 1e3, max(best.layer_s) * 1e3
             latency = f"{p50_ms:>14.2f}{max_ms:>9.2f}"
         row(f"{spec.transport}: pack+send+unpack, {mode}", best.gbps, latency)
-    print(f"{'pack_layer (gather, in process)':<52}{pack_unpack[0]:>8.2f}")
-    print(f"{'unpack_layer (scatter, in process)':<52}{pack_unpack[1]:>8.2f}")
+    for impl, (pack_gbps, unpack_gbps) in pack_unpack.items():
+        print(f"{f'pack_layer (gather, in process, {impl})':<52}{pack_gbps:>8.2f}")
+        print(f"{f'unpack_layer (scatter, in process, {impl})':<52}{unpack_gbps:>8.2f}")
+    raw = dict(ceilings).get(RAW_UCX_ROW)
+    if raw:
+        for mode, mode_runs in runs.items():
+            share = max(r.gbps for r in mode_runs) / raw
+            print(f"{spec.transport} {mode} / raw ucxx: {100 * share:.0f}%")
     all_runs = [r for mode_runs in runs.values() for r in mode_runs]
     print(f"handshake round trip: {min(r.handshake_s for r in all_runs) * 1e3:.2f} ms")
     exact = all(r.exact for r in all_runs)
@@ -196,11 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     # process and the transport's I/O for the same cores.
     torch.set_num_threads(1)
     devices = _devices(args.device)
-    runs, socket_gbps = asyncio.run(
+    runs, between = asyncio.run(
         asyncio.wait_for(run_requests(spec, devices, args.iters), TOTAL_TIMEOUT_S)
     )
-    ceilings = measure_ceilings(spec, devices, socket_gbps)
-    pack_unpack = transfer_ceilings.pack_unpack_gbps(spec, devices[0])
+    ceilings = measure_ceilings(spec, devices, between)
+    impls = ("triton", "torch") if devices[0].type == "cuda" else ("torch",)
+    pack_unpack = {
+        impl: transfer_ceilings.pack_unpack_gbps(spec, devices[0], impl) for impl in impls
+    }
     exact = print_report(spec, args.device, runs, ceilings, pack_unpack)
     return 0 if exact else 1
 

@@ -1,9 +1,14 @@
 """pd-bench: pdserve's benchmarks, each printing a table beside the ceiling it is measured
 against.
 
+    pd-bench serve [...]       requests at a rate to a router: TTFT, TPOT, ITL, goodput at an SLO
+    pd-bench compare [...]     the same sweep on several cluster configurations, goodput ratio
+    pd-bench dataset [...]     sample a serve dataset into a JSONL file (it travels to the GPU)
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
+    pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
+    pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -15,9 +20,16 @@ import sys
 
 COMMANDS = {
     "transfer": "benchmarks.bench_transfer",
+    "ttft": "benchmarks.bench_ttft",
     "attention": "benchmarks.bench_attention",
     "offline": "benchmarks.bench_offline",
+    "serve": "benchmarks.bench_serve",
+    "compare": "benchmarks.bench_compare",
+    "dataset": "benchmarks.bench_dataset",
+    "engine": "benchmarks.bench_engine",
 }
+# These take main(argv); the others parse sys.argv themselves.
+ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[command])
-    if command == "transfer":
+    if command in ARGV_COMMANDS:
         return module.main(rest)
     sys.argv = [f"pd-bench {command}", *rest]  # these parse sys.argv themselves
     return module.main() or 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, for the lent GPU machine (torch + triton there; no install needed):
-#   bash benchmarks/gpu_check.sh            GPU tests, then the attention benchmark table
+#   bash benchmarks/gpu_check.sh            GPU tests, the attention table, the pd-bench engine table
 #   WITH_FA=1 bash benchmarks/gpu_check.sh  builds flash-attn first (carry .fa, see
 #                                           ../shared/tools/flash-attn-prepare.sh; ~4-8 min)
 # Writes logs to $OUT when set (the device tool's output folder).
@@ -16,5 +16,11 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$log_dir/gpu_tests.log" | tail -n 25
 tests_rc=${PIPESTATUS[0]}
 python3 -m benchmarks.bench_attention --iters 20 2>&1 | tee "$log_dir/bench_attention.log"
+python3 -m benchmarks.cli engine --attention-backend triton --json "$log_dir/engine_triton.json" \
+  2>&1 | tee "$log_dir/bench_engine_triton.log"
+if [ "${WITH_FA:-0}" = 1 ]; then
+  python3 -m benchmarks.cli engine --attention-backend flash_attn \
+    --json "$log_dir/engine_flash_attn.json" 2>&1 | tee "$log_dir/bench_engine_flash_attn.log"
+fi
 echo "gpu tests exit code: $tests_rc"
 exit "$tests_rc"

@@ -4,7 +4,9 @@
                         wheel (or PATH); None when absent
     peer_copy_gbps      a torch copy of the same bytes, layer by layer, between two devices
                         (GPU0 -> GPU1: the NVLink ceiling; host -> host: memcpy)
-    pack_unpack_gbps    pack_layer and unpack_layer alone, in process
+    pack_unpack_gbps    pack_layer and unpack_layer alone, in process (on CUDA: the Triton
+                        kernel and torch's index_select / index_copy_)
+    (raw ucxx sends between the two processes: transfer_raw_ucx.py)
 
 The plain-socket ceiling needs the decode process: bench_transfer.py drives it.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.transfer_spec import TransferSpec, synchronize
-from cache_transfer.packing import pack_layer, unpack_layer
+from cache_transfer.packing import check_block_ids, pack_layer, unpack_layer
 
 PERFTEST_TIMEOUT_S = 60.0
 _UCX_MBYTE = 1 << 20  # ucx_perftest's "MB"
@@ -107,21 +109,26 @@ def peer_copy_gbps(spec: TransferSpec, src: torch.device, dst: torch.device) -> 
     return spec.request_bytes / best_s / 1e9
 
 
-def pack_unpack_gbps(spec: TransferSpec, device: torch.device) -> tuple[float, float]:
-    """GB/s of pack_layer and unpack_layer on one layer of the request (warm buffers)."""
+def pack_unpack_gbps(
+    spec: TransferSpec, device: torch.device, impl: str = "auto", reps: int = 20
+) -> tuple[float, float]:
+    """GB/s of pack_layer and unpack_layer on one layer of the request (warm buffers, block
+    ids checked and on the device once, as the node does per request; launch costs
+    included)."""
     k_cache, v_cache = spec.src_layer(spec.base_layer(device), 0)
     block_ids = random.Random(0).sample(range(spec.num_pool_blocks), spec.num_blocks)
+    ids = check_block_ids(block_ids, k_cache.shape[0], device, unique=True)
     staging = torch.empty(spec.layer_bytes, dtype=torch.uint8, device=device)
     rates = []
     for op in (
-        lambda: pack_layer(k_cache, v_cache, block_ids, staging),
-        lambda: unpack_layer(staging, k_cache, v_cache, block_ids),
+        lambda: pack_layer(k_cache, v_cache, ids, staging, impl),
+        lambda: unpack_layer(staging, k_cache, v_cache, ids, impl),
     ):
         op()
         synchronize(device)
         start_s = time.perf_counter()
-        for _ in range(5):
+        for _ in range(reps):
             op()
         synchronize(device)
-        rates.append(5 * spec.layer_bytes / (time.perf_counter() - start_s) / 1e9)
+        rates.append(reps * spec.layer_bytes / (time.perf_counter() - start_s) / 1e9)
     return rates[0], rates[1]

@@ -110,6 +110,11 @@ async def _serve(conn: Connection, spec: TransferSpec, device: torch.device) -> 
                 conn.send(side.open())
             elif command == "result":
                 conn.send(await side.result(*args))
+            elif command == "raw_ucx":
+                from benchmarks.transfer_raw_ucx import raw_ucx_sink  # ucxx only when asked
+
+                await raw_ucx_sink(conn, device, *args)
+                conn.send("ok")
             elif command == "socket":
                 await asyncio.to_thread(socket_sink, *args)
                 conn.send("ok")

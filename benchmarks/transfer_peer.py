@@ -4,6 +4,7 @@ DecodePeer(spec, device)   a child process running DecodeSide (driven over a Pip
                            DecodeSide in this process for the in-process `local` transport
 ticket() / result(src_ids) one request: reserve and open a receiver; its outcome, checked
 socket_gbps(...)           the plain-socket ceiling between the same two processes
+raw_ucx_gbps(...)          plain ucxx sends of the same bytes between them (GPU to GPU on CUDA)
 close()                    stop the child (killed if it does not stop)
 """
 
@@ -72,6 +73,18 @@ class DecodePeer:
                 best_s = min(best_s, time.perf_counter() - start_s)
         assert await self._recv() == "ok"
         return num_bytes / best_s / 1e9
+
+    async def raw_ucx_gbps(
+        self, device: torch.device, num_layers: int, layer_bytes: int, reps: int = 3
+    ) -> float:
+        """Plain ucxx sends of the same bytes into the decode process (its device): GB/s."""
+        from benchmarks.transfer_raw_ucx import raw_ucx_gbps
+
+        self._conn.send(("raw_ucx", num_layers, layer_bytes, reps))
+        port = await self._recv()
+        gbps = await raw_ucx_gbps(port, device, num_layers, layer_bytes, reps)
+        assert await self._recv() == "ok"
+        return gbps
 
     async def close(self) -> None:
         if self._side is not None:

@@ -6,7 +6,12 @@ from cache_transfer.packing import pack_layer, unpack_layer
 from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.state import TransferState
-from cache_transfer.transports import KVTransport, TransportError, make_transport
+from cache_transfer.transports import (
+    KVTransport,
+    TransportBindError,
+    TransportError,
+    make_transport,
+)
 
 __all__ = [
     "KVLayout",
@@ -15,6 +20,7 @@ __all__ = [
     "KVTransferManager",
     "KVTransport",
     "TransferState",
+    "TransportBindError",
     "TransportError",
     "make_transport",
     "pack_layer",

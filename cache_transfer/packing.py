@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer.layout import KVLayout
+from kernels.kv_copy import gather_blocks, scatter_blocks, triton_available
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -42,30 +43,126 @@ def alloc_staging(num_bytes: int, device: torch.device | str = "cpu") -> torch.T
     return torch.empty(num_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
 
 
+class CheckedIds:
+    """Block ids already checked against a pool, as an int64 tensor on the cache's device (the
+    hot paths build one per request and slice it per layer: no per-layer validation, no
+    per-layer host-to-device copy)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: torch.Tensor) -> None:
+        self.index = index
+
+    def __len__(self) -> int:
+        return self.index.numel()
+
+    def __getitem__(self, span: slice) -> CheckedIds:
+        return CheckedIds(self.index[span])
+
+
+def check_block_ids(
+    block_ids: BlockIds, pool_blocks: int, device: torch.device | str, *, unique: bool = False
+) -> CheckedIds:
+    """Validate block ids (vectorised: no Python loop over blocks) and put them on `device`;
+    from host to a CUDA device the copy is asynchronous (pinned), so it never waits for the
+    stream's queued work."""
+    if isinstance(block_ids, CheckedIds):
+        return block_ids
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu").reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("block_ids is empty: a packed layer needs at least one block")
+    low, high = torch.aminmax(ids)
+    if low < 0 or high >= pool_blocks:
+        bad = ids[(ids < 0) | (ids >= pool_blocks)][:8].tolist()
+        raise ValueError(f"block ids {bad} are outside the cache's [0, {pool_blocks}) blocks")
+    if unique and torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"destination block ids must be distinct, got {ids[:64].tolist()}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    return CheckedIds(ids.to(device))
+
+
 def pack_layer(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: BlockIds | CheckedIds,
+    out: torch.Tensor,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """Gather `block_ids` of one layer into `out` (flat uint8, exactly the packed size)."""
-    index = _block_index(block_ids, k_cache, unique=False)
-    packed = packed_view(out, index.numel(), k_cache)  # [2, num_blocks, block_size, kvh, hd]
-    if out.device == k_cache.device:
-        torch.index_select(_as_rows(k_cache), 0, index, out=_as_rows(packed[0]))
-        torch.index_select(_as_rows(v_cache), 0, index, out=_as_rows(packed[1]))
-    else:  # e.g. a CUDA cache into pinned host staging
-        packed[0].copy_(k_cache.index_select(0, index))
-        packed[1].copy_(v_cache.index_select(0, index))
+    """Gather `block_ids` of one layer, K and V together, into `out` (flat uint8, exactly the
+    packed size): one Triton launch on CUDA (`impl="torch"`: index_select), one index_select
+    on CPU when K and V are views of one allocation (the engine's pool)."""
+    ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device)
+    n = len(ids)
+    packed = packed_view(out, n, k_cache)  # [2, num_blocks, block_size, kvh, hd]
+    if out.device != k_cache.device:  # e.g. a CUDA cache into pinned host staging
+        tmp = torch.empty(out.numel(), dtype=torch.uint8, device=k_cache.device)
+        pack_layer(k_cache, v_cache, ids, tmp, impl)
+        out.copy_(tmp)
+        return out
+    k_rows, v_rows = _as_rows(k_cache), _as_rows(v_cache)
+    packed_rows = _as_rows(packed.view(2 * n, *k_cache.shape[1:]))
+    if _use_triton(k_cache, packed_rows, k_rows, impl):
+        gather_blocks(k_rows, v_rows, ids.index, packed_rows)
+    elif (kv_rows := _kv_rows(k_rows, v_rows)) is not None:
+        both = torch.cat((ids.index, ids.index + k_rows.shape[0]))
+        torch.index_select(kv_rows, 0, both, out=packed_rows)
+    else:
+        torch.index_select(k_rows, 0, ids.index, out=packed_rows[:n])
+        torch.index_select(v_rows, 0, ids.index, out=packed_rows[n:])
     return out
 
 
 def unpack_layer(
-    payload: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: BlockIds
+    payload: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: BlockIds | CheckedIds,
+    impl: str = "auto",
 ) -> None:
-    """Scatter a packed layer into `block_ids` (distinct) of the receiver's caches."""
-    index = _block_index(block_ids, k_cache, unique=True)
-    packed = packed_view(payload, index.numel(), k_cache)  # [2, num_blocks, block_size, kvh, hd]
-    packed = packed.to(k_cache.device)
-    _as_rows(k_cache).index_copy_(0, index, _as_rows(packed[0]))
-    _as_rows(v_cache).index_copy_(0, index, _as_rows(packed[1]))
+    """Scatter a packed layer into `block_ids` (distinct) of the receiver's caches, K and V
+    together (one launch / one index_copy_ as in `pack_layer`)."""
+    ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device, unique=True)
+    n = len(ids)
+    packed = packed_view(payload, n, k_cache).to(k_cache.device)
+    k_rows, v_rows = _as_rows(k_cache), _as_rows(v_cache)
+    packed_rows = _as_rows(packed.reshape(2 * n, *k_cache.shape[1:]))
+    if _use_triton(k_cache, packed_rows, k_rows, impl):
+        scatter_blocks(packed_rows, k_rows, v_rows, ids.index)
+    elif (kv_rows := _kv_rows(k_rows, v_rows)) is not None:
+        both = torch.cat((ids.index, ids.index + k_rows.shape[0]))
+        kv_rows.index_copy_(0, both, packed_rows)
+    else:
+        k_rows.index_copy_(0, ids.index, packed_rows[:n])
+        v_rows.index_copy_(0, ids.index, packed_rows[n:])
+
+
+def _use_triton(
+    cache: torch.Tensor, packed_rows: torch.Tensor, rows: torch.Tensor, impl: str
+) -> bool:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
+    if impl == "torch" or not triton_available():
+        return False
+    same_kind = packed_rows.dtype == rows.dtype and packed_rows.is_contiguous()
+    return same_kind and (impl == "triton" or cache.device.type == "cuda")
+
+
+def _kv_rows(k_rows: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor | None:
+    """`[2 * pool_blocks, words]` over K then V when V's rows directly follow K's in memory
+    (the engine's pool: both are views of one `[2, num_blocks, ...]` slab), else None."""
+    pool_blocks, words = k_rows.shape
+    adjacent = (
+        k_rows.is_contiguous()
+        and v_rows.is_contiguous()
+        and k_rows.dtype == v_rows.dtype
+        and v_rows.data_ptr() == k_rows.data_ptr() + k_rows.numel() * k_rows.element_size()
+        and k_rows.untyped_storage().data_ptr() == v_rows.untyped_storage().data_ptr()
+    )
+    if not adjacent:
+        return None
+    return k_rows.as_strided((2 * pool_blocks, words), (words, 1))
 
 
 def _as_rows(blocks: torch.Tensor) -> torch.Tensor:
@@ -94,17 +191,3 @@ def packed_view(buf: torch.Tensor, num_blocks: int, cache: torch.Tensor) -> torc
             f"{expected} (2 x {num_blocks} x {block_bytes})"
         )
     return buf.view(cache.dtype).view(2, num_blocks, *cache.shape[1:])
-
-
-def _block_index(block_ids: BlockIds, cache: torch.Tensor, *, unique: bool) -> torch.Tensor:
-    """Block ids as an int64 index on the cache's device, checked against the pool size."""
-    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
-    num_blocks = cache.shape[0]
-    if not ids:
-        raise ValueError("block_ids is empty: a packed layer needs at least one block")
-    bad = [i for i in ids if not 0 <= i < num_blocks]
-    if bad:
-        raise ValueError(f"block ids {bad[:8]} are outside the cache's [0, {num_blocks}) blocks")
-    if unique and len(set(ids)) != len(ids):
-        raise ValueError(f"destination block ids must be distinct, got {ids}")
-    return torch.tensor(ids, dtype=torch.int64, device=cache.device)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import unpack_layer
+from cache_transfer.packing import CheckedIds, check_block_ids, unpack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
@@ -80,6 +80,7 @@ class KVReceiver(TransferSession):
         )
         if auth is not None:
             sign_ticket(auth, self._ticket, timeout_s)
+        self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
 
     def add_layer_callback(self, callback: LayerCallback) -> None:
         """Call `callback(layer_idx, token_end)` each time a layer's KV has been written into
@@ -247,7 +248,12 @@ class KVReceiver(TransferSession):
         try:
             if not self.finished:  # a failed session never writes, even bytes accepted earlier
                 k_cache, v_cache = self._kv_caches[manifest.layer_idx]
-                dst_ids = self.dst_block_ids[manifest.block_offset :][: manifest.num_blocks]
+                if self._dst_ids is None:
+                    self._dst_ids = check_block_ids(
+                        self.dst_block_ids, k_cache.shape[0], k_cache.device, unique=True
+                    )
+                first = manifest.block_offset
+                dst_ids = self._dst_ids[first : first + manifest.num_blocks]
                 unpack_layer(payload, k_cache, v_cache, dst_ids)
                 self.num_bytes_received += payload.numel()
                 self._advance(TransferState.TRANSFERRING)

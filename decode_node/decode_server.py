@@ -33,8 +33,22 @@ class DecodeServer(RoleServer):
     def receive_into(self) -> list:
         return self.core.pool.kv_caches
 
+    def last_transfer(self) -> node_pb2.LayerTimeline | None:
+        """The most recent request that received its KV over the network: when each layer
+        landed."""
+        for trace in reversed(self.traces.values()):
+            if trace.transfer_id and trace.layer_arrived_s:
+                landed = [trace.layer_arrived_s.get(i, 0.0) for i in range(self.layout.num_layers)]
+                return node_pb2.LayerTimeline(
+                    transfer_id=trace.transfer_id, request_id=trace.request_id, landed_s=landed
+                )
+        return None
+
     def role_stats(self, stats: EngineStats) -> dict[str, int]:
         return {"num_local_prefills": self.servicer.counters.num_local_prefills}
+
+    def role_metric_counters(self) -> dict[str, int]:
+        return {"num_fallbacks": self.servicer.counters.num_fallbacks}
 
     async def abort(self, request_id: str) -> bool:
         return await self.servicer.abort(request_id)

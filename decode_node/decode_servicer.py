@@ -21,12 +21,13 @@ import grpc
 
 from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
-from engine.engine_core import NoFreeBlocksError
+from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
 from node_common.role_server import RoleServer
 from node_common.role_servicer import NodeCounters, RoleServicer
+from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,15 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         super().__init__(node, DecodeCounters())
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
+        config = node.config
+        self.admission = KVAdmission(
+            self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
+        )
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.DecodeResponse]:
+        set_request_id(request.request_id)  # this call's log lines carry the request id
         engine_request = await self._make_request(request, context)
         if request.request_id in self._jobs:
             await context.abort(
@@ -80,6 +86,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 chunks = self._prefill_locally(job, engine_request)
             async for chunk in chunks:
                 yield node_pb2.DecodeResponse(tokens=chunk)
+        except _Refused as refused:
+            await _refuse(context, refused.error)
         finally:
             self._close(job)
 
@@ -120,7 +128,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 f"transfer_timeout_s must be >= 0 (0: the node's default), got "
                 f"{request.transfer_timeout_s}",
             )
-        return await to_engine_request(self._engine, request, context)
+        if request.output_token_ids and request.mode != node_pb2.DECODE_MODE_LOCAL_PREFILL:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "output_token_ids (a migrated request) needs DECODE_MODE_LOCAL_PREFILL",
+            )
+        return await to_engine_request(self._engine, request, context, request.output_token_ids)
 
     async def _reserve(
         self,
@@ -132,15 +145,16 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
         try:
-            block_ids = await self._engine.call(lambda core: core.reserve(request_id, num_tokens))
-        except NoFreeBlocksError as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            block_ids = await self.admission.reserve(request_id, num_tokens)
+        except AdmissionRefused as error:
+            await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         receiver = self._manager.create_receiver(block_ids, request.prompt_len, timeout_s)
         job.receiver = receiver
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
+        receiver.add_finish_callback(self._metrics.transfer_finished)
         return receiver
 
     async def _after_transfer(
@@ -188,15 +202,24 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             return
         job.trace.prefilled_locally = True
         self.counters.num_local_prefills += 1
-        num_queued = request.prompt_len  # load, reported until the first token
+        num_queued = request.num_tokens  # load, reported until the first token
         self.counters.num_queued_prefill_tokens += num_queued
+        next_index = len(request.output_token_ids)  # a migrated request continues its output
+        admitted = None
         try:
-            async for chunk in self._chunks(job, self._engine.generate(request), next_index=0):
+            admitted = await self.admission.admit_local(request.num_tokens)
+            outputs = self._engine.generate(request)
+            async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
                 num_queued = 0
+                admitted.done()  # its prompt's blocks are the engine's now
                 yield chunk
+        except AdmissionRefused as error:
+            raise _Refused(error) from None
         finally:
             self.counters.num_queued_prefill_tokens -= num_queued
+            if admitted is not None:
+                admitted.done()
 
     async def _chunks(
         self, job: _DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
@@ -212,6 +235,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 chunk.finish_reason = out.finish_reason.value
                 chunk.num_cached_tokens = out.num_cached_tokens
                 self._finish(job)
+                logger.info(
+                    "decode finished (%s): %d output tokens, prefilled %s, %d cached prompt "
+                    "tokens", chunk.finish_reason, next_index,
+                    "here" if job.trace.prefilled_locally else "by a prefill node",
+                    out.num_cached_tokens,
+                )  # fmt: skip
             yield chunk
 
     def _abort_chunk(self, job: _DecodeJob, output_index: int) -> node_pb2.TokenChunk:
@@ -227,8 +256,23 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     def _close(self, job: _DecodeJob) -> None:
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
+        self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         if job.receiver is not None:
             job.receiver.abort("the decode call ended")
         if not job.finished:
             request_id = job.request_id
             self._engine.post(lambda core: core.abort(request_id))
+
+
+class _Refused(Exception):
+    """Carries an AdmissionRefused out of a token generator to the Decode handler."""
+
+    def __init__(self, error: AdmissionRefused) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: AdmissionRefused) -> None:
+    """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
+    context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

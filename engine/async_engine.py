@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, EngineStats
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 
@@ -42,6 +42,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        # The engine's stats after its last step or command, written by the engine thread:
+        # readers that must not wait for a step (a registry heartbeat) use it.
+        self.last_stats: EngineStats = core.stats()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -150,6 +153,7 @@ class AsyncEngine:
                 self._apply_commands(block=not self.core.has_unfinished())
                 if self.core.has_unfinished():
                     self._publish(self.core.step())
+                self.last_stats = self.core.stats()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter
             logger.exception("engine thread failed")
             self._error = exc
@@ -157,7 +161,9 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

@@ -1,7 +1,7 @@
 """`pd-generate`: offline generation with the engine (no servers), for a quick local check.
 
-    pd-generate "Write a haiku about GPUs" --max-tokens 64
-    pd-generate --chat "What is the capital of France?"
+pd-generate "Write a haiku about GPUs" --max-tokens 64
+pd-generate --chat "What is the capital of France?"
 """
 
 from __future__ import annotations

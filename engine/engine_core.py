@@ -1,20 +1,24 @@
 """`EngineCore`: the one object the node roles drive.
 
-    add_request(req) ─────────────┐                    (local prefill)
-    reserve(id, n) -> block_ids   │                    (decode role: blocks for incoming KV)
-    add_prefilled(req, ids, tok) ─┤                    (decode role: prompt KV in place)
-                                  v
-    step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
-             -> list[StepOutput]      (prefill-only mode: StepOutput.prefill_done, blocks held)
-    abort(id) / release(id): free everything the request holds
+add_request(req) ─────────────┐                    (local prefill)
+reserve(id, n) -> block_ids   │                    (decode role: blocks for incoming KV)
+add_prefilled(req, ids, tok) ─┤                    (decode role: prompt KV in place)
+                              v
+step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+         -> list[StepOutput]      (prefill-only mode: StepOutput.prefill_done, blocks held)
+abort(id) / release(id): free everything the request holds
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -24,7 +28,8 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from kernels.attention import get_attention_backend
-from pdserve.config import EngineConfig
+from kernels.attention.selector import resolve_backend_name
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,15 +53,17 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
-        self.config = config
-        self.on_layer_done = on_layer_done
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
+        self.config = config = _with_backend_block_size(config, self.device, self.dtype)
+        self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
             config.model.attention_backend, self.device, self.dtype, block_size
         )
-        self.loaded: LoadedModel = load_model(config.model, self.attn_backend, self.device, self.dtype)
+        self.loaded: LoadedModel = load_model(
+            config.model, self.attn_backend, self.device, self.dtype
+        )
         self.arch = self.loaded.arch
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
@@ -64,24 +71,61 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's context length "
                 f"{self.arch.max_position_embeddings}"
             )
-        self.pool = KVCachePool(self.arch, config.cache, self.device, self.dtype)
+        use_graphs = self._decode_graphs_usable()
+        self.pool = KVCachePool(
+            self.arch, config.cache, self.device, self.dtype,
+            reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
+        )  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(
-            self.loaded.model,
-            self.pool.kv_caches,
-            block_size,
-            Sampler(seed=config.model.seed),
-            self.device,
-        )
+            self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
+            self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
+        )  # fmt: skip
         self._reservations: dict[str, list[int]] = {}
+        graphs = self.runner.decode_graphs
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
+            "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
+            "decode=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
             self.pool.num_blocks, block_size,
+            "eager" if graphs is None or not graphs.captured else
+            f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
+            f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
+        )  # fmt: skip
+
+    def _decode_graphs_usable(self) -> bool:
+        """Static decode buffers (and graphs unless enforce_eager): CUDA, and a backend whose
+        graph decode covers this context length."""
+        limit = self.attn_backend.graph_max_context
+        return self.device.type == "cuda" and (limit is None or self.max_model_len <= limit)
+
+    def _graph_reserve_bytes(self) -> int:
+        arch = self.arch
+        qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        return decode_graph_reserve_bytes(
+            arch.hidden_size, arch.intermediate_size, qkv, self.config.scheduler.max_num_seqs
         )
+
+    def _make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs | None:
+        if not use_graphs:
+            return None
+        block_size = self.pool.block_size
+        graphs = DecodeGraphs(
+            self.loaded.model, self.pool.kv_caches, self.config.scheduler.max_num_seqs,
+            -(-self.max_model_len // block_size), block_size, self.pool.scratch_block,
+            self.device,
+        )  # fmt: skip
+        if not self.config.model.enforce_eager:
+            graphs.capture()
+        return graphs
+
+    def layer_ready(self, layer_idx: int) -> torch.cuda.Event | None:
+        """In a prefill step's hook: the CUDA event after layer `layer_idx`'s KV write (wait
+        on it before reading that KV on another stream or the host); None on CPU."""
+        return self.runner.layer_ready(layer_idx)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -206,6 +250,26 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+
+FLASH_ATTN_BLOCK_SIZE = 256  # FA2's paged KV needs a multiple of 256
+
+
+def _with_backend_block_size(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> EngineConfig:
+    """flash_attn asked for by name with the default block size (16): use 256 instead."""
+    cache = config.cache
+    if (
+        config.model.attention_backend != "flash_attn"
+        or cache.block_size != CacheConfig().block_size
+    ):
+        return config
+    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
+    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of 256)",
+                FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
+    new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
+    return dataclasses.replace(config, cache=new_cache)
 
 
 __all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

@@ -13,7 +13,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 class KVCachePool:
     """Raw KV memory. `kv_caches[layer] = (k_cache, v_cache)`, each
     `[num_blocks, block_size, num_kv_heads, head_dim]` (the flash-attn paged layout), views of
-    one allocation `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    one allocation `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`.
+    Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
+    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget."""
 
     def __init__(
         self,
@@ -21,14 +23,16 @@ class KVCachePool:
         cache_config: CacheConfig,
         device: torch.device,
         dtype: torch.dtype,
+        reserve_bytes: int = 0,
     ) -> None:
         self.block_size = cache_config.block_size
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
-        self.num_blocks = self._size_pool(cache_config, device)
+        self.num_blocks = self._size_pool(cache_config, device, reserve_bytes)
+        self.scratch_block = self.num_blocks
         self.buffer = torch.zeros(
             arch.num_layers,
             2,
-            self.num_blocks,
+            self.num_blocks + 1,
             self.block_size,
             arch.num_kv_heads,
             arch.head_dim,
@@ -45,7 +49,9 @@ class KVCachePool:
         elem_bytes = torch.empty((), dtype=dtype).element_size()
         return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem_bytes
 
-    def _size_pool(self, cache_config: CacheConfig, device: torch.device) -> int:
+    def _size_pool(
+        self, cache_config: CacheConfig, device: torch.device, reserve_bytes: int
+    ) -> int:
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
         else:
@@ -53,6 +59,7 @@ class KVCachePool:
             if budget_bytes is None and device.type == "cuda":
                 free_bytes, _ = torch.cuda.mem_get_info(device)
                 budget_bytes = int(free_bytes * cache_config.gpu_memory_utilization)
+                budget_bytes -= reserve_bytes + self.bytes_per_block  # graphs, scratch block
             if budget_bytes is None:
                 budget_bytes = CPU_DEFAULT_KV_CACHE_BYTES
             num_blocks = budget_bytes // self.bytes_per_block

@@ -1,9 +1,9 @@
 """The offline API (vLLM-like): `LLM(model=...).generate(prompts, params)`.
 
-    prompts (text or token ids) -> Tokenizer.encode -> EngineCore.add_request
-    loop EngineCore.step():
-        new tokens -> IncrementalDetokenizer -> StopStringMatcher (a match aborts the request)
-    -> one RequestOutput per prompt, in prompt order
+prompts (text or token ids) -> Tokenizer.encode -> EngineCore.add_request
+loop EngineCore.step():
+    new tokens -> IncrementalDetokenizer -> StopStringMatcher (a match aborts the request)
+-> one RequestOutput per prompt, in prompt order
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@
 run_node(PrefillServer | DecodeServer, argv), e.g.
     pd-prefill --model smollm2-135m --port 50061 --kv-transport tcp --kv-port 5600:
     flags (pdserve.cli.build_parser(role)) ──► EngineConfig + NodeConfig (bad: exit 2)
-    EngineCore built off the event loop (signals stay handled while the model loads)
+    "loading MODEL" logged; EngineCore built off the event loop (signals stay handled while
+    the model loads; conversion and weight loading log their progress)
     ──► the role's server started ──► "pd-<role> listening on HOST:PORT (kv ADDRESS)"
+    ──► a port that cannot be bound (taken; a killed node's ucx port not released yet):
+        retried every 0.5 s for --bind-retry-s, then exit 1 with the message
     ──► served until SIGINT/SIGTERM (pdserve.lifecycle); exit 1 with a message when it
         cannot start (a taken port, an unknown model)
 ```
@@ -16,13 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
-from pdserve.cli import build_parser, configure_logging, engine_config, node_config
+from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
 from pdserve.security import load_cluster_auth, open_cluster_warning
+
+logger = logging.getLogger(__name__)
+
+_BIND_RETRY_INTERVAL_S = 0.5
 
 
 def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
@@ -46,22 +54,48 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
-    configure_logging(args.log_level, role)
+    setup_logging(args, role)
     if auth is None:
-        logging.getLogger(__name__).warning(open_cluster_warning(f"pd-{role}"))
+        logger.warning(open_cluster_warning(f"pd-{role}"))
 
     async def start() -> RoleServer:
+        logger.info("loading model %s on %s", engine.model.model, engine.model.device)
         core = await asyncio.to_thread(EngineCore, engine)
-        server = server_cls(core, node)
-        try:
-            await server.start()
-        except BaseException:
-            await server.stop(grace_s=0)
-            raise
-        return server
+        return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
 
     name = f"pd-{role}"
-    return run_server(name, start, lambda s: f"{name} listening on {s.address} (kv {s.kv_address})")
+    return run_server(name, start, lambda s: _ready_line(name, s))
+
+
+def _ready_line(name: str, server: RoleServer) -> str:
+    metrics = f", metrics {server.metrics.url}" if server.metrics.url else ""
+    return f"{name} listening on {server.address} (kv {server.kv_address}{metrics})"
+
+
+async def start_with_bind_retry(
+    make_server: Callable[[], RoleServer], retry_s: float
+) -> RoleServer:
+    """Builds and starts a server (which binds its gRPC and KV ports), again every
+    `_BIND_RETRY_INTERVAL_S` while a port cannot be bound, for up to `retry_s`; then raises
+    the OSError (the launcher exits 1 with its message)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        server = None
+        try:
+            server = make_server()
+            await server.start()
+            return server
+        except OSError as error:
+            if server is not None:
+                await server.stop(grace_s=0)
+            if time.monotonic() + _BIND_RETRY_INTERVAL_S > deadline:
+                raise OSError(f"{error} (gave up after retrying for {retry_s} s)") from None
+            logger.warning("%s; retrying in %s s", error, _BIND_RETRY_INTERVAL_S)
+            await asyncio.sleep(_BIND_RETRY_INTERVAL_S)
+        except BaseException:
+            if server is not None:
+                await server.stop(grace_s=0)
+            raise
 
 
 def _role(server_cls: type[RoleServer]) -> str:

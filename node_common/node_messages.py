@@ -38,20 +38,40 @@ class NodeRequest(Protocol):
 
 
 async def to_engine_request(
-    engine: AsyncEngine, request: NodeRequest, context: grpc.aio.ServicerContext
+    engine: AsyncEngine,
+    request: NodeRequest,
+    context: grpc.aio.ServicerContext,
+    output_token_ids: Sequence[int] = (),
 ) -> Request:
     """The engine's Request for a node RPC's request, validated by the engine (token ids in
-    the vocabulary, context length, sampling values); the call ends INVALID_ARGUMENT if not."""
+    the vocabulary, context length, sampling values); the call ends INVALID_ARGUMENT if not.
+    `output_token_ids`: a migrated request's tokens generated elsewhere (its output so far)."""
     prompt = list(request.prompt_token_ids)
+    outputs = list(output_token_ids)
 
     def make(core: EngineCore) -> Request:
         params = SamplingParams.from_proto(request.sampling)
-        return core.make_request(request.request_id, prompt, params)
+        engine_request = core.make_request(request.request_id, prompt, params)
+        if outputs:
+            _check_outputs(outputs, params, core.arch.vocab_size)
+            engine_request.output_token_ids = outputs
+        return engine_request
 
     try:
         return await engine.call(make)
     except ValueError as error:  # InvalidRequestError included
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+def _check_outputs(outputs: list[int], params: SamplingParams, vocab_size: int) -> None:
+    if len(outputs) >= params.max_tokens:
+        raise ValueError(
+            f"a migrated request's {len(outputs)} output tokens leave none of max_tokens "
+            f"({params.max_tokens}) to generate"
+        )
+    bad = [t for t in outputs if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"output token ids must be in [0, {vocab_size}); got {bad[:5]}")
 
 
 def token_logprob(logprobs: TokenLogprobsLike) -> generation_pb2.TokenLogprob:

@@ -122,7 +122,7 @@ class NodeServer:
             self.dial_address,
             self._backend.kv_address,
             self._backend.node_info,
-            await self._backend.stats(),
+            await self._backend.stats(fresh=False),  # never waits for an engine step
             self.registrar.config,
         )
         return sign_record(self._auth, record) if self._auth is not None else record

@@ -33,7 +33,9 @@ class NodeBackend(Protocol):
         """Where peers reach this node's KV transport (for the registry record)."""
         ...
 
-    async def stats(self) -> node_pb2.NodeStats: ...
+    async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
+        """`fresh=False`: without waiting for the engine (its last step's figures)."""
+        ...
 
     async def abort(self, request_id: str) -> bool:
         """End the request wherever it is on this node; False when the node holds no such

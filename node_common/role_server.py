@@ -4,7 +4,8 @@
 RoleServer(core, config)   inside the event loop: AsyncEngine around the EngineCore, KV layout,
                            KV transport + KVTransferManager, the role's servicer, NodeInfo,
                            tokenizer files, NodeServer (Node + the role's service + health)
-start()                    engine thread, then serve (and register, with a registry)
+start()                    engine thread, then serve (and register, with a registry); /metrics
+                           on config.metrics_port unless 0 (NodeMetrics)
 stop()                     stop serving (in-flight calls get grace_s, then are cancelled and
                            free what they hold), stop the engine thread, close the transport
                            (live transfers fail, peers are told). Idempotent.
@@ -18,6 +19,7 @@ to the load report (`role_stats`) and receive KV into the engine's cache (`recei
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from typing import Any, ClassVar
 
@@ -27,6 +29,7 @@ from cache_transfer import KVLayout, KVTransferManager, make_transport
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from node_common.node_messages import read_tokenizer_files
+from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.node_server import NodeServer
 from pdserve.config import NodeConfig
 from pdserve.security import load_cluster_auth
@@ -61,6 +64,11 @@ class RoleServer(abc.ABC):
         )
         self.engine = AsyncEngine(core)
         self.auth = load_cluster_auth(config.security)
+        self.metrics = NodeMetrics(
+            self.role_name,
+            core.loaded.name,
+            loop_stats_reader(asyncio.get_running_loop(), self._metric_stats),
+        )
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
@@ -108,6 +116,14 @@ class RoleServer(abc.ABC):
         """NodeStats fields the role reports on top of the shared ones."""
         return {}
 
+    def last_transfer(self) -> node_pb2.LayerTimeline | None:
+        """The most recent KV hand-off's per-layer timeline on this node, if any."""
+        return None
+
+    def role_metric_counters(self) -> dict[str, int]:
+        """Counters the role exports as metrics beyond NodeStats (node_metrics._COUNTERS)."""
+        return {}
+
     # ---- NodeBackend ----------------------------------------------------------------------
 
     @property
@@ -132,8 +148,13 @@ class RoleServer(abc.ABC):
     def tokenizer_files(self) -> node_pb2.TokenizerFiles:
         return self._tokenizer_files
 
-    async def stats(self) -> node_pb2.NodeStats:
-        stats = await self.engine.call(lambda core: core.stats())
+    async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
+        """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
+        the engine thread (a long prefill step must not delay a registry heartbeat)."""
+        if fresh:
+            stats = await self.engine.call(lambda core: core.stats())
+        else:
+            stats = self.engine.last_stats
         counters = self.servicer.counters
         fields = {
             "num_kv_blocks": stats.num_total_blocks,
@@ -146,7 +167,11 @@ class RoleServer(abc.ABC):
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
         }
-        return node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
+        reply = node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
+        timeline = self.last_transfer()
+        if timeline is not None:
+            reply.last_transfer.CopyFrom(timeline)
+        return reply
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -155,6 +180,9 @@ class RoleServer(abc.ABC):
         self.engine.start()
         self._engine_started = True
         await self._server.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
+            logger.info("Prometheus metrics on %s", self.metrics.url)
         logger.info(
             "%s node serving on %s (kv %s): model %s, layout %s",
             self.role_name, self.address, self.kv_address, self.core.loaded.name,
@@ -168,9 +196,16 @@ class RoleServer(abc.ABC):
             return
         self._stopped = True
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.metrics.stop()
         if self._engine_started:
             await self.engine.stop()
         await self.manager.close()
+
+    async def _metric_stats(self) -> dict[str, int]:
+        fields = stats_fields(await self.stats())
+        if self.prefill_only:
+            fields.pop("num_local_prefills")
+        return {**fields, **self.role_metric_counters()}
 
     def _make_node_info(self) -> node_pb2.NodeInfo:
         arch = self.core.arch

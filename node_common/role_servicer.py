@@ -29,3 +29,4 @@ class RoleServicer:
         self._engine = node.engine
         self._manager = node.manager
         self._transfer_timeout_s = node.config.transfer_timeout_s
+        self._metrics = node.metrics

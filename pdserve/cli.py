@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import dataclasses
-import logging
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -36,6 +35,7 @@ from pdserve.config import (
     RouterConfig,
     SecurityConfig,
 )
+from pdserve.logs import LOG_FORMATS, configure_logging
 
 ROLES = ("router", "prefill", "decode", "serve")
 ROUTER, NODE = "router", "node"  # forwarding targets of pd-serve's flags
@@ -73,6 +73,11 @@ def build_parser(role: str, description: str | None = None) -> ArgumentParser:
         help=f"gRPC port (default {default_port}{'' if default_port else ': a free one'})",
     )  # fmt: skip
     parser.add_forwarded(parser, "--log-level", targets=both, default="info", choices=LOG_LEVELS)
+    parser.add_forwarded(
+        parser, "--log-format", targets=both, default="text", choices=LOG_FORMATS,
+        help="text: one line per record, [req=ID] on lines about a request; json: one JSON "
+        "object per line (ts, level, role, logger, request_id, msg)",
+    )  # fmt: skip
     _add_registry_flags(parser)
     add_config_flags(parser, parser.add_argument_group("security"), SecurityConfig, both)
     if role in ("router", "serve"):
@@ -220,8 +225,6 @@ def _is_switch(parser: ArgumentParser, flag: str) -> bool:
     return False
 
 
-def configure_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
-    )
+def setup_logging(args: argparse.Namespace, role: str) -> None:
+    """The launcher's logging from --log-level and --log-format (`pdserve.logs`)."""
+    configure_logging(args.log_level, role, args.log_format)

@@ -24,6 +24,7 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -72,6 +73,9 @@ class ModelConfig:
     attention_backend: str = knob(
         "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS
     )
+    enforce_eager: bool = knob(
+        False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,9 @@ class CacheConfig:
     Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
     `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
 
-    block_size: int = knob(16, "tokens per KV block")
+    block_size: int = knob(
+        16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
+    )
     num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
     kv_cache_memory: int | None = knob(
         None,
@@ -232,11 +238,35 @@ class NodeConfig:
     )
     transfer_timeout_s: float = transfer_timeout_knob()
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
+    metrics_port: int = knob(
+        0,
+        "Prometheus /metrics HTTP port (0: off; pd-serve gives node i the port N + i)",
+    )
     registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
+    max_queued_requests: int = knob(
+        64,
+        "decode: requests that may wait for free KV blocks at once; more are refused "
+        "RESOURCE_EXHAUSTED at once",
+    )
+    queue_timeout_s: float = knob(
+        10.0, "decode: the longest a request waits for free KV blocks before RESOURCE_EXHAUSTED"
+    )
+    bind_retry_s: float = knob(
+        10.0,
+        "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a killed "
+        "node) before exiting with an error",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("port", "kv_port"):
+        if self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
+            raise ValueError(
+                f"max_queued_requests must be >= 0 and queue_timeout_s > 0, got "
+                f"{self.max_queued_requests} and {self.queue_timeout_s}"
+            )
+        if not self.bind_retry_s >= 0:
+            raise ValueError(f"bind_retry_s must be >= 0, got {self.bind_retry_s}")
+        for name in ("port", "kv_port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
@@ -257,6 +287,10 @@ class RouterConfig:
 
     host: str = knob(DEFAULT_HOST, "address to listen on", cli=False)  # a common flag
     port: int = knob(DEFAULT_ROUTER_PORT, "gRPC port (0: a free one)", cli=False)
+    http_port: int = knob(
+        DEFAULT_HTTP_PORT,
+        "OpenAI-compatible HTTP API and /metrics, /health on this port (0: off)",
+    )
     # none: colocated mode (decode nodes prefill locally); flags --prefill/--decode ADDR
     prefill_addrs: tuple[str, ...] = knob((), "prefill nodes' HOST:PORT", cli=False)
     decode_addrs: tuple[str, ...] = knob((), "decode nodes' HOST:PORT", cli=False)
@@ -298,8 +332,9 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in (
             "node_wait_s",
             "node_rpc_timeout_s",

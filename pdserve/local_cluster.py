@@ -16,7 +16,6 @@ stops the rest and exits non-zero. Torch-free: the nodes load the model, not thi
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -32,12 +31,14 @@ from pdserve.cli import (
     ROUTER,
     ArgumentParser,
     build_parser,
-    configure_logging,
     forwarded_argv,
+    setup_logging,
 )
 from pdserve.config import CacheConfig
 
 _LISTENING = re.compile(r"listening on (\S+)")
+_HTTP_URL = re.compile(r"\(http (\S+)\)")
+WAIT_REPORT_S = 10.0  # how often pd-serve says what it is still waiting for
 NODE_START_TIMEOUT_S = 600.0  # the first start converts the default model (seconds, but slow disks)
 STOP_GRACE_S = 15.0
 
@@ -47,6 +48,7 @@ class _Child:
     name: str
     process: subprocess.Popen
     address: str | None = None
+    http_url: str | None = None  # the router's HTTP API
     ready: threading.Event = field(default_factory=threading.Event)
 
 
@@ -55,15 +57,18 @@ def _pump(child: _Child) -> None:
     for line in child.process.stdout:
         if child.address is None and (match := _LISTENING.search(line)):
             child.address = match.group(1)
+            if url := _HTTP_URL.search(line):
+                child.http_url = url.group(1)
             child.ready.set()
         sys.stderr.write(f"[{child.name}] {line}")
     child.ready.set()  # EOF: it exited (address stays None)
 
 
-def _node_argv(forwarded: list[str], gpu_share: int) -> list[str]:
+def _node_argv(forwarded: list[str], gpu_share: int, metrics_port: int = 0) -> list[str]:
     """A node's argv: pd-serve's node flags as given, on a free port; a GPU shared by
-    `gpu_share` nodes gives each that share of --gpu-memory-utilization."""
-    argv = [*forwarded, "--port", "0"]
+    `gpu_share` nodes gives each that share of --gpu-memory-utilization; `metrics_port`
+    (0: off) its own /metrics port."""
+    argv = [*forwarded, "--port", "0", "--metrics-port", str(metrics_port)]
     if gpu_share > 1:
         utilization = CacheConfig.gpu_memory_utilization
         for i, token in enumerate(forwarded[:-1]):
@@ -101,6 +106,28 @@ def _num_gpus() -> int:
     return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
+def node_devices(
+    device: str, num_prefill: int, num_decode: int, num_gpus: int
+) -> tuple[dict[str, list[str]] | None, int]:
+    """Where each node runs, and how many nodes share a GPU (each gets that share of
+    --gpu-memory-utilization). With `--device auto|cuda` and GPUs visible the nodes are spread
+    over the visible GPUs by index, prefill nodes first (1P1D on 2 GPUs: prefill on cuda:0,
+    decode on cuda:1), each told its `--device cuda:N`; CUDA_VISIBLE_DEVICES is left as the
+    user set it, so every node sees every listed GPU (UCX's cuda_ipc maps a peer's memory only
+    when its GPU is visible). `None`: nodes keep the given --device (cpu, or one cuda:N)."""
+    num_nodes = num_prefill + num_decode
+    if device not in ("auto", "cuda") or num_gpus == 0:
+        shared = device.startswith("cuda")
+        return None, (num_nodes if shared else 1)
+    order = [("prefill", i) for i in range(num_prefill)] + [
+        ("decode", i) for i in range(num_decode)
+    ]
+    devices: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for slot, (role, _) in enumerate(order):
+        devices[role].append(f"cuda:{slot % num_gpus}")
+    return devices, -(-num_nodes // num_gpus)
+
+
 class LocalCluster:
     def __init__(self, args, node_argv: list[str], router_argv: list[str]) -> None:
         """`node_argv` / `router_argv`: the flags pd-serve forwards to each (as given)."""
@@ -108,21 +135,33 @@ class LocalCluster:
         self.node_argv = node_argv
         self.router_argv = router_argv
         self.children: list[_Child] = []
+        self.router: _Child | None = None
 
-    def _spawn(self, name: str, module: str, argv: list[str], env: dict | None = None) -> _Child:
+    def _spawn(self, name: str, module: str, argv: list[str]) -> _Child:
         process = subprocess.Popen(
             [sys.executable, "-u", "-m", module, *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         child = _Child(name, process)
         self.children.append(child)
         threading.Thread(target=_pump, args=(child,), daemon=True).start()
         return child
 
-    def _await_ready(self, children: list[_Child]) -> list[str]:
-        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    def _await_ready(self, children: list[_Child], what: str) -> list[str]:
+        """Waits for each child's listening line, saying every WAIT_REPORT_S what for."""
+        start_s = time.monotonic()
+        deadline = start_s + NODE_START_TIMEOUT_S
         for child in children:
-            if not child.ready.wait(max(0.0, deadline - time.monotonic())) or child.address is None:
+            while not child.ready.wait(min(WAIT_REPORT_S, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    break
+                print(
+                    f"pd-serve: waiting for {child.name} ({what}; "
+                    f"{time.monotonic() - start_s:.0f} s so far)", file=sys.stderr, flush=True,
+                )  # fmt: skip
+            if child.address is None:
                 raise RuntimeError(
                     f"{child.name} did not start (exit code {child.process.poll()}); see its log above"
                 )
@@ -130,25 +169,29 @@ class LocalCluster:
 
     def start(self) -> str:
         args = self.args
-        num_gpus = _num_gpus() if args.device in ("auto", "cuda") else 0
-        num_nodes = args.prefill + args.decode
-        nodes_per_gpu = -(-num_nodes // num_gpus) if num_gpus else 1
-        roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+        roles = [("decode", i) for i in range(args.decode)] + [
+            ("prefill", i) for i in range(args.prefill)
+        ]
+        devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
-        for slot, (role, index) in enumerate(roles):
-            env = dict(os.environ)
-            if num_gpus:  # spread the nodes over the GPUs, one device each
-                env["CUDA_VISIBLE_DEVICES"] = str(slot % num_gpus)
-            child = self._spawn(
-                f"{role}-{index}", f"{role}_node.cli",
-                _node_argv(self.node_argv, nodes_per_gpu if num_gpus else 1), env,
-            )
+        for slot, (role, index) in enumerate(roles):  # decode first: tickets come from them
+            metrics_port = args.metrics_port + slot if args.metrics_port else 0
+            argv = _node_argv(self.node_argv, share, metrics_port)
+            if devices is not None:  # every listed GPU stays visible (cuda_ipc maps peers)
+                argv += ["--device", devices[role][index]]
+            child = self._spawn(f"{role}-{index}", f"{role}_node.cli", argv)
             started[role].append(child)
-        decode_addrs = self._await_ready(started["decode"])
-        prefill_addrs = self._await_ready(started["prefill"])
+        print(
+            f"pd-serve: started {args.decode} decode and {args.prefill} prefill node(s); waiting "
+            f"for them to load {args.model} (the first start converts it)", file=sys.stderr,
+            flush=True,
+        )  # fmt: skip
+        loading = f"loading {args.model}"
+        decode_addrs = self._await_ready(started["decode"], loading)
+        prefill_addrs = self._await_ready(started["prefill"], loading)
         router_argv = _router_argv(self.router_argv, args, prefill_addrs, decode_addrs)
-        router = self._spawn("router", "router.cli", router_argv)
-        return self._await_ready([router])[0]
+        self.router = self._spawn("router", "router.cli", router_argv)
+        return self._await_ready([self.router], "connecting to the nodes")[0]
 
     def wait(self) -> int:
         """Block until a child exits; return its exit code."""
@@ -185,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_serve_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level, "serve")
+    setup_logging(args, "serve")
     if args.decode < 1 or args.prefill < 0:
         print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
@@ -202,8 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         address = cluster.start()
-        mode = "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        mode = (
+            "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
+        )
         print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
+        if cluster.router.http_url:
+            print(f"pd-serve: OpenAI-compatible API on {cluster.router.http_url}/v1 "
+                  f"(metrics: {cluster.router.http_url}/metrics)", flush=True)  # fmt: skip
         print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:

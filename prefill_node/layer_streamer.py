@@ -1,17 +1,23 @@
 """`LayerStreamer`: the prefill engine's per-layer hook, turned into KV sends.
 
     event loop     open(request_id, sender)                     before the engine sees the request
-    engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is written
+    engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is queued
                      for each chunk that ends its prompt, of a request with a live sender:
-                       packed = that layer's blocks of the request (pack_layer)
+                       CUDA: record an event on the compute stream; on the pack stream wait
+                             for it and pack (one kernel, K and V); record `packed`. Nothing
+                             waits on the host: the forward is never stalled.
+                       CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(send it)       the next layers compute meanwhile
-    event loop     KVSender.send_packed(layer_idx, packed)      one task per layer
+    event loop     await the `packed` event (polled), KVSender.send_packed(layer_idx, packed)
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
-Packing on the engine thread snapshots the blocks: the bytes sent do not depend on what the
-engine does to the blocks afterwards (a request whose first token finishes it frees its blocks
-in the same step), and the transport sends that one buffer as it is.
+Packing is queued from the engine thread, so it snapshots the blocks: the bytes sent do not
+depend on what the engine does to the blocks afterwards (a request whose first token finishes it
+frees its blocks in the same step; on CUDA the compute stream waits for the pack stream after
+the last layer, so nothing queued later can overwrite a block before it is packed), and the
+transport sends that one buffer as it is. The request's block ids are checked and copied to the
+device once (first layer), asynchronously.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache_transfer import KVSender, TransferState, pack_layer
+from cache_transfer.packing import CheckedIds, check_block_ids
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2
 
@@ -43,6 +50,8 @@ class TransferTrace:
     request_id: str
     layer_computed_s: list[float | None]
     layer_sent_s: list[float | None]
+    # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
+    # hook itself runs ahead of the GPU); on CPU when the hook ran.
 
 
 @dataclass
@@ -53,6 +62,7 @@ class _Outgoing:
     trace: TransferTrace
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     broken: bool = False  # packing a layer failed: later layers are not sent
+    src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
 
 
 class LayerStreamer:
@@ -68,6 +78,9 @@ class LayerStreamer:
         self._loop = loop
         self._max_traces = max_traces
         self._outgoing: dict[str, _Outgoing] = {}  # by request_id
+        device = kv_caches[0][0].device
+        self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._loop_stream_bound = False
 
     def open(self, request_id: str, sender: KVSender) -> TransferTrace:
         """Send `request_id`'s KV through `sender` as the engine computes it."""
@@ -93,16 +106,21 @@ class LayerStreamer:
                 continue
             if outgoing.broken or outgoing.sender.finished:
                 continue
-            outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             try:
-                packed = self._pack(outgoing, chunk, layer_idx)
+                packed, ready = self._pack(outgoing, chunk, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
                 logger.exception(
                     "request %s: could not pack layer %d", request.request_id, layer_idx
                 )
                 outgoing.broken = True
                 continue
-            self._loop.call_soon_threadsafe(self._start_send, outgoing, layer_idx, packed)
+            if ready is None:
+                outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
+            self._loop.call_soon_threadsafe(self._start_send, outgoing, layer_idx, packed, ready)
+        if self._pack_stream is not None and layer_idx == len(self._kv_caches) - 1:
+            # later work on the compute stream (the next step may reuse freed blocks) runs
+            # after every pack queued so far: a GPU-side wait, the host goes on
+            torch.cuda.current_stream(self._pack_stream.device).wait_stream(self._pack_stream)
 
     async def finish(
         self,
@@ -139,23 +157,60 @@ class LayerStreamer:
         if outgoing is not None and not outgoing.sender.finished:
             outgoing.sender.abort(reason)
 
-    def _pack(self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int) -> torch.Tensor:
+    def _pack(
+        self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The request's blocks of one layer packed into a new buffer on the cache's device:
-        `[2, num_blocks, block_size, num_kv_heads, head_dim]` as flat uint8."""
+        `[2, num_blocks, block_size, num_kv_heads, head_dim]` as flat uint8; on CUDA queued
+        on the pack stream behind the compute stream's KV write, with the event that marks
+        it packed (None on CPU: packed already)."""
         k_cache, v_cache = self._kv_caches[layer_idx]
         sender = outgoing.sender
+        if outgoing.src_ids is None:
+            block_ids = chunk.block_ids[: sender.num_blocks]
+            outgoing.src_ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device)
         num_bytes = sender.layout.layer_bytes(sender.num_blocks)
-        packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-        return pack_layer(k_cache, v_cache, chunk.block_ids[: sender.num_blocks], packed)
+        if self._pack_stream is None:
+            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
+            return pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
+        computed = torch.cuda.Event()
+        computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
+        with torch.cuda.stream(self._pack_stream):
+            self._pack_stream.wait_event(computed)
+            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
+            pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
+            ready = torch.cuda.Event()
+            ready.record(self._pack_stream)
+        return packed, ready
 
-    def _start_send(self, outgoing: _Outgoing, layer_idx: int, packed: torch.Tensor) -> None:
-        task = self._loop.create_task(self._send(outgoing, layer_idx, packed))
+    def _start_send(
+        self,
+        outgoing: _Outgoing,
+        layer_idx: int,
+        packed: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        if self._pack_stream is not None and not self._loop_stream_bound:
+            # the transport orders its reads after this thread's current stream: make that the
+            # pack stream, never the compute stream (a send would wait for later layers)
+            torch.cuda.set_stream(self._pack_stream)
+            self._loop_stream_bound = True
+        task = self._loop.create_task(self._send(outgoing, layer_idx, packed, ready))
         outgoing.tasks.add(task)
         task.add_done_callback(outgoing.tasks.discard)
 
-    async def _send(self, outgoing: _Outgoing, layer_idx: int, packed: torch.Tensor) -> None:
+    async def _send(
+        self,
+        outgoing: _Outgoing,
+        layer_idx: int,
+        packed: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
         sender = outgoing.sender
         try:
+            if ready is not None:
+                await _wait_event(ready, sender.remaining_s)
+                outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             await sender.send_packed(layer_idx, packed)
         except Exception as error:  # a bug, not the peer: fail this transfer only
             logger.exception("transfer %s: sending layer %d failed", sender.transfer_id, layer_idx)
@@ -163,3 +218,14 @@ class LayerStreamer:
             return
         if sender.state != TransferState.FAILED:
             outgoing.trace.layer_sent_s[layer_idx] = time.monotonic()
+
+
+async def _wait_event(event: torch.cuda.Event, timeout_s: float) -> None:
+    """Poll a CUDA event from the event loop (yield at first, then every 0.1 ms)."""
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError("a layer's pack did not finish before the transfer's deadline")
+        spins += 1
+        await asyncio.sleep(0 if spins < 200 else 1e-4)

@@ -41,6 +41,17 @@ class PrefillServer(RoleServer):
         """Per transfer id (the most recent ones): when each layer was computed and sent."""
         return self.streamer.traces
 
+    def last_transfer(self) -> node_pb2.LayerTimeline | None:
+        if not self.streamer.traces:
+            return None
+        trace = next(reversed(self.streamer.traces.values()))
+        return node_pb2.LayerTimeline(
+            transfer_id=trace.transfer_id,
+            request_id=trace.request_id,
+            computed_s=[t or 0.0 for t in trace.layer_computed_s],
+            sent_s=[t or 0.0 for t in trace.layer_sent_s],
+        )
+
     def role_stats(self, stats: EngineStats) -> dict[str, int]:
         # a prefilled request holds its blocks until its hand-off resolves
         return {"num_running_requests": stats.num_running + stats.num_prefilled_held}

@@ -23,6 +23,7 @@ from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
 from node_common.role_server import RoleServer
 from node_common.role_servicer import NodeCounters, RoleServicer
+from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 
@@ -40,6 +41,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.PrefillResponse]:
+        set_request_id(request.request_id)  # this call's log lines carry the request id
         await self._check_ticket(request, context)
         engine_request = await to_engine_request(self._engine, request, context)
         request_id = request.request_id
@@ -66,7 +68,14 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             if held:
                 await self._engine.call(lambda core: core.release(request_id))
                 held = False
-            yield node_pb2.PrefillResponse(transfer_result=_transfer_result(sender))
+            result = _transfer_result(sender)
+            logger.info(
+                "prefill done: %d prompt tokens (%d cached), KV hand-off %s: %d bytes in %.1f ms",
+                engine_request.prompt_len, first_token.num_cached_tokens,
+                "ok" if result.ok else f"failed ({result.error})", result.num_bytes,
+                result.elapsed_s * 1000,
+            )  # fmt: skip
+            yield node_pb2.PrefillResponse(transfer_result=result)
         finally:
             self.counters.num_queued_prefill_tokens -= num_queued
             self._streamer.close(request_id, "the prefill call ended before the hand-off")
@@ -109,6 +118,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             sender = self._manager.create_sender(request.ticket, self._transfer_timeout_s)
         except ValueError as error:  # the transfer id is already in progress here
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        sender.add_finish_callback(self._metrics.transfer_finished)
         try:
             self._streamer.open(request.request_id, sender)
         except ValueError as error:  # the request id is already prefilling here

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import build_parser, configure_logging, router_config
+from pdserve.cli import build_parser, router_config, setup_logging
 from pdserve.lifecycle import run_server
 from pdserve.security import load_cluster_auth
 from router.auth import ApiKeys
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             ApiKeys.from_file(config.api_key_file)
     except ValueError as error:
         parser.error(str(error))
-    configure_logging(args.log_level, "router")
+    setup_logging(args, "router")
 
     async def start() -> RouterServer:
         """Serves, then waits for its nodes (a signal meanwhile stops it cleanly)."""
@@ -63,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return server
 
-    return run_server("pd-router", start, lambda s: f"pd-router listening on {s.address}")
+    return run_server("pd-router", start, _ready_line)
+
+
+def _ready_line(server: RouterServer) -> str:
+    line = f"pd-router listening on {server.address}"
+    if server.http is not None:
+        line += f" (http {server.http.url})"
+    return line
 
 
 if __name__ == "__main__":

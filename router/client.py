@@ -17,7 +17,9 @@ from typing import Any
 import grpc
 
 from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.node_client import MAX_RECEIVE_MESSAGE_BYTES, tokenizer_from_files
 
 
 @dataclass
@@ -85,12 +87,15 @@ def build_request(
     return request
 
 
+_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),)
+
+
 class GenerationClient:
     """Async client of one router. Construct it inside the event loop that uses it."""
 
     def __init__(self, addr: str = f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}") -> None:
         self.addr = addr
-        self._channel = grpc.aio.insecure_channel(addr)
+        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> GenerationClient:
@@ -132,3 +137,13 @@ class GenerationClient:
         return await self._stub.GetModelInfo(
             generation_pb2.GetModelInfoRequest(), timeout=timeout_s
         )
+
+    async def tokenizer(self, timeout_s: float | None = None) -> Tokenizer | None:
+        """The served model's tokenizer (None: the model has none and takes token ids)."""
+        files = await self._stub.GetTokenizer(
+            generation_pb2.GetModelTokenizerRequest(), timeout=timeout_s
+        )
+        if not files.tokenizer_json:
+            return None
+        info = await self.model_info(timeout_s)
+        return tokenizer_from_files(files, info.model_name)

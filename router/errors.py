@@ -37,3 +37,12 @@ class NodeUnreachableError(RouterError):
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class DecodeLostError(RouterError):
+    """The decode node failed with UNAVAILABLE after the client got some of the request's
+    tokens: the dispatcher migrates the request (prompt + those tokens) to another one."""
+
+    def __init__(self, message: str, num_output_tokens: int) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.num_output_tokens = num_output_tokens

@@ -11,7 +11,9 @@ stream()
   _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
   both tasks -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
   D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
-  D UNAVAILABLE after:  UNAVAILABLE "failed mid-stream ... not migrated"
+  D UNAVAILABLE after:  DecodeLostError (the dispatcher migrates the request)
+A migrated request (output_token_ids: its tokens already streamed) runs LOCAL_PREFILL on D,
+which prefills prompt + those tokens and numbers its chunks from len(output_token_ids).
 close (always): D not finished and not cancelled by the client -> D.Abort; cancel both
   calls and both tasks (a cancelled call ends the request on its node, freeing its blocks)
 ```
@@ -25,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
-from router.errors import NodeUnreachableError, RouterError, node_error
+from router.errors import DecodeLostError, NodeUnreachableError, RouterError, node_error
 from router.input_processor import ProcessedRequest
 from router.node_client import NodeClient
 from router.node_load import InflightWork
@@ -59,9 +61,12 @@ class RequestCalls:
         stats: RouterStats,
         timeout_s: float | None,
         retry_prefill: RetryPrefill,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self._decode = route.decode
-        self._prefill = route.prefill  # the current prefill node (a retry changes it)
+        # The current prefill node (a retry changes it); a migrated request prefills on D.
+        self._prefill = route.prefill if not output_token_ids else None
+        self._output_token_ids = list(output_token_ids)
         self._request = request
         self._config = config
         self._stats = stats
@@ -89,6 +94,7 @@ class RequestCalls:
                 if disaggregated
                 else node_pb2.DECODE_MODE_LOCAL_PREFILL,
                 transfer_timeout_s=self._config.transfer_timeout_s if disaggregated else 0.0,
+                output_token_ids=self._output_token_ids,
             ),
             timeout=self._timeout_s,
         )
@@ -136,13 +142,9 @@ class RequestCalls:
         """D's stream failed: retryable if it was unreachable before any token went out."""
         if error.code != grpc.StatusCode.UNAVAILABLE:
             return error
-        if self._num_yielded == 0:
+        if self._num_yielded == 0 and not self._output_token_ids:
             return NodeUnreachableError(error.message)
-        return RouterError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"{error.message} (mid-stream, after {self._num_yielded} chunks; the request was "
-            "not migrated: send it again)",
-        )
+        return DecodeLostError(f"{error.message} (mid-stream)", self._num_yielded)
 
     async def _read_ticket(self) -> node_pb2.TransferTicket:
         decode = self._decode
@@ -226,7 +228,7 @@ class RequestCalls:
             self._prefill_work.done()
         if failure is None:
             return
-        self._stats.num_prefill_failures += 1
+        self._stats.prefill_failure()
         logger.warning(
             "request %s: prefill node %s failed (%s); decode node %s prefills locally",
             self._request.request_id,

@@ -4,8 +4,9 @@
 start():  bind (health NOT_SERVING) -> serve -> NodeRegistry.start(static source) (until
           node_wait_s) -> with a registry: admit its nodes (until node_wait_s), then follow it
           in the background; health SERVING while at least one decode node is ready
-stop():   stop following the registry, health NOT_SERVING, in-flight requests get grace_s,
-          node channels closed
+          + the HTTP server (OpenAI API, /health, /metrics) on http_port unless 0
+stop():   stop following the registry, health NOT_SERVING, HTTP and gRPC in-flight requests
+          get grace_s, node channels closed
 ```
 """
 
@@ -26,10 +27,14 @@ from pdserve.security import load_cluster_auth, open_cluster_warning
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeys, install
 from router.dispatcher import Dispatcher
+from router.http.app import build_app
+from router.http.http_server import HttpServer
+from router.http.openai_serving import OpenAIServing
 from router.node_registry import NodeRegistry
 from router.node_source import NodeSource, StaticNodeSource
 from router.policies import make_policy
 from router.redis_node_source import RedisNodeSource
+from router.request_handler import RequestHandler
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
 
@@ -62,10 +67,20 @@ class RouterServer:
             config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens
         )
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.registry, dispatcher, self.stats, config.max_prompt_chars),
-            self._server,
+        self.handler = RequestHandler(
+            self.registry, dispatcher, self.stats, config.max_prompt_chars
         )
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.handler), self._server
+        )
+        self.http: HttpServer | None = None
+        if config.http_port:
+            app = build_app(
+                OpenAIServing(self.handler),
+                self.stats.metrics,
+                lambda: bool(self.registry.decode_nodes),
+            )
+            self.http = HttpServer(app, config.host, config.http_port, config.grace_s)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
@@ -85,6 +100,9 @@ class RouterServer:
         except RuntimeError as error:  # grpc raises RuntimeError("Failed to bind ...")
             raise OSError(f"cannot listen on {self.address}: {error}") from None
         await self._server.start()
+        if self.http is not None:
+            await self.http.start()
+            logger.info("OpenAI-compatible HTTP API on %s/v1", self.http.url)
         logger.info("serving on %s; connecting to nodes", self.address)
         await self.registry.start(self._source)
         if self.registry_source is not None:
@@ -101,6 +119,8 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         await self._health.enter_graceful_shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         await self.registry.close()
         if self.registry_source is not None:

@@ -1,11 +1,11 @@
-"""GenerationServicer: the client API (generation.proto) on top of the registry and dispatcher.
+"""GenerationServicer: the gRPC client API (generation.proto) over the `RequestHandler`.
 
 ```
 Generate(request)
-  InputProcessor.process        -> INVALID_ARGUMENT with the validation message
-  Dispatcher.run(request)       -> NodeTokens from P and D
-    OutputProcessor.process     -> GenerateResponse, written at once; stops at the finish
+  RequestHandler.process        -> INVALID_ARGUMENT with the validation message
+  RequestHandler.stream         -> GenerateResponse, written at once; stops at the finish
   RouterError                   -> its status; client cancel -> counted, node calls cancelled
+GetTokenizer                    the first ready node's tokenizer files, for clients (pd-bench)
 ```
 """
 
@@ -13,58 +13,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import time
 
 import grpc
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from router.dispatcher import Dispatcher
+from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
 from router.errors import RouterError
-from router.input_processor import InputProcessor
-from router.node_registry import NodeRegistry
-from router.output_processor import OutputProcessor
-from router.stats import RouterStats
-
-logger = logging.getLogger(__name__)
+from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves Generate and GetModelInfo for the model of the registry's nodes."""
 
-    def __init__(
-        self,
-        registry: NodeRegistry,
-        dispatcher: Dispatcher,
-        stats: RouterStats,
-        max_prompt_chars: int = 0,
-    ) -> None:
-        self._max_prompt_chars = max_prompt_chars
-        self._registry = registry
-        self._dispatcher = dispatcher
-        self._stats = stats
-        self._input_processor: InputProcessor | None = None  # once a node gave the tokenizer
+    def __init__(self, handler: RequestHandler) -> None:
+        self._handler = handler
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        self._stats.num_requests += 1
+        start_s = time.monotonic()
         try:
-            await self._generate(request, context)
-        except InvalidRequestError as error:
-            await self._fail(context, RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(error)))
+            # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
+            processed = await asyncio.to_thread(self._handler.process, request)
+        except (InvalidRequestError, RouterError) as error:
+            error = _as_router_error(error)
+            self._handler.rejected(
+                "grpc", request.request_id, error.code.name, error.message, start_s
+            )
+            await context.abort(error.code, error.message)
+        try:
+            stream = self._handler.stream(processed, "grpc", context.time_remaining(), start_s)
+            async with contextlib.aclosing(stream):  # a cancel ends the node calls at once
+                async for response in stream:
+                    await context.write(response)
         except RouterError as error:
-            await self._fail(context, error)
-        except asyncio.CancelledError:
-            self._stats.num_cancelled += 1
-            raise
+            await context.abort(error.code, error.message)
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        info = self._registry.model_info
+        info = self._handler.registry.model_info
         if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_NODE_MESSAGE)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
         return generation_pb2.ModelInfo(
             model_name=info.model_name,
             max_model_len=info.max_model_len,
@@ -72,39 +63,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids,
         )
 
-    async def _generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> None:
-        # Tokenizing takes a while for a long prompt: off the event loop, so other calls go on.
-        processed = await asyncio.to_thread(self._processor().process, request)
-        output = OutputProcessor(processed, self._registry.tokenizer)
-        stream = self._dispatcher.run(processed, context.time_remaining())
-        async with contextlib.aclosing(stream):
-            async for tokens in stream:
-                response = output.process(tokens)
-                if response is not None:
-                    await context.write(response)
-                if output.finished:
-                    break
-        self._stats.finish_reasons[output.finish_reason] += 1
-
-    def _processor(self) -> InputProcessor:
-        if self._input_processor is None:
-            if self._registry.model_info is None:  # the tokenizer may be None: token ids only
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_NODE_MESSAGE)
-            self._input_processor = InputProcessor(
-                self._registry.tokenizer, self._registry.model_info, self._max_prompt_chars
+    async def GetTokenizer(
+        self, request: generation_pb2.GetModelTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelTokenizer:
+        """The tokenizer files of a ready node (empty for a model without a tokenizer)."""
+        registry = self._handler.registry
+        nodes = registry.decode_nodes + registry.prefill_nodes
+        if registry.model_info is None or not nodes:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
+        try:
+            files = await nodes[0].node_stub.GetTokenizer(
+                node_pb2.GetTokenizerRequest(), timeout=_TOKENIZER_TIMEOUT_S
             )
-        return self._input_processor
+        except grpc.aio.AioRpcError as error:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
+            )
+        return generation_pb2.ModelTokenizer(
+            tokenizer_json=files.tokenizer_json,
+            tokenizer_config_json=files.tokenizer_config_json,
+            chat_template=files.chat_template,
+        )
 
-    async def _fail(self, context: grpc.aio.ServicerContext, error: RouterError) -> None:
-        self._stats.errors[error.code.name] += 1
-        level = logging.INFO if error.code == grpc.StatusCode.INVALID_ARGUMENT else logging.WARNING
-        logger.log(level, "Generate failed: %s", error)
-        await context.abort(error.code, error.message)
+
+_TOKENIZER_TIMEOUT_S = 30.0  # a large tokenizer.json is tens of MB
 
 
-_NO_NODE_MESSAGE = (
-    "no node is ready yet: the router learns the model and its tokenizer from its nodes "
-    "(check the --prefill/--decode addresses or the --registry, and that the nodes are up)"
-)
+def _as_router_error(error: Exception) -> RouterError:
+    if isinstance(error, RouterError):
+        return error
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(error))

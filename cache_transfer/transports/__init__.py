@@ -16,7 +16,12 @@ from __future__ import annotations
 import functools
 import logging
 
-from cache_transfer.transports.base import KVTransport, TransportError, TransportHandler
+from cache_transfer.transports.base import (
+    KVTransport,
+    TransportBindError,
+    TransportError,
+    TransportHandler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,7 @@ TRANSPORT_NAMES = ("auto", "ucx", "tcp", "local")
 __all__ = [
     "TRANSPORT_NAMES",
     "KVTransport",
+    "TransportBindError",
     "TransportError",
     "TransportHandler",
     "make_transport",

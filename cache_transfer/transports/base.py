@@ -24,6 +24,10 @@ class TransportError(ConnectionError):
     """A message could not be delivered (unknown or closed peer, closed transport)."""
 
 
+class TransportBindError(OSError):
+    """The listener could not bind its port (taken, or still held by a killed process)."""
+
+
 class TransportHandler(Protocol):
     """What a transport hands incoming messages to. Called on the transport's event loop."""
 

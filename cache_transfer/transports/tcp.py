@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from cache_transfer.transports.base import (
     KVTransport,
+    TransportBindError,
     TransportError,
     TransportHandler,
     check_payload,
@@ -51,7 +52,13 @@ class TcpTransport(KVTransport):
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.ipv6 = ":" in host
-        self._router.bind(f"tcp://{bracket(host)}:{port or '*'}")
+        try:  # libzmq sets SO_REUSEADDR: a killed node's port in TIME_WAIT binds at once
+            self._router.bind(f"tcp://{bracket(host)}:{port or '*'}")
+        except zmq.ZMQError as error:
+            self._router.close(linger=0)
+            raise TransportBindError(
+                f"cannot listen for KV on tcp://{bracket(host)}:{port}: {error}"
+            ) from None
         bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         bound_port = int(bound.rsplit(":", 1)[1])
         self._address = f"tcp://{bracket(advertise_host or dial_host(host))}:{bound_port}"

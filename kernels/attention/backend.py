@@ -19,6 +19,9 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # The longest context a CUDA-graph decode batch may be sized for (None: any). The torch
+    # reference gathers the whole capacity per step in a graph, so it is kept short.
+    graph_max_context: ClassVar[int | None] = None
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:

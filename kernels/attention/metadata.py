@@ -26,6 +26,10 @@ class AttentionMetadata:
     # Host copies, for backends (and the torch reference) that need Python ints.
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    # A decode-only batch of fixed shape (a CUDA graph's): the per-request host values above are
+    # placeholders and max_seq_len is the block tables' capacity. Backends must then read
+    # lengths from the device tensors only, with no host decision that depends on them.
+    static_shapes: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -116,6 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch ops only; runs on any device and dtype."""
 
     name = "torch"
+    graph_max_context = 8192
 
     def forward(
         self,
@@ -154,7 +155,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = meta.num_decodes
         seq_lens = meta.seq_lens[:num_decodes].long()
         block_tables = meta.block_tables[:num_decodes]
-        groups = length_groups(meta.seq_lens_cpu[:num_decodes])
+        if meta.static_shapes:  # one padded group, as long as the block tables hold
+            groups = [(list(range(num_decodes)), meta.max_seq_len)]
+        else:
+            groups = length_groups(meta.seq_lens_cpu[:num_decodes])
         if len(groups) == 1:
             return _decode_group(q, seq_lens, k_cache, v_cache, block_tables, groups[0][1], scale)
         out = torch.empty_like(q)

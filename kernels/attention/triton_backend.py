@@ -9,8 +9,6 @@ kernel (plus a merge kernel when a context is split), prefills one kernel. Measu
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -31,7 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, decode_partition_len: int | None = None) -> None:
-        # Keys per decode split; None sizes the splits to fill the GPU.
+        # Keys per decode split; None: each request splits its own context (graph-safe).
         self.decode_partition_len = decode_partition_len
 
     @classmethod
@@ -58,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_decodes > 0:
             paged_decode_attention(
                 out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, num_decodes,
-                max(meta.seq_lens_cpu[:num_decodes]), scale, self.decode_partition_len,
+                meta.max_seq_len, scale, self.decode_partition_len,
             )  # fmt: skip
         if meta.num_reqs > num_decodes:
             paged_prefill_attention(
@@ -71,11 +69,6 @@ class TritonAttentionBackend(AttentionBackend):
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 caches (tests, debugging) get exact products; fp16/bf16 ignore the setting.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -92,7 +85,8 @@ def _decode_config(dtype: torch.dtype) -> tuple[int, int, int]:
 
     bf16, llama3-8b layer on an H200: 64/4/3 with splits filling the GPU twice over was the
     best of a sweep of BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, 2-16 programs per SM
-    (batch 64 context 1K: 3.4-3.5 TB/s through `forward`, cache write included).
+    (batch 64 context 1K: 3.4-3.5 TB/s through `forward`, cache write included; measured
+    before the per-request split of `paged_decode_attention`).
     """
     return (32, 4, 2) if dtype == torch.float32 else (64, 4, 3)
 
@@ -108,14 +102,7 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     return 64, 64, 4, 2
 
 
-def decode_partition_len(
-    num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
-) -> int:
-    """Keys per split: enough splits that the grid fills the GPU about twice over, each split
-    at least 256 keys (fewer would cost more in the merge than they gain)."""
-    num_programs = num_decodes * num_kv_heads
-    num_splits = max(1, min(triton.cdiv(2 * num_sms, num_programs), triton.cdiv(max_seq_len, 256)))
-    return triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+DECODE_SPLITS = 16  # slices per request at most (each at least MIN_PARTITION keys)
 
 
 def paged_decode_attention(
@@ -126,21 +113,24 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     num_decodes: int,
-    max_seq_len: int,  # over the decodes
+    max_seq_len: int,  # an upper bound of the decodes' seq_lens (used with partition_len)
     scale: float,
-    partition_len: int | None = None,  # keys per split; None: sized to fill the GPU
+    partition_len: int | None = None,  # keys per split; None: per request, in the kernel
 ) -> None:
-    """One query per request (the first `num_decodes`) over its whole paged context."""
+    """One query per request (the first `num_decodes`) over its whole paged context.
+
+    With `partition_len=None` the grid depends on `num_decodes` alone and no host value of the
+    batch is read: safe to capture in a CUDA graph, and a request's result is the same in any
+    batch (each request cuts its context by its own length)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
     block_n, num_warps, num_stages = _decode_config(q.dtype)
     if partition_len is None:
-        partition_len = decode_partition_len(
-            num_decodes, num_kv_heads, max_seq_len, _num_sms(q.device), block_n
-        )
+        partition_len, num_splits = 0, DECODE_SPLITS
     elif partition_len % block_n != 0:
         raise ValueError(f"partition_len must be a multiple of {block_n}, got {partition_len}")
-    num_splits = triton.cdiv(max_seq_len, partition_len)
+    else:
+        num_splits = triton.cdiv(max_seq_len, partition_len)
     head_dim_pad = triton.next_power_of_2(head_dim)
     partial_out = partial_lse = out  # unused placeholders when there is one split
     if num_splits > 1:
@@ -164,7 +154,7 @@ def paged_decode_attention(
             out, partial_out, partial_lse, seq_lens, partition_len,
             out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4,
         )  # fmt: skip
 
 

@@ -8,6 +8,10 @@ block table, so any block size works. Softmax is online (flash-attention style) 
 decode   grid (num_decodes, num_kv_heads, num_splits): one program = one request, one kv head,
          one slice of the context; all q heads of the group share each K/V tile load.
          num_splits > 1: partial (out, lse) per slice, then paged_decode_reduce_kernel merges them.
+         partition_len 0: each request cuts its own context into min(num_splits,
+         cdiv(seq_len, MIN_PARTITION)) slices, computed in the kernel from seq_lens alone, so
+         the grid depends on no host value (CUDA graphs) and a request's result does not
+         depend on the batch it runs in.
 prefill  grid (num_heads, num_q_tiles, num_prefills): one program = BLOCK_M queries of one
          request and head; keys up to the tile's last position, causal mask on the diagonal.
 ```
@@ -19,6 +23,17 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+MIN_PARTITION = tl.constexpr(256)  # keys; shorter slices cost more in the merge than they gain
+
+
+@triton.jit
+def _request_partition_len(seq_len, partition_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per slice of one request: `partition_len` when > 0, else its context cut into
+    min(num_splits, cdiv(seq_len, MIN_PARTITION)) slices rounded up to BLOCK_N."""
+    if partition_len > 0:
+        return partition_len
+    num_parts = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, MIN_PARTITION)), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N, BLOCK_N)
 
 
 @triton.jit
@@ -90,7 +105,7 @@ def paged_decode_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks_per_req]
     seq_lens_ptr,  # [num_reqs]
     scale_log2,
-    partition_len,  # keys per split, a multiple of BLOCK_N
+    partition_len,  # keys per split, a multiple of BLOCK_N; 0: per request (see above)
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -112,6 +127,7 @@ def paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    partition_len = _request_partition_len(seq_len, partition_len, tl.num_programs(2), BLOCK_N)
     start_n = split * partition_len
     if start_n >= seq_len:
         return  # the reduce kernel skips splits past the context
@@ -177,11 +193,14 @@ def paged_decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the decode kernel's
 ):
     """Merge the splits of one (request, head): softmax-weighted by each split's lse."""
     req = tl.program_id(0)
     head = tl.program_id(1)
-    num_valid = tl.cdiv(tl.load(seq_lens_ptr + req), partition_len)
+    seq_len = tl.load(seq_lens_ptr + req)
+    partition_len = _request_partition_len(seq_len, partition_len, num_splits, BLOCK_N)
+    num_valid = tl.cdiv(seq_len, partition_len)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_valid

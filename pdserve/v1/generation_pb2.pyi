@@ -133,3 +133,17 @@ class ModelInfo(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetModelTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelTokenizer(_message.Message):
+    __slots__ = ("tokenizer_json", "tokenizer_config_json", "chat_template")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: bytes
+    tokenizer_config_json: bytes
+    chat_template: str
+    def __init__(self, tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[bytes] = ..., chat_template: _Optional[str] = ...) -> None: ...

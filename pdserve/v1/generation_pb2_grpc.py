@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/pdserve.v1.Generation/GetTokenizer',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.GetModelTokenizerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.ModelTokenizer.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -63,6 +68,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The model's tokenizer files, so a client (pd-bench) counts tokens as the router does.
+        tokenizer.json can exceed gRPC's 4 MiB default: raise grpc.max_receive_message_length.
+        A model without a tokenizer (synthetic:*) answers empty files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +89,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.GetModelTokenizerRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.ModelTokenizer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +150,33 @@ class Generation:
             '/pdserve.v1.Generation/GetModelInfo',
             pdserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             pdserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/GetTokenizer',
+            pdserve_dot_v1_dot_generation__pb2.GetModelTokenizerRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.ModelTokenizer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,18 +75,20 @@ class TransferTicket(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "transfer_timeout_s", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: NodeSamplingParams
     mode: DecodeMode
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., mode: _Optional[_Union[DecodeMode, str]] = ..., transfer_timeout_s: _Optional[float] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("ticket", "tokens")
@@ -213,7 +215,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,7 @@ class NodeStats(_message.Message):
     NUM_FAILED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_running_requests: int
@@ -234,7 +237,22 @@ class NodeStats(_message.Message):
     num_failed_transfers: int
     num_prefix_cache_hit_tokens: int
     num_queued_prefill_tokens: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    last_transfer: LayerTimeline
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ...) -> None: ...
+
+class LayerTimeline(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_S_FIELD_NUMBER: _ClassVar[int]
+    SENT_S_FIELD_NUMBER: _ClassVar[int]
+    LANDED_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    computed_s: _containers.RepeatedScalarFieldContainer[float]
+    sent_s: _containers.RepeatedScalarFieldContainer[float]
+    landed_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., computed_s: _Optional[_Iterable[float]] = ..., sent_s: _Optional[_Iterable[float]] = ..., landed_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

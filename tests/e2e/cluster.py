@@ -58,8 +58,9 @@ class Cluster:
     _ready: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> Cluster:
+        http = [] if "--http-port" in self.args else ["--http-port", "0"]  # not 8000: tests overlap
         self.process = subprocess.Popen(
-            [sys.executable, "-u", "-m", "pdserve.local_cluster", "--port", "0", *self.args],
+            [sys.executable, "-u", "-m", "pdserve.local_cluster", "--port", "0", *http, *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         threading.Thread(target=self._read, daemon=True).start()

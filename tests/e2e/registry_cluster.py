@@ -115,7 +115,9 @@ class RegistryCluster:
     async def router(self, **config: Any) -> AsyncIterator[tuple[RouterServer, GenerationClient]]:
         """An in-process router following the registry, and a client of it."""
         router = RouterServer(
-            RouterConfig(port=0, registry=self.registry, node_wait_s=10.0, grace_s=0.0, **config)
+            RouterConfig(
+                port=0, http_port=0, registry=self.registry, node_wait_s=10.0, grace_s=0.0, **config
+            )
         )
         await router.start()
         client = GenerationClient(router.address)

@@ -31,7 +31,7 @@ def test_client_gets_first_token_before_decode_produces_second() -> None:
         ) as nodes:
             router = RouterServer(
                 RouterConfig(
-                    host="127.0.0.1", port=0,
+                    host="127.0.0.1", port=0, http_port=0,
                     prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
                 )
             )

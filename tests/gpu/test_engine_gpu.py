@@ -25,10 +25,10 @@ def prompts() -> list[list[int]]:
 
 
 def run(device: str, dtype: str, backend: str = "auto", logprobs: int | None = None):
-    llm = LLM(MODEL, device=device, dtype=dtype, attention_backend=backend,
-              kv_cache_memory=1 << 30)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                            logprobs=logprobs)
+    llm = LLM(MODEL, device=device, dtype=dtype, attention_backend=backend, kv_cache_memory=1 << 30)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+    )
     outs = llm.generate(prompts(), params)
     llm.engine.check_no_leaks()
     return outs
@@ -63,8 +63,10 @@ def test_cuda_bfloat16_close_to_cpu(cpu_reference, backend):
         max_error = max(max_error, max(abs(ref_top[t] - out_top[t]) for t in shared))
         first_agree += out.token_ids[0] == ref.token_ids[0]
     full_agree = sum(out.token_ids == ref.token_ids for ref, out in zip(cpu_reference, outs))
-    print(f"bf16 {backend}: first token agrees {first_agree}/{NUM_PROMPTS}, all {MAX_TOKENS} "
-          f"tokens agree {full_agree}/{NUM_PROMPTS}, max top-5 logprob error {max_error:.3f}")
+    print(
+        f"bf16 {backend}: first token agrees {first_agree}/{NUM_PROMPTS}, all {MAX_TOKENS} "
+        f"tokens agree {full_agree}/{NUM_PROMPTS}, max top-5 logprob error {max_error:.3f}"
+    )
     assert max_error < 0.3
     assert first_agree >= NUM_PROMPTS - 1
     assert full_agree >= NUM_PROMPTS // 2

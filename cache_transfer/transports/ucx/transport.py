@@ -25,6 +25,7 @@ import torch
 
 from cache_transfer.transports.base import (
     KVTransport,
+    TransportBindError,
     TransportError,
     TransportHandler,
     check_payload,
@@ -52,9 +53,11 @@ class UcxTransport(KVTransport):
         RUNTIME.acquire(self)
         try:
             self._listener = ucxx.create_listener(self._on_connect, port)
-        except Exception:
+        except Exception as error:  # e.g. "Device is busy": the port is still held
             RUNTIME.forget(self)
-            raise
+            raise TransportBindError(
+                f"cannot listen for KV (ucx) on port {port}: {error}"
+            ) from error
         host = advertise_host or dial_host(host)
         self._address = f"{SCHEME}{bracket(host)}:{self._listener.port}"
         self._handler: TransportHandler | None = None

@@ -116,10 +116,13 @@ async def running_nodes(
     decode_engine: EngineConfig | None = None,
     transfer_timeout_s: float = 10.0,
     check_free: bool = True,
+    **node_config: Any,
 ) -> AsyncIterator[Nodes]:
     """Start a prefill node and a decode node on 127.0.0.1 (free ports) sharing `transport`;
     on a clean exit assert both pools are whole again; always stop both."""
-    config = NodeConfig(kv_transport=transport, transfer_timeout_s=transfer_timeout_s)
+    config = NodeConfig(
+        kv_transport=transport, transfer_timeout_s=transfer_timeout_s, **node_config
+    )
     prefill_core = EngineCore(prefill_engine or engine_config(prefill_only=True))
     decode_core = EngineCore(decode_engine or engine_config(prefill_only=False))
     prefill = PrefillServer(prefill_core, config)

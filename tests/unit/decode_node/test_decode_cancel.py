@@ -145,8 +145,9 @@ def test_bad_request_is_invalid_argument(name: str) -> None:
     run(main())
 
 
-def test_no_free_blocks_is_resource_exhausted() -> None:
-    """16 blocks of 4 tokens: a 40-token prompt reserves 11; a second one finds 5 free."""
+def test_out_of_blocks_the_reservation_waits_for_blocks_then_gets_them() -> None:
+    """16 blocks of 4 tokens: a 40-token prompt reserves 11; a second one finds 5 free and
+    waits (queued) until the first call ends, then gets its ticket."""
     prompt_ids = prompt(40, seed=4)
     small = engine_config(prefill_only=False, num_blocks=16)
 
@@ -159,11 +160,77 @@ def test_no_free_blocks_is_resource_exhausted() -> None:
             )
             await read_ticket(first)
             second = nodes.decode_stub.Decode(
-                decode_request("second", prompt_ids, sampling), timeout=RPC_TIMEOUT_S
+                decode_request("second", prompt_ids, sampling, transfer_timeout_s=60.0),
+                timeout=RPC_TIMEOUT_S,
+            )
+            admission = nodes.decode.servicer.admission
+            await wait_until(lambda: admission.num_queued == 1)
+            first.cancel()
+            await asyncio.wait_for(read_ticket(second), RPC_TIMEOUT_S)
+            assert admission.num_refused == 0
+            second.cancel()
+
+    run(main())
+
+
+def test_out_of_blocks_with_the_queue_full_is_resource_exhausted_at_once() -> None:
+    prompt_ids = prompt(40, seed=4)
+    small = engine_config(prefill_only=False, num_blocks=16)
+
+    async def main() -> None:
+        async with running_nodes(
+            "local", decode_engine=small, max_queued_requests=1, queue_timeout_s=30.0
+        ) as nodes:
+            sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
+            calls = []
+            for name in ("first", "second"):  # the first gets blocks, the second waits
+                calls.append(
+                    nodes.decode_stub.Decode(
+                        decode_request(name, prompt_ids, sampling, transfer_timeout_s=60.0),
+                        timeout=RPC_TIMEOUT_S,
+                    )
+                )
+                if name == "first":
+                    await read_ticket(calls[0])
+            await wait_until(lambda: nodes.decode.servicer.admission.num_queued == 1)
+            third = nodes.decode_stub.Decode(
+                decode_request("third", prompt_ids, sampling, disaggregated=False),
+                timeout=RPC_TIMEOUT_S,
+            )
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await asyncio.wait_for(third.read(), RPC_TIMEOUT_S)
+            assert time.monotonic() - started < 5.0  # refused, not queued for 30 s
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry in about" in error.value.details()
+            metadata = dict(await third.trailing_metadata())
+            assert float(metadata["pdserve-retry-after-s"]) > 0
+            for call in calls:
+                call.cancel()
+
+    run(main())
+
+
+def test_a_queued_local_prefill_times_out_resource_exhausted() -> None:
+    prompt_ids = prompt(40, seed=4)
+    small = engine_config(prefill_only=False, num_blocks=16)
+
+    async def main() -> None:
+        async with running_nodes("local", decode_engine=small, queue_timeout_s=0.5) as nodes:
+            sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
+            first = nodes.decode_stub.Decode(
+                decode_request("first", prompt_ids, sampling, transfer_timeout_s=60.0),
+                timeout=RPC_TIMEOUT_S,
+            )
+            await read_ticket(first)
+            second = nodes.decode_stub.Decode(
+                decode_request("second", prompt_ids, sampling, disaggregated=False),
+                timeout=RPC_TIMEOUT_S,
             )
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await asyncio.wait_for(second.read(), RPC_TIMEOUT_S)
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue-timeout-s" in error.value.details()
             first.cancel()
 
     run(main())

@@ -58,5 +58,7 @@ def test_unknown_model_exits_1_with_a_message() -> None:
     argv += ["--device", "cpu", "--log-level", "error"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert done.returncode == 1
-    assert "pd-decode: model '/nonexistent/no-such-model' is neither an existing path" in done.stderr
+    assert (
+        "pd-decode: model '/nonexistent/no-such-model' is neither an existing path" in done.stderr
+    )
     assert done.stdout == ""

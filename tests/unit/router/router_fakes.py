@@ -208,7 +208,8 @@ class FakeNode(
     async def _stream_chunks(self, request: node_pb2.DecodeRequest, context) -> None:
         token_ids, finish_reason = self.model.outputs(request.sampling)
         size = self.model.chunk_size
-        for start in range(0, len(token_ids), size):
+        # A migrated request continues after the output it brings.
+        for start in range(len(request.output_token_ids), len(token_ids), size):
             if start >= self.hold_at:
                 await self.gate.wait()
             chunk = node_pb2.TokenChunk(
@@ -250,7 +251,7 @@ class RouterHarness:
         self.decode = [
             FakeNode(node_pb2.NODE_ROLE_DECODE, self.model, files) for _ in range(num_decode)
         ]
-        self._config = {"port": 0, "node_wait_s": 2.0, "grace_s": 0.0, **config}
+        self._config = {"port": 0, "http_port": 0, "node_wait_s": 2.0, "grace_s": 0.0, **config}
         self.router: RouterServer | None = None
         self.client: GenerationClient | None = None
 

@@ -69,24 +69,50 @@ def test_an_unreachable_prefill_node_is_retried_on_another_with_the_same_ticket(
     assert {r.mode for r in decode.requests} == {node_pb2.DECODE_MODE_DISAGGREGATED}
 
 
-def test_a_decode_node_dying_mid_stream_ends_the_stream_unavailable(tokenizer_files):
+async def _kill_mid_stream(h) -> tuple[list[int], asyncio.Task]:
+    """Starts one request whose decode node stops after 2 tokens; stops that node and lets
+    the others stream."""
+    for node in h.decode:
+        node.hold_at = 2  # 2 tokens, then wait
+        node.gate.clear()
+    received = []
+
+    async def consume():
+        async for chunk in h.client.generate(prompt_token_ids=[3], max_tokens=6, timeout_s=10):
+            received.extend(chunk.token_ids)
+
+    task = asyncio.create_task(consume())
+    async with asyncio.timeout(5):
+        while len(received) < 2:
+            await asyncio.sleep(0.01)
+    victim = next(n for n in h.decode if n.requests)
+    await victim.stop()  # the stream breaks: UNAVAILABLE, as a killed node's would
+    for node in h.decode:
+        node.gate.set()
+    return received, task
+
+
+def test_a_decode_node_dying_mid_stream_migrates_the_request(tokenizer_files):
     async def body():
         async with RouterHarness(tokenizer_files, OUTPUT_IDS, num_prefill=0, num_decode=2) as h:
-            for node in h.decode:
-                node.hold_at = 2  # 2 tokens, then wait
-                node.gate.clear()
-            received = []
+            received, task = await _kill_mid_stream(h)
+            await asyncio.wait_for(task, 5)
+            survivor = next(n for n in h.decode if n.requests and n.requests[-1].output_token_ids)
+            return received, h.router.stats, survivor.requests
 
-            async def consume():
-                async for chunk in h.client.generate(prompt_token_ids=[3], max_tokens=6):
-                    received.extend(chunk.token_ids)
+    received, stats, survivor_requests = run(body())
+    assert received == OUTPUT_IDS  # no gap, no duplicate
+    assert stats.num_migrations == 1 and stats.num_retries == 0
+    (migrated,) = survivor_requests
+    assert list(migrated.output_token_ids) == OUTPUT_IDS[:2]
+    assert migrated.mode == node_pb2.DECODE_MODE_LOCAL_PREFILL
+    assert list(migrated.prompt_token_ids) == [3]
 
-            task = asyncio.create_task(consume())
-            async with asyncio.timeout(5):
-                while len(received) < 2:
-                    await asyncio.sleep(0.01)
-            victim = next(n for n in h.decode if n.requests)
-            await victim.stop()  # the stream breaks: UNAVAILABLE, as a killed node's would
+
+def test_with_no_decode_node_left_a_mid_stream_failure_is_unavailable(tokenizer_files):
+    async def body():
+        async with RouterHarness(tokenizer_files, OUTPUT_IDS, num_prefill=0, num_decode=1) as h:
+            received, task = await _kill_mid_stream(h)
             with pytest.raises(grpc.aio.AioRpcError) as failure:
                 await asyncio.wait_for(task, 5)
             return failure.value, received, h.router.stats
@@ -94,8 +120,8 @@ def test_a_decode_node_dying_mid_stream_ends_the_stream_unavailable(tokenizer_fi
     error, received, stats = run(body())
     assert received == OUTPUT_IDS[:2]
     assert error.code() == grpc.StatusCode.UNAVAILABLE
-    assert "mid-stream" in error.details() and "not migrated" in error.details()
-    assert stats.num_retries == 0  # tokens had gone out: no retry
+    assert "mid-stream" in error.details() and "no other decode node" in error.details()
+    assert stats.num_retries == 0 and stats.num_migrations == 0
 
 
 def test_short_prompts_prefill_on_the_decode_node(tokenizer_files):

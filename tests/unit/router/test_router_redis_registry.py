@@ -59,7 +59,9 @@ async def cluster(files, config: RegistryConfig, roles: list[int]) -> AsyncItera
         await node.start()
         registrars.append(registrar(node, config))
         await registrars[-1].start()
-    router = RouterServer(RouterConfig(port=0, registry=config, node_wait_s=2.0, grace_s=0.0))
+    router = RouterServer(
+        RouterConfig(port=0, http_port=0, registry=config, node_wait_s=2.0, grace_s=0.0)
+    )
     await router.start()
     client = GenerationClient(router.address)
     try:
@@ -231,7 +233,7 @@ def test_pd_router_with_a_registry_needs_no_node_addresses(tokenizer_files, redi
         node_registrar = registrar(node, config)
         await node_registrar.start()
         router = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "--port", "0", "--registry", redis_server.url,
+            sys.executable, "-m", "router.cli", "--port", "0", "--http-port", "0", "--registry", redis_server.url,
             "--registry-heartbeat-s", "0.2", "--registry-ttl-s", "0.6", "--policy",
             "least_loaded", "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE,
@@ -272,7 +274,9 @@ def test_a_router_started_before_redis_finds_the_nodes_once_it_is_up(tokenizer_f
     config = registry_config(server)
 
     async def body():
-        router = RouterServer(RouterConfig(port=0, registry=config, node_wait_s=2.0, grace_s=0))
+        router = RouterServer(
+            RouterConfig(port=0, http_port=0, registry=config, node_wait_s=2.0, grace_s=0)
+        )
         loop = asyncio.get_running_loop()
         started = loop.time()
         await router.start()  # Redis away: logged, not raised
@@ -302,7 +306,9 @@ def test_the_router_stops_promptly_while_following_the_registry(redis_server):
     async def body():
         stop_times_s = []
         for i in range(10):  # a stop landing in the middle of a Redis call must still stop
-            router = RouterServer(RouterConfig(port=0, registry=config, node_wait_s=1, grace_s=0))
+            router = RouterServer(
+                RouterConfig(port=0, http_port=0, registry=config, node_wait_s=1, grace_s=0)
+            )
             await router.start()
             await asyncio.sleep(0.013 * i)
             loop = asyncio.get_running_loop()

@@ -90,7 +90,9 @@ def test_nodes_may_come_up_after_the_router_and_health_follows(tokenizer_files) 
         probe = grpc.aio.server()
         port = probe.add_insecure_port("127.0.0.1:0")  # a free port for the late node
         await probe.stop(None)
-        router = RouterServer(RouterConfig(port=0, decode_addrs=(f"127.0.0.1:{port}",)))
+        router = RouterServer(
+            RouterConfig(port=0, http_port=0, decode_addrs=(f"127.0.0.1:{port}",))
+        )
         starting = asyncio.create_task(router.start())
         await asyncio.sleep(0.3)
         channel = grpc.aio.insecure_channel(router.address)

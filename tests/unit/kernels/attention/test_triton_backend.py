@@ -6,6 +6,7 @@ the compiled kernels at realistic sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -91,3 +92,26 @@ def test_decode_partition_len_must_match_tile() -> None:
         TritonAttentionBackend(48).forward(
             batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
         )
+
+
+def test_per_request_splits_fp32_and_batch_invariant() -> None:
+    """partition_len None: each request splits its own context (here into up to 3 slices);
+    its result is the same alone as in a batch (what CUDA graph padding relies on)."""
+    batch = make_batch(
+        [1, 1, 1, 5], [700, 40, 300, 20], 3, num_heads=4, num_kv_heads=2, head_dim=16,
+        block_size=16, device=DEVICE, seed=11,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(), atol=1e-5, rtol=1e-5)
+    meta = batch.meta
+    first_only = dataclasses.replace(
+        meta, query_start_loc=meta.query_start_loc[:2], seq_lens=meta.seq_lens[:1],
+        slot_mapping=meta.slot_mapping[:1], block_tables=meta.block_tables[:1], max_query_len=1,
+        max_seq_len=meta.seq_lens_cpu[0], num_decodes=1, query_lens_cpu=(1,),
+        seq_lens_cpu=meta.seq_lens_cpu[:1],
+    )  # fmt: skip
+    backend = TritonAttentionBackend()
+    args = (batch.k_cache, batch.v_cache)
+    out_batch = backend.forward(batch.q, batch.k, batch.v, *args, meta, batch.scale)
+    out_alone = backend.forward(batch.q[:1], batch.k[:1], batch.v[:1], *args, first_only,
+                                batch.scale)  # fmt: skip
+    assert torch.equal(out_alone[0], out_batch[0])

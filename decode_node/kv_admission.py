@@ -1,0 +1,151 @@
+"""`KVAdmission`: a decode node's bounded FIFO of requests waiting for KV blocks.
+
+```
+Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► EngineCore.reserve
+Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room for the prompt's blocks
+                                                               (free - promised to admitted
+                                                               local prefills) and a seat
+  room now, nobody queued ──► at once
+  else, fewer than max_queued waiting ──► queued (FIFO: only the head tries, at every
+      notify() and every _POLL_S) until room ──► admitted
+                                      or queue_timeout_s ──► RESOURCE_EXHAUSTED (retry hint)
+  else (the queue is full) ──► RESOURCE_EXHAUSTED at once (retry hint)
+```
+
+A local prefill's promise (`LocalAdmission`) is kept until its first token (its prompt's blocks
+are then the engine's) or until its call ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore, NoFreeBlocksError
+
+T = TypeVar("T")
+
+_POLL_S = 0.2  # the head of the queue tries again at least this often
+
+
+class AdmissionRefused(Exception):
+    """No KV blocks for the request in time (or the queue is full): RESOURCE_EXHAUSTED."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message}; retry in about {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
+
+
+class LocalAdmission:
+    """A local prefill's promised blocks, until `done()` (idempotent)."""
+
+    def __init__(self, admission: KVAdmission, num_blocks: int) -> None:
+        self._admission = admission
+        self.num_blocks = num_blocks
+
+    def done(self) -> None:
+        if self.num_blocks:
+            self._admission.num_promised_blocks -= self.num_blocks
+            self.num_blocks = 0
+            self._admission.notify()
+
+
+class KVAdmission:
+    def __init__(
+        self, engine: AsyncEngine, block_size: int, max_queued: int, queue_timeout_s: float
+    ) -> None:
+        self._engine = engine
+        self._block_size = block_size
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self._queue: collections.deque[object] = collections.deque()
+        self._changed = asyncio.Event()
+        self.num_promised_blocks = 0  # to admitted local prefills without a first token yet
+        self.num_refused = 0
+        self.num_queued_total = 0  # requests that had to wait
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def notify(self) -> None:
+        """Blocks may have been freed (a request ended): the head of the queue tries again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for `num_tokens` tokens of incoming KV, once there is room."""
+
+        def try_reserve(core: EngineCore) -> list[int] | None:
+            try:
+                return core.reserve(request_id, num_tokens)
+            except NoFreeBlocksError:
+                return None
+
+        return await self._admit(lambda: self._engine.call(try_reserve))
+
+    async def admit_local(self, num_tokens: int) -> LocalAdmission:
+        """Waits until the engine has room to prefill `num_tokens` tokens (and one more)."""
+        num_blocks = -(-(num_tokens + 1) // self._block_size)
+
+        def has_room(core: EngineCore) -> bool:
+            stats = core.stats()
+            free = stats.num_free_blocks - self.num_promised_blocks
+            seats = core.config.scheduler.max_num_seqs - stats.num_running - stats.num_waiting
+            return free >= num_blocks and seats > 0
+
+        async def try_admit() -> LocalAdmission | None:
+            if not await self._engine.call(has_room):
+                return None
+            self.num_promised_blocks += num_blocks
+            return LocalAdmission(self, num_blocks)
+
+        return await self._admit(try_admit)
+
+    async def _admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+        if not self._queue:
+            result = await attempt()
+            if result is not None:
+                return result
+        if len(self._queue) >= self.max_queued:
+            self.num_refused += 1
+            raise AdmissionRefused(
+                f"no free KV blocks and {len(self._queue)} requests already wait for them "
+                f"(--max-queued-requests {self.max_queued})",
+                self.queue_timeout_s / 2,
+            )
+        token = object()
+        self._queue.append(token)
+        self.num_queued_total += 1
+        deadline = time.monotonic() + self.queue_timeout_s
+        try:
+            return await self._wait_turn(token, attempt, deadline)
+        finally:
+            self._queue.remove(token)
+            self.notify()  # the next one is head now
+
+    async def _wait_turn(
+        self, token: object, attempt: Callable[[], Awaitable[T | None]], deadline: float
+    ) -> T:
+        while True:
+            if self._queue[0] is token:
+                result = await attempt()
+                if result is not None:
+                    return result
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.num_refused += 1
+                raise AdmissionRefused(
+                    f"no KV blocks freed up within --queue-timeout-s {self.queue_timeout_s} s",
+                    self.queue_timeout_s,
+                )
+            changed = self._changed
+            try:
+                async with asyncio.timeout(min(remaining, _POLL_S)):
+                    await changed.wait()
+            except TimeoutError:
+                pass

@@ -1,0 +1,141 @@
+"""`DecodeGraphs`: the model's decode forward captured as CUDA graphs, one per batch size.
+
+```
+batch sizes      1, 2, 4, 8, then every 8 up to max_num_seqs (a decode batch pads to the next)
+static inputs    input_ids, positions, slot_mapping [max_bs] int64; seq_lens [max_bs] int32;
+                 query_start_loc [max_bs + 1] int32 (0..max_bs); block_tables
+                 [max_bs, max_blocks_per_seq] int32; each graph uses the first bs rows
+run(batch)       copy the step's device inputs into the static ones (block tables: the
+                 columns it uses), then replay (or, without graphs, run the same forward
+                 eagerly on the same buffers: the shapes and kernels are the graph's)
+```
+
+The attention metadata of a graph is `static_shapes=True`: backends read lengths only from the
+device tensors. All graphs share one memory pool; capture runs largest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.step_inputs import FlatBatch
+from kernels.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_num_seqs (which is included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))[1:]
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+def decode_graph_reserve_bytes(hidden: int, intermediate: int, qkv: int, max_bs: int) -> int:
+    """Memory set aside for the graphs' pool before the KV cache is sized: a decode forward's
+    live activations at the largest batch, with room for the attention kernels' scratch."""
+    per_token = 4 * (6 * hidden + 3 * intermediate + 2 * qkv)  # fp32-wide upper bound
+    return max_bs * per_token * 4 + (64 << 20)
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.block_size = block_size
+        max_bs = self.sizes[-1]
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        scratch_slot = scratch_block * block_size
+        self.slot_mapping = torch.full((max_bs,), scratch_slot, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (max_bs, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
+        )
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+
+    def padded_size(self, num_rows: int) -> int | None:
+        """The batch size a decode batch of `num_rows` runs at, or None if too large."""
+        for size in self.sizes:
+            if size >= num_rows:
+                return size
+        return None
+
+    def meta(self, bs: int) -> AttentionMetadata:
+        capacity = self.block_tables.shape[1] * self.block_size
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=capacity,
+            num_decodes=bs,
+            query_lens_cpu=(1,) * bs,
+            seq_lens_cpu=(capacity,) * bs,
+            static_shapes=True,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self.meta(bs))
+
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared pool; logs time and memory."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):
+                self._forward(bs)  # warm-up: kernel compiles and library handles
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._forward(bs)
+                self._graphs[bs] = (graph, out)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_reserved() - before
+        logger.info(
+            "captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.1f MiB",
+            len(self._graphs), self.sizes[0], self.sizes[-1], self.capture_s,
+            self.pool_bytes / (1 << 20),
+        )  # fmt: skip
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def run(self, batch: FlatBatch) -> torch.Tensor:
+        """The hidden states [bs, hidden] of a padded decode-only batch (bs = a graph size)."""
+        bs = batch.num_rows
+        meta = batch.meta
+        width = meta.block_tables.shape[1]
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.slot_mapping[:bs].copy_(meta.slot_mapping)
+        self.seq_lens[:bs].copy_(meta.seq_lens)
+        self.block_tables[:bs, :width].copy_(meta.block_tables)
+        entry = self._graphs.get(bs)
+        if entry is None:  # graphs off (enforce_eager): the same forward, eagerly
+            return self._forward(bs)
+        graph, out = entry
+        graph.replay()
+        return out

@@ -1,0 +1,136 @@
+"""A step's flat varlen inputs, built with numpy on the host and moved in one copy.
+
+```
+chunks (decodes first)
+  -> numpy: input_ids, positions, slot_mapping [T]; seq_lens, query_start_loc [R(+1)];
+            logits rows [S]; block_tables [R, W] (W: the widest request's blocks)
+  -> one int64 host buffer (pinned on CUDA), one non-blocking copy to the device
+  -> device views; the int32 fields cast on the device
+```
+
+A decode-only batch may be padded to `pad_to` rows (a CUDA graph's batch size): padded rows
+decode token 0 at position 0 into the scratch block (`scratch_block`, never handed out), with a
+context of one token, so they compute finite values that nobody reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.scheduler_output import ScheduledChunk
+from kernels.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    chunks: list[ScheduledChunk]  # in batch order (decodes first), real rows only
+    input_ids: torch.Tensor  # [T] int64 (padded rows included)
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] rows of the last token of sampling chunks
+    sampling_chunks: list[ScheduledChunk]
+    is_decode_only: bool
+
+    @property
+    def num_rows(self) -> int:  # padded rows included
+        return int(self.meta.seq_lens.shape[0])
+
+
+class StepInputBuilder:
+    """Builds `FlatBatch`es; reuses one pinned host buffer and one device buffer."""
+
+    def __init__(self, block_size: int, scratch_block: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._dev = torch.empty(0, dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of _host
+
+    def build(self, chunks: Sequence[ScheduledChunk], pad_to: int | None = None) -> FlatBatch:
+        # Decodes (one query token) first; stable, so the scheduler's order is kept otherwise.
+        ordered = sorted(chunks, key=lambda c: c.num_new_tokens != 1)
+        num_real = len(ordered)
+        num_rows = max(pad_to or 0, num_real)
+        query_lens = np.ones(num_rows, np.int64)
+        query_lens[:num_real] = [c.num_new_tokens for c in ordered]
+        start_pos = np.zeros(num_rows, np.int64)
+        start_pos[:num_real] = [c.start_pos for c in ordered]
+        seq_lens = start_pos + query_lens
+        cu_q = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(query_lens, out=cu_q[1:])
+        num_tokens = int(cu_q[-1])
+        token_req = np.repeat(np.arange(num_rows), query_lens)  # [T] request of each token
+        positions = np.arange(num_tokens) - cu_q[:-1][token_req] + start_pos[token_req]
+        block_tables = self._block_tables(ordered, seq_lens, num_rows)
+        bs = self.block_size
+        slot_mapping = block_tables[token_req, positions // bs] * bs + positions % bs
+        input_ids = np.zeros(num_tokens, np.int64)
+        if num_real:
+            input_ids[: cu_q[num_real]] = np.concatenate([c.token_ids for c in ordered])
+        sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
+        logits_rows = cu_q[1:][sampling_rows] - 1
+        fields = (input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables)
+        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d = self._to_device(fields)
+        num_decodes = int(np.count_nonzero(query_lens == 1)) if num_rows else 0
+        meta = AttentionMetadata(
+            query_start_loc=cu_d.int(),
+            seq_lens=seq_d.int(),
+            slot_mapping=slots_d,
+            block_tables=bt_d.view(block_tables.shape).int(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+            query_lens_cpu=tuple(query_lens.tolist()),
+            seq_lens_cpu=tuple(seq_lens.tolist()),
+        )
+        return FlatBatch(
+            chunks=ordered,
+            input_ids=ids_d,
+            positions=pos_d,
+            meta=meta,
+            logits_indices=rows_d,
+            sampling_chunks=[ordered[i] for i in sampling_rows],
+            is_decode_only=num_decodes == num_rows,
+        )
+
+    def _block_tables(
+        self, ordered: list[ScheduledChunk], seq_lens: np.ndarray, num_rows: int
+    ) -> np.ndarray:  # [num_rows, widest] int64; padded rows point at the scratch block
+        bs = self.block_size
+        num_blocks = (seq_lens + bs - 1) // bs
+        block_tables = np.zeros((num_rows, int(num_blocks.max())), np.int64)
+        for i, c in enumerate(ordered):
+            n = int(num_blocks[i])
+            block_tables[i, :n] = c.block_ids[:n]
+        block_tables[len(ordered) :, 0] = self.scratch_block
+        return block_tables
+
+    def _to_device(self, fields: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """One host buffer, one copy; flat device views of each field, in order."""
+        sizes = [a.size for a in fields]
+        total = sum(sizes)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy out of _host has finished
+        if self._host.numel() < total:
+            capacity = max(total, 2 * self._host.numel(), 4096)
+            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
+            self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        host = self._host.numpy()
+        offset = 0
+        for a, n in zip(fields, sizes):
+            host[offset : offset + n] = a.reshape(-1)
+            offset += n
+        if self.device.type == "cpu":
+            flat = self._host[:total].clone()  # the next step reuses the host buffer
+        else:
+            flat = self._dev[:total]
+            flat.copy_(self._host[:total], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return list(flat.split(sizes))

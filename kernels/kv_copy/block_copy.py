@@ -1,0 +1,92 @@
+"""One Triton launch per layer per request: K and V blocks together, gathered into (or
+scattered from) one contiguous packed buffer `[2, n, row_words]` (K rows, then V rows).
+
+    gather_blocks(k_rows, v_rows, ids, out)    out[kv, i] = (k_rows | v_rows)[ids[i]]
+    scatter_blocks(payload, k_rows, v_rows, ids)  (k_rows | v_rows)[ids[i]] = payload[kv, i]
+
+`k_rows, v_rows`: `[pool_blocks, row_words]` views of one layer's caches (any element type:
+callers pass int64 words); `ids`: int64 block ids on the same device, already checked against
+the pool (the kernel does not bounds-check them). Each program moves one slice of one block
+row with wide vector loads; the grid is (2 * n, ceil(row_words / BLOCK)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on x86_64 Linux
+    triton = None
+
+ROW_SLICE = 1024  # elements one program moves (8 KiB of int64 words)
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_rows(
+        k_ptr, v_ptr, ids_ptr, packed_ptr, n, row_words, GATHER: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0)  # [0, n): K rows, [n, 2n): V rows, in packed order
+        part = tl.program_id(1)
+        is_v = row >= n
+        block = tl.load(ids_ptr + (row - n * is_v.to(tl.int32))).to(tl.int64)
+        offs = part * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        cache_offs = block * row_words + offs
+        packed_offs = row.to(tl.int64) * row_words + offs
+        if GATHER:
+            if is_v:
+                x = tl.load(v_ptr + cache_offs, mask=mask)
+            else:
+                x = tl.load(k_ptr + cache_offs, mask=mask)
+            tl.store(packed_ptr + packed_offs, x, mask=mask)
+        else:
+            x = tl.load(packed_ptr + packed_offs, mask=mask)
+            if is_v:
+                tl.store(v_ptr + cache_offs, x, mask=mask)
+            else:
+                tl.store(k_ptr + cache_offs, x, mask=mask)
+
+
+def _launch(
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    ids: torch.Tensor,
+    packed: torch.Tensor,
+    gather: bool,
+) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    n, row_words = ids.numel(), k_rows.shape[1]
+    if packed.shape != (2 * n, row_words) or k_rows.shape != v_rows.shape:
+        raise ValueError(
+            f"packed {list(packed.shape)} must be [2 * {n}, {row_words}] and k/v rows alike, "
+            f"got k {list(k_rows.shape)}, v {list(v_rows.shape)}"
+        )
+    if n == 0:
+        return
+    grid = (2 * n, triton.cdiv(row_words, ROW_SLICE))
+    _copy_rows[grid](
+        k_rows, v_rows, ids, packed, n, row_words, GATHER=gather, BLOCK=ROW_SLICE, num_warps=4
+    )
+
+
+def gather_blocks(
+    k_rows: torch.Tensor, v_rows: torch.Tensor, ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out `[2 * n, row_words]` = K rows `ids`, then V rows `ids` (one launch)."""
+    _launch(k_rows, v_rows, ids, out, gather=True)
+
+
+def scatter_blocks(
+    payload: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, ids: torch.Tensor
+) -> None:
+    """K rows `ids` = payload[:n], V rows `ids` = payload[n:] (one launch; ids distinct)."""
+    _launch(k_rows, v_rows, ids, payload, gather=False)

@@ -1,0 +1,157 @@
+"""NodeMetrics: one node's Prometheus metrics, in its own `CollectorRegistry`, served on
+`--metrics-port` (0: off) at `/metrics` by prometheus_client's HTTP server (a thread).
+
+```
+scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
+           waiting, KV blocks, pending transfers; counters: finished, prefix-cache hits, local
+           prefills, failed transfers, fallbacks)
+transfer session finished ──► transfer_finished: bytes, duration histogram, result (by
+                              direction: sent on the prefill node, received on the decode node)
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.net import host_port
+from pdserve.v1 import node_pb2
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                      10.0, 30.0)  # fmt: skip
+_SCRAPE_TIMEOUT_S = 5.0
+
+# NodeStats field -> (metric name, help); gauges are load right now, counters since the start.
+_GAUGES = {
+    "num_running_requests": ("pdserve_node_requests_running", "requests in the engine's batch"),
+    "num_waiting_requests": ("pdserve_node_requests_waiting", "requests queued in the engine"),
+    "num_kv_blocks": ("pdserve_node_kv_blocks", "KV cache blocks in the pool"),
+    "num_free_kv_blocks": ("pdserve_node_kv_blocks_free", "KV cache blocks free"),
+    "num_pending_transfers": ("pdserve_node_kv_transfers_pending", "KV hand-offs in flight"),
+    "num_queued_prefill_tokens": (
+        "pdserve_node_queued_prefill_tokens", "prompt tokens accepted and not prefilled yet"),
+}  # fmt: skip
+_COUNTERS = {
+    "num_finished_requests": ("pdserve_node_requests_finished", "requests whose output went out"),
+    "num_prefix_cache_hit_tokens": (
+        "pdserve_node_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
+    "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
+    "num_failed_transfers": ("pdserve_node_kv_transfer_failures", "KV hand-offs that failed"),
+    "num_fallbacks": (
+        "pdserve_node_kv_transfer_fallbacks",
+        "disaggregated requests whose hand-off failed and that were prefilled here instead"),
+}  # fmt: skip
+
+StatsReader = Callable[[], dict[str, int] | None]
+
+
+class NodeStatsCollector:
+    """Reads the node's stats at each scrape (None: skipped, e.g. the node is stopping)."""
+
+    def __init__(self, read: StatsReader) -> None:
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read()
+        if stats is None:
+            return
+        for field, (name, doc) in _GAUGES.items():
+            if field in stats:
+                yield GaugeMetricFamily(name, doc, value=stats[field])
+        total = stats.get("num_kv_blocks", 0)
+        if total:
+            used = (total - stats.get("num_free_kv_blocks", 0)) / total
+            yield GaugeMetricFamily(
+                "pdserve_node_kv_cache_usage_ratio", "used KV blocks / all KV blocks", value=used
+            )
+        for field, (name, doc) in _COUNTERS.items():
+            if field in stats:
+                yield CounterMetricFamily(name, doc, value=stats[field])
+
+
+class NodeMetrics:
+    def __init__(self, role: str, model: str, read_stats: StatsReader) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        info = Gauge(
+            "pdserve_node_info", "this node: role and model", ["role", "model"], registry=r
+        )
+        info.labels(role, model).set(1)
+        self.transfer_bytes = Counter(
+            "pdserve_node_kv_transfer_bytes", "KV cache bytes moved, by direction",
+            ["direction"], registry=r,
+        )  # fmt: skip
+        self.transfers = Counter(
+            "pdserve_node_kv_transfers", "KV hand-offs ended, by direction and result",
+            ["direction", "result"], registry=r,
+        )  # fmt: skip
+        self.transfer_duration = Histogram(
+            "pdserve_node_kv_transfer_duration_seconds",
+            "a KV hand-off from its session's start to its end (successful ones)",
+            ["direction"], buckets=TRANSFER_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        r.register(NodeStatsCollector(read_stats))
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    def transfer_finished(self, session: Any) -> None:
+        """`TransferSession.add_finish_callback` target (a KVSender or a KVReceiver)."""
+        sent = hasattr(session, "num_bytes_sent")
+        direction = "sent" if sent else "received"
+        num_bytes = session.num_bytes_sent if sent else session.num_bytes_received
+        ok = session.state.name == "SUCCESS"
+        self.transfer_bytes.labels(direction).inc(num_bytes)
+        self.transfers.labels(direction, "ok" if ok else "failed").inc()
+        if ok:
+            self.transfer_duration.labels(direction).observe(session.elapsed_s)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serves /metrics on HOST:PORT in a thread. Raises OSError when it cannot bind."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.url = f"http://{host_port(host, self._server.server_port)}/metrics"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def loop_stats_reader(loop: asyncio.AbstractEventLoop, stats: Callable[[], Any]) -> StatsReader:
+    """A StatsReader for a scrape thread: runs the coroutine `stats()` (-> dict) on `loop`."""
+
+    def read() -> dict[str, int] | None:
+        if not loop.is_running() or _in_loop(loop):
+            return None
+        try:
+            return asyncio.run_coroutine_threadsafe(stats(), loop).result(_SCRAPE_TIMEOUT_S)
+        except Exception as error:  # a scrape must not fail the node
+            logger.warning("metrics: reading the node's stats failed: %r", error)
+            return None
+
+    return read
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def stats_fields(stats: node_pb2.NodeStats) -> dict[str, int]:
+    """Every field, zeros included."""
+    return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}

@@ -1,0 +1,93 @@
+"""The router's HTTP app (FastAPI): the OpenAI-compatible API, health and Prometheus metrics.
+
+```
+GET  /v1/models              the served model
+POST /v1/completions         prompt(s) -> text; "stream": true for server-sent events
+POST /v1/chat/completions    messages (the model's chat template) -> assistant message
+GET  /health                 200 while a decode node is ready, else 503
+GET  /metrics                Prometheus text format (RouterMetrics)
+errors                       {"error": {"message", "type", "param", "code"}} (OpenAI's shape)
+```
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from router.http.openai_errors import OpenAIError
+from router.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from router.http.openai_serving import OpenAIServing
+from router.metrics import RouterMetrics
+
+
+def build_app(
+    serving: OpenAIServing, metrics: RouterMetrics, is_ready: Callable[[], bool]
+) -> FastAPI:
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        body = OpenAIError(str(error.detail), status=error.status_code, error_type="not_found_error"
+                           if error.status_code == 404 else "invalid_request_error").body()  # fmt: skip
+        return JSONResponse(body, status_code=error.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = is_ready()
+        return JSONResponse({"status": "ok" if ready else "no decode node ready"},
+                            status_code=200 if ready else 503)  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(serving, request, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(serving, request, parse_chat)
+
+    return app
+
+
+async def _generate(
+    serving: OpenAIServing, request: Request, parse: Callable[[Any], OpenAIRequest]
+) -> Response:
+    start_s = time.monotonic()
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        error = OpenAIError(f"the request body is not JSON: {error}")
+        raise serving.reject(error, start_s) from None
+    try:
+        parsed = parse(body)
+    except OpenAIError as error:
+        raise serving.reject(error, start_s) from None
+    prepared = serving.prepare(parsed, start_s)
+    if parsed.stream:
+        return StreamingResponse(
+            serving.stream(prepared),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.request_id},
+        )
+    return JSONResponse(
+        await serving.complete(prepared), headers={"X-Request-Id": prepared.request_id}
+    )

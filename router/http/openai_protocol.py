@@ -1,0 +1,271 @@
+"""OpenAI request bodies -> the router's GenerateRequests (one per prompt and choice).
+
+```
+parse_completion(body) / parse_chat(body)
+  unknown or unsupported parameter       -> OpenAIError 400 naming it (tools, response_format, ...)
+  wrong type / value                     -> OpenAIError 400 naming the parameter
+  prompt: str | [str] | [int] | [[int]]  -> one GenerateRequest per prompt (prompt or token ids)
+  messages (text content)                -> GenerateRequest.messages (the model's chat template)
+  sampling parameters                    -> generation_pb2.SamplingParams (validated later by
+                                            the same InputProcessor the gRPC API uses)
+  n                                      -> n choices per prompt (seed + i when seeded)
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.v1 import generation_pb2
+from router.http.openai_errors import OpenAIError
+
+MAX_N = 16
+MAX_COMPLETION_LOGPROBS = 20
+
+# Parameters both endpoints take, with their sampling field (None: handled by the endpoint).
+_SAMPLING = {
+    "temperature": (float, "temperature"),
+    "top_p": (float, "top_p"),
+    "seed": (int, "seed"),
+    "presence_penalty": (float, "presence_penalty"),
+    "frequency_penalty": (float, "frequency_penalty"),
+    "top_k": (int, "top_k"),  # vLLM extras from here on
+    "min_p": (float, "min_p"),
+    "repetition_penalty": (float, "repetition_penalty"),
+    "min_tokens": (int, "min_tokens"),
+}
+_COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
+           "stop_token_ids", "max_tokens", *_SAMPLING}  # fmt: skip
+_COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
+# Accepted only at their no-op value: param -> what that value is.
+_NO_OP = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
+
+
+@dataclass
+class Choice:
+    """One generation: its prompt's index and the request that runs it."""
+
+    prompt_index: int
+    request: generation_pb2.GenerateRequest
+
+
+@dataclass
+class OpenAIRequest:
+    model: str
+    choices: list[Choice]
+    num_prompts: int
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top alternatives per token (0: sampled token only)
+    chat: bool = False
+    max_tokens_set: bool = True  # chat without max_tokens: filled to the context length
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_completion(body: Any) -> OpenAIRequest:
+    body = _check_keys(body, _COMMON | _COMPLETION_ONLY)
+    prompts = _prompts(body.get("prompt"))
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    best_of = _int(body, "best_of", 1, MAX_N)
+    n = _int(body, "n", 1, MAX_N) or 1
+    if best_of is not None and best_of != n:
+        raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
+    max_tokens = _int(body, "max_tokens", 1, None)
+    sampling = _sampling(body, 16 if max_tokens is None else max_tokens, logprobs)
+    requests = []
+    for prompt in prompts:
+        request = generation_pb2.GenerateRequest()
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.ids.extend(prompt)
+        requests.append(request)
+    return _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
+
+
+def parse_chat(body: Any) -> OpenAIRequest:
+    body = _check_keys(body, _COMMON | _CHAT_ONLY)
+    request = generation_pb2.GenerateRequest()
+    request.messages.messages.extend(_messages(body.get("messages")))
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 20)
+    if top is not None and not want_logprobs:
+        raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = _int(body, "max_completion_tokens", 1, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, None)
+    n = _int(body, "n", 1, MAX_N) or 1
+    sampling = _sampling(body, max_tokens, logprobs)
+    return _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
+
+
+def _request(
+    body: dict,
+    prompts: list[generation_pb2.GenerateRequest],
+    sampling: generation_pb2.SamplingParams,
+    n: int,
+    logprobs: int | None,
+    chat: bool,
+    max_tokens_set: bool,
+) -> OpenAIRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("model is required: the served model's name (GET /v1/models)", "model")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise OpenAIError("stream_options needs stream: true", "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise OpenAIError("stream_options takes only include_usage", "stream_options")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise OpenAIError("user must be a string", "user")
+    choices = []
+    for index, prompt in enumerate(prompts):
+        for i in range(n):
+            request = generation_pb2.GenerateRequest()
+            request.CopyFrom(prompt)
+            request.sampling.CopyFrom(sampling)
+            if sampling.HasField("seed"):  # distinct but reproducible choices
+                request.sampling.seed = sampling.seed + i
+            choices.append(Choice(index, request))
+    return OpenAIRequest(
+        model=model,
+        choices=choices,
+        num_prompts=len(prompts),
+        stream=stream,
+        include_usage=bool(options and _bool(options, "include_usage")),
+        logprobs=logprobs,
+        chat=chat,
+        max_tokens_set=max_tokens_set,
+    )
+
+
+def _check_keys(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    for key, value in body.items():
+        if key not in allowed:
+            raise OpenAIError(f"unsupported parameter: {key!r} is not supported by pdserve", key)
+        if key in _NO_OP and value not in _NO_OP[key]:
+            raise OpenAIError(f"unsupported parameter: {key!r} is not supported by pdserve", key)
+    return {k: v for k, v in body.items() if v is not None}  # null means "not given"
+
+
+def _sampling(
+    body: dict, max_tokens: int | None, logprobs: int | None
+) -> generation_pb2.SamplingParams:
+    sampling = generation_pb2.SamplingParams()
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+    for name, (kind, dest) in _SAMPLING.items():
+        if name in body:
+            value = _number(body, name, kind)
+            if name in ("seed", "min_tokens") and value < 0:
+                raise OpenAIError(f"{name} must be >= 0, got {value}", name)
+            setattr(sampling, dest, value)
+    stop = body.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise OpenAIError("stop must be a non-empty string or a list of them", "stop")
+    sampling.stop.extend(stop)
+    stop_ids = body.get("stop_token_ids", [])
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
+    sampling.stop_token_ids.extend(stop_ids)
+    sampling.ignore_eos = _bool(body, "ignore_eos")
+    return sampling
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [_token_ids(prompt)]
+        if all(isinstance(p, list) and p for p in prompt):
+            return [_token_ids(p) for p in prompt]
+    raise OpenAIError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of such "
+        "lists (non-empty)",
+        "prompt",
+    )
+
+
+def _token_ids(ids: list) -> list[int]:
+    if not all(_is_int(t) and 0 <= t < 2**32 for t in ids):
+        raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
+    return list(ids)
+
+
+def _messages(messages: Any) -> list[generation_pb2.ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list of {role, content}", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise OpenAIError(f"messages[{i}] must be an object with a role", "messages")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise OpenAIError(f"unsupported parameter: messages[{i}].{key}", "messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append(generation_pb2.ChatMessage(role=role, content=_content(i, message)))
+    return out
+
+
+def _content(i: int, message: dict) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIError(
+                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                    "messages",
+                )
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise OpenAIError(f"messages[{i}].content must be a string or text parts", "messages")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, kind: type) -> int | float:
+    value = body[name]
+    ok = _is_int(value) if kind is int else (_is_int(value) or isinstance(value, float))
+    if not ok:
+        raise OpenAIError(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    return kind(value)
+
+
+def _int(body: dict, name: str, low: int, high: int | None) -> int | None:
+    if body.get(name) is None:
+        return None
+    value = _number(body, name, int)
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise OpenAIError(f"{name} must be {bounds}, got {value}", name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{name} must be true or false", name)
+    return value

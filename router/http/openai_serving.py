@@ -1,0 +1,187 @@
+"""OpenAIServing: runs parsed OpenAI requests on the router's `RequestHandler` (the same path
+as gRPC Generate), one task per choice, and builds the responses (`openai_responses`).
+
+```
+prepare(parsed)     model check (404), per choice: request id "<id>-<i>", RequestHandler.process
+                    (bad input: 400; chat without max_tokens: the rest of the context)
+complete(...)       every choice to its end -> one JSON body
+stream(...)         SSE: "data: {chunk}" as tokens arrive ... [usage chunk] "data: [DONE]"
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.v1 import generation_pb2
+from router.errors import RouterError
+from router.http.openai_errors import OpenAIError
+from router.http.openai_protocol import OpenAIRequest
+from router.http.openai_responses import ChoiceState, ResponseBuilder
+from router.input_processor import ProcessedRequest
+from router.request_handler import RequestHandler
+
+logger = logging.getLogger(__name__)
+
+_Event = tuple[int, generation_pb2.GenerateResponse | RouterError | None]
+
+
+@dataclasses.dataclass
+class PreparedRequest:
+    parsed: OpenAIRequest
+    request_id: str
+    processed: list[ProcessedRequest]  # one per choice
+    start_s: float
+
+
+class OpenAIServing:
+    def __init__(self, handler: RequestHandler) -> None:
+        self.handler = handler
+
+    def model_name(self) -> str | None:
+        info = self.handler.registry.model_info
+        return info.model_name if info is not None else None
+
+    def models(self) -> dict:
+        info = self.handler.registry.model_info
+        data = []
+        if info is not None:
+            data.append({
+                "id": info.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": info.max_model_len,
+            })  # fmt: skip
+        return {"object": "list", "data": data}
+
+    def prepare(self, parsed: OpenAIRequest, start_s: float) -> PreparedRequest:
+        """Validated and tokenized choices; raises OpenAIError (counted as rejected)."""
+        prefix = "chatcmpl" if parsed.chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            served = self.model_name()
+            if served is None:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no node is ready yet")
+            if parsed.model != served:
+                raise OpenAIError(
+                    f"the model {parsed.model!r} does not exist; this server serves {served!r}",
+                    "model", status=404, error_type="not_found_error", code="model_not_found",
+                )  # fmt: skip
+            processed = [
+                self._process(parsed, choice.request, f"{request_id}-{i}")
+                for i, choice in enumerate(parsed.choices)
+            ]
+        except InvalidRequestError as error:
+            raise self._rejected(request_id, OpenAIError(str(error)), start_s) from None
+        except RouterError as error:
+            raise self._rejected(
+                request_id, OpenAIError.from_router_error(error), start_s
+            ) from None
+        except OpenAIError as error:
+            raise self._rejected(request_id, error, start_s) from None
+        return PreparedRequest(parsed, request_id, processed, start_s)
+
+    def reject(self, error: OpenAIError, start_s: float) -> OpenAIError:
+        """Counts a request refused before it was parsed."""
+        return self._rejected("-", error, start_s)
+
+    def _rejected(self, request_id: str, error: OpenAIError, start_s: float) -> OpenAIError:
+        status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}.get(error.status, error.code)
+        self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
+        return error
+
+    def _process(
+        self, parsed: OpenAIRequest, request: generation_pb2.GenerateRequest, request_id: str
+    ) -> ProcessedRequest:
+        request.request_id = request_id
+        if parsed.max_tokens_set:
+            return self.handler.process(request)
+        # Chat without max_tokens: whatever the context leaves after the prompt.
+        request.sampling.max_tokens = 1
+        prompt_len = self.handler.process(request).prompt_len
+        max_model_len = self.handler.registry.model_info.max_model_len
+        request.sampling.max_tokens = max(1, max_model_len - prompt_len)
+        return self.handler.process(request)
+
+    async def complete(self, prepared: PreparedRequest) -> dict:
+        builder = self._builder(prepared)
+        states = [ChoiceState() for _ in prepared.processed]
+        async for index, response in self._run(prepared):
+            states[index].add(response)
+        return builder.full_response(states)
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+        """Server-sent events, ending with "data: [DONE]"; an error mid-stream is sent as an
+        error event (the status line went out already)."""
+        builder = self._builder(prepared)
+        states = [ChoiceState() for _ in prepared.processed]
+        try:
+            for chunk in builder.first_chunks():
+                yield _sse(chunk)
+            async for index, response in self._run(prepared):
+                states[index].add(response)
+                yield _sse(builder.chunk(index, response))
+            if prepared.parsed.include_usage:
+                yield _sse(builder.usage_chunk(states))
+        except OpenAIError as error:
+            yield _sse(error.body())
+        yield "data: [DONE]\n\n"
+
+    def _builder(self, prepared: PreparedRequest) -> ResponseBuilder:
+        return ResponseBuilder(
+            prepared.parsed,
+            prepared.request_id,
+            [p.prompt_len for p in prepared.processed],
+            self.handler.registry.tokenizer,
+        )
+
+    async def _run(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, GenerateResponse) as they come, from one task per choice; a failed
+        choice raises OpenAIError; leaving early cancels every choice."""
+        queue: asyncio.Queue[_Event] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._run_choice(i, p, prepared.start_s, queue))
+            for i, p in enumerate(prepared.processed)
+        ]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, event = await queue.get()
+                if event is None:
+                    remaining -= 1
+                elif isinstance(event, RouterError):
+                    raise OpenAIError.from_router_error(event)
+                else:
+                    yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_choice(
+        self, index: int, processed: ProcessedRequest, start_s: float, queue: asyncio.Queue
+    ) -> None:
+        try:
+            async for response in self.handler.stream(processed, "http", None, start_s):
+                queue.put_nowait((index, response))
+            queue.put_nowait((index, None))
+        except RouterError as error:
+            queue.put_nowait((index, error))
+        except Exception as error:  # a bug: fail the request, never hang it
+            logger.exception("choice %d failed", index)
+            queue.put_nowait((index, RouterError(grpc.StatusCode.INTERNAL, repr(error))))
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,128 @@
+"""RequestHandler: the one request path behind both client APIs (gRPC Generate and the OpenAI
+HTTP routes), so the same request gives the same tokens whichever API carried it.
+
+```
+process(GenerateRequest)      InputProcessor: validate + tokenize -> ProcessedRequest
+                              (InvalidRequestError; UNAVAILABLE before any node is ready)
+stream(processed, api, ...)   request id on every log line of this task (pdserve.logs)
+  Dispatcher.run              NodeTokens from P and D (route noted in the RequestRecord)
+    OutputProcessor.process   GenerateResponse per chunk (timed: TTFT, ITL)
+  however it ends             RouterStats.request_ended: metrics + one access log line
+rejected(...)                 a request that failed validation, counted and logged the same way
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.logs import set_request_id
+from pdserve.v1 import generation_pb2
+from router.dispatcher import Dispatcher
+from router.errors import RouterError
+from router.input_processor import InputProcessor, ProcessedRequest
+from router.node_registry import NodeRegistry
+from router.output_processor import OutputProcessor
+from router.request_record import RequestRecord
+from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
+
+NO_NODE_MESSAGE = (
+    "no node is ready yet: the router learns the model and its tokenizer from its nodes "
+    "(check the --prefill/--decode addresses or the --registry, and that the nodes are up)"
+)
+
+
+class RequestHandler:
+    """Validates, routes and streams requests for the model of the registry's nodes."""
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        dispatcher: Dispatcher,
+        stats: RouterStats,
+        max_prompt_chars: int = 0,
+    ) -> None:
+        self._max_prompt_chars = max_prompt_chars
+        self.registry = registry
+        self.stats = stats
+        self._dispatcher = dispatcher
+        self._input_processor: InputProcessor | None = None  # once a node gave the tokenizer
+
+    def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+        """Validated and tokenized; raises InvalidRequestError, or RouterError(UNAVAILABLE)
+        while no node is ready."""
+        if self._input_processor is None:
+            if self.registry.model_info is None:  # the tokenizer may be None: token ids only
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
+            self._input_processor = InputProcessor(
+                self.registry.tokenizer, self.registry.model_info, self._max_prompt_chars
+            )
+        return self._input_processor.process(request)
+
+    def rejected(
+        self, api: str, request_id: str, status: str, message: str, start_s: float
+    ) -> None:
+        """Counts and logs a request that never ran (bad input: `status` INVALID_ARGUMENT; no
+        node ready: UNAVAILABLE)."""
+        self.stats.request_started()
+        record = RequestRecord(request_id or "-", api, start_s=start_s)
+        record.end(status)
+        level = logging.INFO if status in ("INVALID_ARGUMENT", "NOT_FOUND") else logging.WARNING
+        logger.log(
+            level, "%s request rejected: %s: %s", api, status, message,
+            extra={"request_id": request_id},
+        )  # fmt: skip
+        self.stats.request_ended(record)
+
+    async def stream(
+        self,
+        processed: ProcessedRequest,
+        api: str,
+        timeout_s: float | None = None,
+        start_s: float | None = None,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request's responses, the last one with finish_reason and usage. Raises
+        RouterError (counted, logged). Run it in a task of its own: it sets the task's
+        request id for logging."""
+        set_request_id(processed.request_id)
+        record = RequestRecord(processed.request_id, api, prompt_tokens=processed.prompt_len)
+        if start_s is not None:
+            record.start_s = start_s
+        self.stats.request_started()
+        output = OutputProcessor(processed, self.registry.tokenizer)
+        status = "CANCELLED"  # unless it finishes or fails
+        try:
+            stream = self._dispatcher.run(processed, timeout_s, record)
+            async with contextlib.aclosing(stream):
+                async for tokens in stream:
+                    response = output.process(tokens)
+                    if response is not None:
+                        self._sent(record, len(response.token_ids))
+                        if output.finished:
+                            status = "OK"
+                        yield response
+                    if output.finished:
+                        break
+        except RouterError as error:
+            status = error.code.name
+            logger.warning("request failed: %s", error)
+            raise
+        finally:
+            record.cached_tokens = output.num_cached_tokens
+            record.end(status, (output.finish_reason or "") if status == "OK" else "")
+            self.stats.request_ended(record)
+
+    def _sent(self, record: RequestRecord, num_tokens: int) -> None:
+        now = time.monotonic()
+        if num_tokens and record.last_token_s is not None:
+            gap_s = (now - record.last_token_s) / num_tokens
+            for _ in range(num_tokens):
+                self.stats.metrics.itl.observe(gap_s)
+        record.tokens_sent(num_tokens, now)

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP API of a real RouterServer over fake nodes (fast, in one loop):
+request parsing, response shapes, streaming, errors, /health and /metrics."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+from router_fakes import RouterHarness, run
+
+TEXT = "one two three four five six seven eight"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def output_ids(tokenizer) -> list[int]:
+    return tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+def harness(tokenizer_files, output_ids, **config) -> RouterHarness:
+    return RouterHarness(tokenizer_files, output_ids, http_port=free_port(), **config)
+
+
+def base_url(h: RouterHarness) -> str:
+    return f"{h.router.http.url}/v1"
+
+
+def test_completions_and_chat_match_grpc(tokenizer_files, tokenizer, output_ids) -> None:
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            client = openai.AsyncOpenAI(base_url=base_url(h), api_key="none", max_retries=0)
+            grpc_result = await h.client.generate_all("hello world", max_tokens=5, temperature=0)
+            completion = await client.completions.create(
+                model="fake-model", prompt="hello world", max_tokens=5, temperature=0
+            )
+            chat = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            models = await client.models.list()
+            await client.close()
+            return grpc_result, completion, chat, models, h
+
+    grpc_result, completion, chat, models, h = run(body())
+    assert completion.choices[0].text == grpc_result.text == tokenizer.decode(output_ids[:5])
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens == len(tokenizer.encode("hello world"))
+    assert completion.usage.completion_tokens == 5
+    assert completion.id.startswith("cmpl-") and completion.object == "text_completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == tokenizer.decode(output_ids[:3])
+    assert chat.usage.completion_tokens == 3
+    assert [m.id for m in models.data] == ["fake-model"]
+    decode_requests = h.decode[0].requests
+    assert decode_requests[1].request_id == completion.id + "-0"
+    assert list(decode_requests[1].prompt_token_ids) == list(decode_requests[0].prompt_token_ids)
+
+
+def test_streaming_n2_logprobs_stop_and_usage(tokenizer_files, tokenizer, output_ids) -> None:
+    stop_word = tokenizer.decode(output_ids[:4]).split()[-1]
+
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            client = openai.AsyncOpenAI(base_url=base_url(h), api_key="none", max_retries=0)
+            stream = await client.completions.create(
+                model="fake-model", prompt=["a", "b"], max_tokens=4, n=2, logprobs=1, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            chunks = [c async for c in stream]
+            chat_stream = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                stop=[stop_word], stream=True, logprobs=True, top_logprobs=1,
+            )  # fmt: skip
+            chat_chunks = [c async for c in chat_stream]
+            await client.close()
+            return chunks, chat_chunks
+
+    chunks, chat_chunks = run(body())
+    texts = {i: "" for i in range(4)}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            assert choice.logprobs.tokens and len(choice.logprobs.top_logprobs[0]) == 1
+    assert set(texts.values()) == {tokenizer.decode(output_ids[:4])}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == 2 * len(tokenizer.encode("a"))
+    content = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert (
+        stop_word not in content and content == tokenizer.decode(output_ids[:4]).split(stop_word)[0]
+    )
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chat_chunks if c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    entries = [
+        e for c in chat_chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert entries and all(e.token and len(e.top_logprobs) == 1 for e in entries)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "param"),
+    [
+        ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"prompt": "x", "top_p": 7.0}, 400, None),  # the shared validation (same as gRPC)
+        ({"prompt": [999999]}, 400, None),
+        ({"prompt": "x", "model": "other"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(tokenizer_files, output_ids, payload, status, param):
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            async with httpx.AsyncClient(base_url=base_url(h)) as http:
+                response = await http.post("/completions", json={"model": "fake-model", **payload})
+                metrics = (await http.get(h.router.http.url + "/metrics")).text
+            return response, metrics, h
+
+    response, metrics, h = run(body())
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    if param is not None and status == 400:
+        assert param in error["message"]
+    assert not h.decode[0].requests  # nothing reached a node
+    label = "INVALID_ARGUMENT" if status == 400 else "NOT_FOUND"
+    assert f'pdserve_requests_total{{api="http",finish_reason="",status="{label}"}} 1.0' in metrics
+
+
+def test_health_metrics_and_chat_without_max_tokens(tokenizer_files, output_ids) -> None:
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            async with httpx.AsyncClient(base_url=h.router.http.url) as http:
+                health = await http.get("/health")
+                chat = await http.post("/v1/chat/completions", json={
+                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                await h.client.generate_all("hello", max_tokens=3)
+                metrics = (await http.get("/metrics")).text
+            return health, chat, metrics, h
+
+    health, chat, metrics, h = run(body())
+    assert health.status_code == 200
+    # No max_tokens: the rest of the context, so the fake model's whole output, "stop".
+    assert chat.json()["choices"][0]["finish_reason"] == "stop"
+    assert h.decode[0].requests[0].sampling.max_tokens > len(output_ids)
+    assert 'pdserve_requests_total{api="http",finish_reason="stop",status="OK"} 1.0' in metrics
+    assert 'pdserve_requests_total{api="grpc",finish_reason="length",status="OK"} 1.0' in metrics
+    assert "pdserve_time_to_first_token_seconds_count 2.0" in metrics
+    assert "pdserve_e2e_request_latency_seconds_count 2.0" in metrics
+    assert f"pdserve_generation_tokens_total {len(output_ids) + 3}.0" in metrics
+    assert "pdserve_requests_running 0.0" in metrics
+    assert 'pdserve_routes_total{kind="disaggregated",reason=""} 2.0' in metrics
+
+
+def test_no_http_server_when_the_port_is_0(tokenizer_files, output_ids) -> None:
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids) as h:
+            return h.router.http
+
+    assert run(body()) is None
