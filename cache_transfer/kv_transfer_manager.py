@@ -30,9 +30,12 @@ from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.transports.base import KVTransport
+from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
 
 S = TypeVar("S", KVReceiver, KVSender)
 
@@ -44,11 +47,13 @@ class KVTransferManager:
         layout: KVLayout,
         kv_caches: KVCaches | None = None,
         max_idle_staging_bytes: int = 512 << 20,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
         may omit it. Staging buffers are pooled across transfers, up to
-        `max_idle_staging_bytes` kept idle."""
+        `max_idle_staging_bytes` kept idle. With `auth` (the cluster secret), tickets are
+        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth)."""
         if kv_caches is not None:
             if len(kv_caches) != layout.num_layers:
                 raise ValueError(
@@ -57,6 +62,7 @@ class KVTransferManager:
             for k_cache, v_cache in kv_caches:
                 check_kv_cache(layout, k_cache, v_cache)
         self.layout = layout
+        self.auth = auth
         self.num_succeeded = 0
         self.num_failed = 0
         self._transport = transport
@@ -64,12 +70,21 @@ class KVTransferManager:
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
         self._senders: dict[str, KVSender] = {}
+        transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
 
     @property
     def address(self) -> str:
         """This node's KV transport address (what tickets carry)."""
         return self._transport.address
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a peer may send this node: one layer of the whole pool (no
+        ticket reserves more), or headers only for a node that receives no KV."""
+        if self._kv_caches is None:
+            return MAX_HEADER_BYTES
+        return max(self.layout.layer_bytes(self._kv_caches[0][0].shape[0]), MAX_HEADER_BYTES)
 
     @property
     def num_pending(self) -> int:
@@ -97,6 +112,7 @@ class KVTransferManager:
             dst_block_ids,
             num_tokens,
             timeout_s,
+            auth=self.auth,
         )
         return self._register(receiver, self._receivers)
 
@@ -105,7 +121,10 @@ class KVTransferManager:
         receiver told, when the ticket does not match this node's layout)."""
         self._check_new(ticket.transfer_id)
         return self._register(
-            KVSender(self._transport, self._staging, self.layout, ticket, timeout_s), self._senders
+            KVSender(
+                self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth
+            ),
+            self._senders,
         )
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:

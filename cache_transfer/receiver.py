@@ -25,7 +25,9 @@ from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
+from cache_transfer.ticket_auth import check_handshake, sign_ticket
 from cache_transfer.transports.base import KVTransport
+from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -47,9 +49,12 @@ class KVReceiver(TransferSession):
         dst_block_ids: Sequence[int],
         num_tokens: int,
         timeout_s: float,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first
-        ceil(num_tokens / block_size) receive the KV); `num_tokens`: prompt tokens to receive."""
+        ceil(num_tokens / block_size) receive the KV); `num_tokens`: prompt tokens to receive.
+        With `auth` the ticket is signed and only a handshake proving the cluster secret is
+        heard (any other is ignored and logged: it neither feeds nor fails the session)."""
         _check_ticket(layout, kv_caches, dst_block_ids, num_tokens)
         super().__init__(transport, transfer_id, timeout_s)
         self.layout = layout
@@ -65,6 +70,16 @@ class KVReceiver(TransferSession):
         self._staging = staging
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
+        self._auth = auth
+        self._ticket = node_pb2.TransferTicket(
+            transfer_id=self.transfer_id,
+            dst_address=self._transport.address,
+            dst_block_ids=self.dst_block_ids,
+            layout_hash=self.layout.layout_hash(),
+            num_tokens=self.num_tokens,
+        )
+        if auth is not None:
+            sign_ticket(auth, self._ticket, timeout_s)
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
 
     def add_layer_callback(self, callback: LayerCallback) -> None:
@@ -73,19 +88,17 @@ class KVReceiver(TransferSession):
         self._layer_callbacks.append(callback)
 
     def ticket(self) -> node_pb2.TransferTicket:
-        """What the prefill node needs to send this session its KV."""
-        return node_pb2.TransferTicket(
-            transfer_id=self.transfer_id,
-            dst_address=self._transport.address,
-            dst_block_ids=self.dst_block_ids,
-            layout_hash=self.layout.layout_hash(),
-            num_tokens=self.num_tokens,
-        )
+        """What the prefill node needs to send this session its KV (signed, with a secret)."""
+        ticket = node_pb2.TransferTicket()
+        ticket.CopyFrom(self._ticket)
+        return ticket
 
     def prepare(
         self, peer_id: str, msg: TransferMessage, payload_bytes: int
     ) -> torch.Tensor | None:
         """A message with a payload: accept a valid layer and hand out its staging buffer."""
+        if self._ignored(peer_id, msg):
+            return None
         reason = self._check_sender(peer_id, msg)
         if reason is None:
             if kind_of(msg) != "layer_manifest":
@@ -105,6 +118,8 @@ class KVReceiver(TransferSession):
         kind = kind_of(msg)
         if payload is not None:
             self._land_layer(msg.layer_manifest, payload)
+            return
+        if self._ignored(peer_id, msg):
             return
         reason = self._check_sender(peer_id, msg)
         if reason is None and kind == "layer_manifest":
@@ -126,6 +141,23 @@ class KVReceiver(TransferSession):
         self._staging.give_back(payload)
         layer_idx = msg.layer_manifest.layer_idx
         self.fail(f"the connection from {peer_id} broke while layer {layer_idx} was landing")
+
+    def _ignored(self, peer_id: str, msg: TransferMessage) -> bool:
+        """With a cluster secret: whether `msg` comes from anyone but a sender that proved it
+        (its handshake's proof verifies, and later messages come from that same peer). Such
+        messages are logged and dropped; they neither feed nor fail the session."""
+        if self._auth is None or self.finished:
+            return False
+        if kind_of(msg) == "handshake" and self._peer_id is None:
+            reason = check_handshake(self._auth, self._ticket, msg.handshake)
+        elif peer_id != self._peer_id:
+            reason = f"a {kind_of(msg)} message from a peer that proved no cluster secret"
+        else:
+            return False
+        if reason is not None:
+            logger.warning("receiver %s: ignored a message from %s: %s",
+                           self.transfer_id, peer_id, reason)  # fmt: skip
+        return reason is not None
 
     def _check_sender(self, peer_id: str, msg: TransferMessage) -> str | None:
         """Why this message may not come from `peer_id` now, or None (and count its seq)."""

@@ -23,7 +23,9 @@ from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
+from cache_transfer.ticket_auth import check_ticket, handshake_proof
 from cache_transfer.transports.base import KVTransport, check_payload
+from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
 
@@ -37,8 +39,13 @@ class KVSender(TransferSession):
         layout: KVLayout,
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
+        auth: ClusterAuth | None = None,
     ) -> None:
+        """With `auth`, a ticket whose signature does not verify fails the session at once and
+        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret."""
         super().__init__(transport, ticket.transfer_id, timeout_s)
+        self._auth = auth
+        self._ticket = ticket
         self.layout = layout
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
@@ -50,8 +57,11 @@ class KVSender(TransferSession):
         self._first_token_sent = False
         self._sending: set[asyncio.Future[None]] = set()  # send_layer calls in progress
         self._staging = staging
+        forged = check_ticket(auth, ticket) if auth is not None else None
         reason = self._check_ticket(ticket)
-        if reason is not None:
+        if forged is not None:
+            self.fail(f"refused the ticket: {forged}", notify_peer=False)
+        elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
         else:
             self.spawn(self._handshake())
@@ -234,6 +244,8 @@ class KVSender(TransferSession):
             num_tokens=self.num_tokens,
             num_blocks=self.num_blocks,
         )
+        if self._auth is not None:
+            handshake.proof = handshake_proof(self._auth, self._ticket, handshake.src_address)
         await self._send(handshake=handshake)
 
     async def _wait_acked(self) -> bool:

@@ -26,6 +26,7 @@ from engine.engine_core import EngineCore
 from node_common.role_server import RoleServer
 from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
+from pdserve.security import load_cluster_auth, open_cluster_warning
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,13 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     try:
         engine = engine_config(args, prefill_only=server_cls.prefill_only)
         node = node_config(args)
+        auth = load_cluster_auth(node.security)
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
     setup_logging(args, role)
+    if auth is None:
+        logger.warning(open_cluster_warning(f"pd-{role}"))
 
     async def start() -> RoleServer:
         logger.info("loading model %s on %s", engine.model.model, engine.model.device)

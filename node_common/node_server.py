@@ -1,8 +1,10 @@
 """`NodeServer`: one node's grpc.aio server (both roles).
 
 ```
-NodeServer.start():  bind HOST:PORT (0: a free port) -> serve `Node` + the role's service
-                     + grpc.health.v1 + reflection -> health SERVING
+NodeServer.start():  bind HOST:PORT (0: a free port; mutual TLS when configured) -> serve `Node` + the role's service
+                     + grpc.health.v1 + reflection behind a RequestGuard (a cluster proof
+                     on every call but health and reflection, when there is a secret;
+                     malformed requests INVALID_ARGUMENT) -> health SERVING
                      -> with a registry: NodeRegistrar.start (record + heartbeat)
 NodeServer.stop():   deregister first (routers stop sending), then health NOT_SERVING, stop
                      accepting; in-flight calls get grace_s, then are cancelled (each role's
@@ -24,9 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from node_common.node_registrar import NodeRegistrar
 from node_common.node_service import NodeBackend, NodeServicer
-from pdserve.config import RegistryConfig
+from pdserve.config import RegistryConfig, SecurityConfig
+from pdserve.grpc_security import RequestGuard, bind, cluster_check
 from pdserve.net import dial_host, host_port
-from pdserve.registry import NodeRecord, node_record
+from pdserve.registry import NodeRecord, node_record, sign_record
+from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,11 +51,15 @@ class NodeServer:
         add_role_servicer: Callable[[grpc.aio.Server], None],
         registry: RegistryConfig | None = None,
         advertise_host: str | None = None,
+        security: SecurityConfig | None = None,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """`role_service`: the full name of the role's service (e.g. "pdserve.v1.PrefillNode");
         `add_role_servicer(server)` registers its servicer. With `registry`, the node registers
         itself once serving, under `advertise_host` (default: `host`, or this machine's
-        address when `host` is a wildcard)."""
+        address when `host` is a wildcard). With `auth`, every call but health and reflection
+        must carry a cluster proof (UNAUTHENTICATED otherwise), and the registry record is
+        signed; `security` says whether to serve mutual TLS."""
         self._host = host
         self._backend = backend
         self._advertise_host = advertise_host
@@ -59,9 +67,12 @@ class NodeServer:
         self.registrar = (
             NodeRegistrar(registry, self.node_id, self._record) if registry is not None else None
         )
+        self._security = security or SecurityConfig()
+        self._auth = auth
         self._services = ("", NODE_SERVICE, role_service)
         self._health = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
+        guard = RequestGuard(cluster_check(auth) if auth is not None else None)
+        self._server = grpc.aio.server(interceptors=[guard])
         node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(backend), self._server)
         add_role_servicer(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -80,7 +91,7 @@ class NodeServer:
     async def start(self) -> int:
         """Bind and serve; return the bound port. Raises OSError when the address is taken."""
         try:
-            self.port = self._server.add_insecure_port(self.address)
+            self.port = bind(self._server, self.address, self._security)
         except RuntimeError as error:  # grpc raises RuntimeError("Failed to bind ...")
             raise OSError(f"cannot listen on {self.address}: {error}") from None
         await self._server.start()
@@ -106,7 +117,7 @@ class NodeServer:
             self._started = False
 
     async def _record(self) -> NodeRecord:
-        return node_record(
+        record = node_record(
             self.node_id,
             self.dial_address,
             self._backend.kv_address,
@@ -114,3 +125,4 @@ class NodeServer:
             await self._backend.stats(fresh=False),  # never waits for an engine step
             self.registrar.config,
         )
+        return sign_record(self._auth, record) if self._auth is not None else record

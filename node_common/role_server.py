@@ -32,6 +32,7 @@ from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.node_server import NodeServer
 from pdserve.config import NodeConfig
+from pdserve.security import load_cluster_auth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, transfer_pb2
 
@@ -62,6 +63,7 @@ class RoleServer(abc.ABC):
             **core.arch.layout_fields(),
         )
         self.engine = AsyncEngine(core)
+        self.auth = load_cluster_auth(config.security)
         self.metrics = NodeMetrics(
             self.role_name,
             core.loaded.name,
@@ -70,7 +72,9 @@ class RoleServer(abc.ABC):
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        self.manager = KVTransferManager(transport, self.layout, self.receive_into())
+        self.manager = KVTransferManager(
+            transport, self.layout, self.receive_into(), auth=self.auth
+        )
         self.servicer = self.make_servicer()
         self._node_info = self._make_node_info()
         tokenizer_dir = core.loaded.tokenizer_dir
@@ -84,6 +88,8 @@ class RoleServer(abc.ABC):
             self.add_servicer,
             registry=config.registry,
             advertise_host=config.advertise_host,
+            security=config.security,
+            auth=self.auth,
         )
         self._engine_started = False
         self._stopped = False

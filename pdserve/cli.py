@@ -33,6 +33,7 @@ from pdserve.config import (
     NodeConfig,
     RegistryConfig,
     RouterConfig,
+    SecurityConfig,
 )
 from pdserve.logs import LOG_FORMATS, configure_logging
 
@@ -78,6 +79,7 @@ def build_parser(role: str, description: str | None = None) -> ArgumentParser:
         "object per line (ts, level, role, logger, request_id, msg)",
     )  # fmt: skip
     _add_registry_flags(parser)
+    add_config_flags(parser, parser.add_argument_group("security"), SecurityConfig, both)
     if role in ("router", "serve"):
         add_config_flags(parser, parser.add_argument_group("routing"), RouterConfig, (ROUTER,))
     if role in ("prefill", "decode", "serve"):
@@ -170,15 +172,16 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """A node's flags (common ones included) as a NodeConfig; ValueError when bad."""
     return config_from_args(
-        NodeConfig, args, host=args.host, port=args.port, registry=registry_config(args)
-    )
+        NodeConfig, args, host=args.host, port=args.port, registry=registry_config(args),
+        security=config_from_args(SecurityConfig, args),
+    )  # fmt: skip
 
 
 def router_config(args: argparse.Namespace, **addresses: Any) -> RouterConfig:
     """The router's flags as a RouterConfig, with `prefill_addrs` / `decode_addrs`."""
     return config_from_args(
         RouterConfig, args, host=args.host, port=args.port, registry=registry_config(args),
-        **addresses,
+        security=config_from_args(SecurityConfig, args), **addresses,
     )  # fmt: skip
 
 

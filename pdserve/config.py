@@ -5,6 +5,7 @@ EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both 
 NodeConfig                                                     where a node listens, KV transfer
 RouterConfig                                                   routing, node addresses, timeouts
 RegistryConfig                                                 the Redis registry
+SecurityConfig                                                 cluster secret, TLS (all roles)
 ```
 
 A field's default, help text and flag live in its `knob(...)`: the launchers' flags are generated
@@ -177,6 +178,41 @@ class RegistryConfig:
             )
 
 
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may talk to whom (pdserve.security): one cluster secret every router and node
+    holds, and optional mutual TLS between the router and the nodes. Without a secret the
+    cluster is open: any process that reaches a node may call it (the launchers say so)."""
+
+    cluster_secret_file: str | None = knob(
+        None,
+        "file holding the cluster secret (at least 16 bytes) every router -> node call, KV "
+        "hand-off, ticket and registry record is signed with (default: the file named by "
+        "PDSERVE_CLUSTER_SECRET_FILE; none: the cluster is open)",
+    )
+    tls_cert: str | None = knob(None, "PEM certificate this process presents (mutual TLS)")
+    tls_key: str | None = knob(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = knob(None, "PEM CA bundle peers' certificates must chain to")
+    auth_window_s: float = knob(
+        60.0, "how old (or how far in the future) a signed call or ticket may be (clock skew)"
+    )
+
+    def __post_init__(self) -> None:
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError(
+                "TLS needs all of --tls-cert, --tls-key and --tls-ca (mutual TLS between the "
+                f"router and the nodes), got cert={self.tls_cert} key={self.tls_key} "
+                f"ca={self.tls_ca}"
+            )
+        if not self.auth_window_s > 0:
+            raise ValueError(f"auth_window_s must be > 0 seconds, got {self.auth_window_s}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
 def transfer_timeout_knob() -> Any:
     """The one KV hand-off timeout: the router sends it with each disaggregated request, the
     decode node falls back to local prefill after it, the prefill node gives up sending."""
@@ -207,6 +243,7 @@ class NodeConfig:
         "Prometheus /metrics HTTP port (0: off; pd-serve gives node i the port N + i)",
     )
     registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
+    security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
     max_queued_requests: int = knob(
         64,
         "decode: requests that may wait for free KV blocks at once; more are refused "
@@ -278,11 +315,21 @@ class RouterConfig:
     transfer_timeout_s: float = transfer_timeout_knob()
     token_timeout_s: float = knob(120.0, "the longest wait for a request's next token")
     grace_s: float = knob(5.0, "on stop, how long in-flight requests may take")
+    api_key_file: str | None = knob(
+        None,
+        "file of client API keys, one a line: clients must send 'authorization: Bearer KEY' "
+        "(gRPC metadata or HTTP header); none: clients need no key",
+    )
+    max_prompt_chars: int = knob(
+        0, "prompts longer than N characters are refused before tokenizing (0: 32 x the "
+        "model's context length)",
+    )  # fmt: skip
+    security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}; expected one of {POLICY_NAMES}")
-        for name in ("local_prefill_max_tokens", "prefill_saturation_tokens"):
+        for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         for name in ("port", "http_port"):

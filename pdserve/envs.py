@@ -25,3 +25,9 @@ def cuda_visible_devices() -> list[str] | None:
     if visible is None:
         return None
     return [device.strip() for device in visible.split(",") if device.strip()]
+
+
+def cluster_secret_file() -> str | None:
+    """PDSERVE_CLUSTER_SECRET_FILE: the cluster secret's file when --cluster-secret-file is not
+    given (pdserve.security)."""
+    return os.environ.get("PDSERVE_CLUSTER_SECRET_FILE") or None

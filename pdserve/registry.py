@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from pdserve.config import RegistryConfig
+from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2
 
 NODE_KEY_PREFIX = "pdserve:node:"
@@ -66,6 +67,7 @@ class NodeRecord:
     ttl_s: float
     updated_at_s: float  # unix time of the write
     schema_version: int = SCHEMA_VERSION
+    signature: str = ""  # hex HMAC of the record under the cluster secret (sign_record)
 
     @property
     def key(self) -> str:
@@ -93,10 +95,37 @@ class NodeRecord:
                 f"{SCHEMA_VERSION}: run one pdserve version per registry"
             )
         load = _typed_fields(NodeLoadReport, fields.get("load"))
-        record = _typed_fields(cls, {**fields, "load": NodeLoadReport(**load)})
+        signature = fields.get("signature", "")  # unsigned: an open cluster's node
+        fields = {**fields, "load": NodeLoadReport(**load), "signature": signature}
+        record = _typed_fields(cls, fields)
         if record["role"] not in ROLE_NAMES.values():
             raise ValueError(f"role must be 'prefill' or 'decode', got {record['role']!r}")
         return cls(**record)
+
+
+def sign_record(auth: ClusterAuth, record: NodeRecord) -> NodeRecord:
+    """`record` with its signature: an HMAC of every other field under the cluster secret."""
+    unsigned = dataclasses.replace(record, signature="")
+    return dataclasses.replace(
+        unsigned, signature=auth.sign("node-record", unsigned.to_json()).hex()
+    )
+
+
+def check_record(auth: ClusterAuth, record: NodeRecord) -> str | None:
+    """None when a node that holds the cluster secret wrote `record` within its TTL (and the
+    auth window); else why the router must not admit it."""
+    try:
+        mac = bytes.fromhex(record.signature)
+    except ValueError:
+        return "its signature is not hex"
+    if not record.signature:
+        return "it is unsigned (a node without the cluster secret)"
+    unsigned = dataclasses.replace(record, signature="").to_json()
+    if not auth.verify(mac, "node-record", unsigned):
+        return "its signature does not verify (forged, or a different cluster secret)"
+    if time.time() - record.updated_at_s > record.ttl_s + auth.window_s:
+        return f"it was written {time.time() - record.updated_at_s:.0f} s ago (a replay?)"
+    return None
 
 
 def node_key(node_id: str) -> str:

@@ -15,6 +15,8 @@ import sys
 
 from pdserve.cli import build_parser, router_config, setup_logging
 from pdserve.lifecycle import run_server
+from pdserve.security import load_cluster_auth
+from router.auth import ApiKeys
 from router.server import RouterServer
 
 
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         config = router_config(
             args, prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode)
         )
+        load_cluster_auth(config.security)  # an unreadable or short secret: exit 2 now
+        if config.api_key_file:
+            ApiKeys.from_file(config.api_key_file)
     except ValueError as error:
         parser.error(str(error))
     setup_logging(args, "router")

@@ -17,15 +17,21 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, node_pb2
 
 _SEED_BITS = 63
+CHARS_PER_TOKEN_CAP = 32  # no tokenizer packs more characters than this into a token, in practice
 NO_TOKENIZER = "this model has no tokenizer: send prompt_token_ids"
 
 
 @dataclass(frozen=True)
 class ProcessedRequest:
-    request_id: str
+    request_id: str  # the router's own, unique: what nodes see (Abort names it)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # validated; `seed` always set
     node_sampling: node_pb2.NodeSamplingParams  # the same values, as the nodes receive them
+    client_request_id: str = ""  # the client's (echoed in responses); "" -> request_id
+
+    def __post_init__(self) -> None:
+        if not self.client_request_id:
+            object.__setattr__(self, "client_request_id", self.request_id)
 
     @property
     def prompt_len(self) -> int:
@@ -35,11 +41,19 @@ class ProcessedRequest:
 class InputProcessor:
     """Validates and tokenizes requests for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer | None, model_info: node_pb2.NodeInfo) -> None:
-        """`tokenizer` None: the model has none; requests must be token ids."""
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        model_info: node_pb2.NodeInfo,
+        max_prompt_chars: int = 0,
+    ) -> None:
+        """`tokenizer` None: the model has none; requests must be token ids. Prompts (or
+        chat messages) longer than `max_prompt_chars` characters are refused before
+        tokenizing (0: CHARS_PER_TOKEN_CAP x the context length)."""
         self._tokenizer = tokenizer
         self._max_model_len = model_info.max_model_len
         self._vocab_size = model_info.vocab_size
+        self._max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN_CAP * self._max_model_len
 
     def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
         params = SamplingParams.from_proto(request.sampling)
@@ -60,7 +74,10 @@ class InputProcessor:
                 "tokens; shorten the prompt or lower max_tokens"
             )
         return ProcessedRequest(
-            request_id=request.request_id or uuid.uuid4().hex,
+            # Unique per call: concurrent requests reusing a client id all run, and no client
+            # can name (abort) another's request on a node.
+            request_id=uuid.uuid4().hex,
+            client_request_id=request.request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
@@ -78,6 +95,7 @@ class InputProcessor:
             return token_ids
         if self._tokenizer is None:
             raise InvalidRequestError(f"{NO_TOKENIZER} (got {kind})")
+        self._check_prompt_size(request, kind)
         if kind == "prompt":
             if not request.prompt:
                 raise InvalidRequestError("prompt is empty; send at least one character")
@@ -89,6 +107,18 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError(f"the {kind} tokenizes to no tokens")
         return token_ids
+
+    def _check_prompt_size(self, request: generation_pb2.GenerateRequest, kind: str) -> None:
+        if kind == "prompt":
+            num_chars = len(request.prompt)
+        else:
+            num_chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        if num_chars > self._max_prompt_chars:
+            raise InvalidRequestError(
+                f"the {kind} has {num_chars} characters; this router refuses more than "
+                f"{self._max_prompt_chars} before tokenizing (the context is "
+                f"{self._max_model_len} tokens): shorten it"
+            )
 
     def _check_token_ids(self, name: str, token_ids: list[int]) -> None:
         for i, token_id in enumerate(token_ids):

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.config import SecurityConfig
+from pdserve.grpc_security import open_channel
 from pdserve.registry import NodeRecord
+from pdserve.security import ClusterAuth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.node_load import NodeLoad
@@ -39,9 +42,16 @@ _MAX_RETRY_DELAY_S = 1.0
 class NodeClient:
     """Stubs for one node, and the node's `NodeInfo` once `connect` succeeded."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        security: SecurityConfig | None = None,
+        auth: ClusterAuth | None = None,
+    ) -> None:
+        """With `auth`, every call carries a fresh cluster proof (never the secret itself);
+        with TLS in `security`, the channel is mutual TLS."""
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security or SecurityConfig(), auth, _CHANNEL_OPTIONS)
         self.node_stub = node_pb2_grpc.NodeStub(self._channel)
         self.prefill_stub = node_pb2_grpc.PrefillNodeStub(self._channel)
         self.decode_stub = node_pb2_grpc.DecodeNodeStub(self._channel)

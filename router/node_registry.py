@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from pdserve.config import RouterConfig
+from pdserve.security import ClusterAuth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2
 from router.node_client import NodeClient
@@ -44,9 +45,14 @@ class NodeRegistry:
     """Connects to nodes, admits the compatible ones, and lists the ready ones by role."""
 
     def __init__(
-        self, config: RouterConfig, on_change: Callable[[], Awaitable[None]] | None = None
+        self,
+        config: RouterConfig,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+        auth: ClusterAuth | None = None,
     ) -> None:
+        """`auth`: the cluster secret the router proves on every node call (None: open)."""
         self._config = config
+        self._auth = auth
         self._on_change = on_change
         self._ready: dict[str, NodeClient] = {}  # by address, in admission order
         self._admit_lock = asyncio.Lock()
@@ -118,7 +124,7 @@ class NodeRegistry:
         compatible; returns whether it was admitted."""
         if node.address in self._ready:
             return True
-        client = NodeClient(node.address)
+        client = NodeClient(node.address, self._config.security, self._auth)
         client.record = node.record
         if node.record is not None:
             client.load.update(node.record)

@@ -74,7 +74,7 @@ class OutputProcessor:
             )
         # Nodes that ran the prefill report their prefix-cache hits; the others report 0.
         self.num_cached_tokens = max(self.num_cached_tokens, tokens.num_cached_tokens)
-        response = generation_pb2.GenerateResponse(request_id=self._request.request_id)
+        response = generation_pb2.GenerateResponse(request_id=self._request.client_request_id)
         texts = []
         for i in range(first_new, len(tokens.token_ids)):
             response.token_ids.append(tokens.token_ids[i])

@@ -29,8 +29,10 @@ from pdserve.registry import (
     REGISTRY_ERRORS,
     NodeRecord,
     RegistryConfig,
+    check_record,
     registry_client,
 )
+from pdserve.security import ClusterAuth
 from router.node_source import NodeAddress, NodeSource, OnNodes
 
 logger = logging.getLogger(__name__)
@@ -42,8 +44,10 @@ _RESYNC_CALLS = 4  # a resync's budget, in registry timeouts (INFO, SCAN..., MGE
 class RedisNodeSource(NodeSource):
     """The nodes registered in Redis. Construct it inside the event loop it runs on."""
 
-    def __init__(self, config: RegistryConfig) -> None:
+    def __init__(self, config: RegistryConfig, auth: ClusterAuth | None = None) -> None:
+        """`auth`: admit only records signed with the cluster secret (None: any record)."""
         self.config = config
+        self._auth = auth
         self._redis = registry_client(config)
         self._records: dict[str, NodeRecord] = {}  # by node id: the last view
         self._bad_keys: set[bytes] = set()  # unreadable records, logged once each
@@ -107,6 +111,9 @@ class RedisNodeSource(NodeSource):
                 continue
             try:
                 record = NodeRecord.from_json(value)
+                reason = check_record(self._auth, record) if self._auth is not None else None
+                if reason is not None:
+                    raise ValueError(f"not admitted: {reason}")
             except ValueError as error:
                 if key not in self._bad_keys:
                     logger.warning("registry record %s ignored: %s", key.decode(), error)

@@ -42,7 +42,14 @@ NO_NODE_MESSAGE = (
 class RequestHandler:
     """Validates, routes and streams requests for the model of the registry's nodes."""
 
-    def __init__(self, registry: NodeRegistry, dispatcher: Dispatcher, stats: RouterStats) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        dispatcher: Dispatcher,
+        stats: RouterStats,
+        max_prompt_chars: int = 0,
+    ) -> None:
+        self._max_prompt_chars = max_prompt_chars
         self.registry = registry
         self.stats = stats
         self._dispatcher = dispatcher
@@ -55,7 +62,7 @@ class RequestHandler:
             if self.registry.model_info is None:  # the tokenizer may be None: token ids only
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
             self._input_processor = InputProcessor(
-                self.registry.tokenizer, self.registry.model_info
+                self.registry.tokenizer, self.registry.model_info, self._max_prompt_chars
             )
         return self._input_processor.process(request)
 

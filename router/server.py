@@ -21,8 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import RouterConfig
+from pdserve.grpc_security import RequestGuard
 from pdserve.net import host_port
+from pdserve.security import load_cluster_auth, open_cluster_warning
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from router.auth import ApiKeys, install
 from router.dispatcher import Dispatcher
 from router.http.app import build_app
 from router.http.http_server import HttpServer
@@ -46,17 +49,27 @@ class RouterServer:
     def __init__(self, config: RouterConfig, source: NodeSource | None = None) -> None:
         self.config = config
         self.stats = RouterStats()
-        self.registry = NodeRegistry(config, on_change=self._update_health)
+        self.auth = load_cluster_auth(config.security)
+        if self.auth is None:
+            logger.warning(open_cluster_warning("router"))
+        self.registry = NodeRegistry(config, on_change=self._update_health, auth=self.auth)
         self._source = source or StaticNodeSource(config.prefill_addrs, config.decode_addrs)
-        self.registry_source = RedisNodeSource(config.registry) if config.registry else None
+        self.registry_source = (
+            RedisNodeSource(config.registry, self.auth) if config.registry else None
+        )
         self._watch_task: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
+        self.api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
+        install(self.api_keys)
+        check = self.api_keys.grpc_check if self.api_keys is not None else None
+        self._server = grpc.aio.server(interceptors=[RequestGuard(check)])
         self.policy = make_policy(
             config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens
         )
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
-        self.handler = RequestHandler(self.registry, dispatcher, self.stats)
+        self.handler = RequestHandler(
+            self.registry, dispatcher, self.stats, config.max_prompt_chars
+        )
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.handler), self._server
         )

@@ -11,6 +11,7 @@ GetTokenizer                    the first ready node's tokenizer files, for clie
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -33,7 +34,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         start_s = time.monotonic()
         try:
-            processed = self._handler.process(request)
+            # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
+            processed = await asyncio.to_thread(self._handler.process, request)
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(

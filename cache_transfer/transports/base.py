@@ -69,6 +69,12 @@ class KVTransport(abc.ABC):
         peer arrive in order. Raises TransportError when the peer cannot be reached; a dead
         peer may leave this pending, so bound it with the caller's deadline."""
 
+    def limit_inbound(self, max_frame_bytes: int) -> None:
+        """Refuse, before buffering it, any incoming frame (header or payload) larger than
+        `max_frame_bytes` (call before peers connect). Transports that hand the handler the
+        payload size before receiving it (ucx, local) need not: `prepare` refuses first."""
+        return None
+
     @abc.abstractmethod
     def buffer_device(self, cache_device: torch.device) -> torch.device:
         """The device payload buffers must live on for a KV cache on `cache_device`."""

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ ZERO_COPY_MIN_BYTES = 64 * 1024  # below this a copy is cheaper than tracking th
 _HEARTBEAT_IVL_MS = 2000  # zmq pings idle connections; a silent peer is dropped after:
 _HEARTBEAT_TIMEOUT_MS = 6000
 _TRACKER_POLL_MAX_S = 0.0005
+_MAX_REPLY_BYTES = 1 << 20  # what a peer may send back on our outgoing connection (headers)
 _CLOSE_LINGER_MS = 1000  # how long closed connections keep delivering what was queued
 
 
@@ -103,6 +105,22 @@ class TcpTransport(KVTransport):
                 raise TransportError(f"transport {self._address} closed during a send") from None
             raise
 
+    def limit_inbound(self, max_frame_bytes: int) -> None:
+        """zmq MAXMSGSIZE: libzmq drops the connection of a peer whose frame header announces
+        more, before allocating for it (a 1.5 GiB frame costs nothing)."""
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # libzmq copies a listener's options when it binds: rebind the same endpoint to apply it
+        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router.unbind(endpoint)
+        for attempt in range(200):  # libzmq closes the old listener on its I/O thread
+            try:
+                self._router.bind(endpoint)
+                return
+            except zmq.ZMQError:
+                if attempt == 199:
+                    raise
+                time.sleep(0.005)
+
     def buffer_device(self, cache_device: torch.device) -> torch.device:
         return torch.device("cpu")
 
@@ -127,6 +145,7 @@ class TcpTransport(KVTransport):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)  # peers reply with headers only
             sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
             sock.ipv6 = peer_address.startswith("tcp://[")

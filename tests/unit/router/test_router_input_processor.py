@@ -80,7 +80,9 @@ def test_every_request_gets_a_seed_and_a_request_id(processor) -> None:
     assert first.node_sampling.HasField("seed") and second.node_sampling.HasField("seed")
     assert first.node_sampling.seed != second.node_sampling.seed
     assert first.request_id != second.request_id and len(first.request_id) == 32
-    assert processor.process(build_request("hello", request_id="mine")).request_id == "mine"
+    mine = [processor.process(build_request("hello", request_id="mine")) for _ in range(2)]
+    assert [p.client_request_id for p in mine] == ["mine", "mine"]  # echoed to the client
+    assert mine[0].request_id != mine[1].request_id != "mine"  # nodes see unique ids
 
 
 def test_prompt_and_token_ids_and_chat_messages_tokenize(processor, tokenizer) -> None:
@@ -122,3 +124,17 @@ def test_invalid_request_over_grpc_is_invalid_argument_and_reaches_no_node(
     assert "top_p must be in (0, 1], got 2.0" in error.details()
     assert h.decode[0].requests == [] and h.prefill[0].requests == []
     assert h.router.stats.errors == {"INVALID_ARGUMENT": 1}
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(tokenizer):
+    processor = InputProcessor(tokenizer, INFO, max_prompt_chars=1000)
+    calls = []
+    original = tokenizer.encode
+    tokenizer.encode = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with pytest.raises(InvalidRequestError, match="refuses more than 1000"):
+            processor.process(build_request("x" * 1001))
+        assert calls == []  # never tokenized
+        assert processor.process(build_request("x" * 10)).prompt_len > 0
+    finally:
+        tokenizer.encode = original

@@ -1,0 +1,183 @@
+"""gRPC guards for every pdserve server and client (the router's and the nodes').
+
+```
+RequestGuard(check, code)   server interceptor: a method outside `open_prefixes` (health,
+                            reflection) runs only when check(method, metadata) is None, else
+                            it ends with `code` (UNAUTHENTICATED) and check's reason. Every
+                            unary request is parsed here: a malformed protobuf or invalid
+                            UTF-8 ends INVALID_ARGUMENT (gRPC's own answer is UNKNOWN)
+cluster_check(auth)         the nodes' check: a valid, fresh, unreplayed cluster proof
+client_interceptors(auth)   add a fresh cluster proof to every call (router -> node)
+server_credentials(config)  mutual TLS for a server (None: no TLS)
+channel_credentials(config) mutual TLS for a client channel (None: no TLS)
+```
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.config import SecurityConfig
+from pdserve.security import AUTH_METADATA_KEY, ClusterAuth
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+Check = Callable[[str, dict[str, str]], str | None]  # (method, metadata) -> why refused, or None
+
+
+class RequestGuard(grpc.aio.ServerInterceptor):
+    def __init__(
+        self,
+        check: Check | None,
+        code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+        open_prefixes: Sequence[str] = OPEN_PREFIXES,
+    ) -> None:
+        self._check = check
+        self._code = code
+        self._open = tuple(open_prefixes)
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler  # unknown method (UNIMPLEMENTED), or reflection's stream
+        method = details.method
+        method = method.decode() if isinstance(method, bytes) else method
+        if self._check is not None and not method.startswith(self._open):
+            metadata = {key: value for key, value in details.invocation_metadata or ()}
+            reason = self._check(method, metadata)
+            if reason is not None:
+                return _refusing(handler, self._code, f"{method}: {reason}")
+        return _parsing(handler)
+
+
+def cluster_check(auth: ClusterAuth) -> Check:
+    def check(method: str, metadata: dict[str, str]) -> str | None:
+        return auth.check_call(method, metadata.get(AUTH_METADATA_KEY))
+
+    return check
+
+
+def _refusing(handler: Any, code: grpc.StatusCode, message: str) -> Any:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    if handler.response_streaming:
+        return handler._replace(unary_stream=refuse, request_deserializer=None)
+    return handler._replace(unary_unary=refuse, request_deserializer=None)
+
+
+def _parsing(handler: Any) -> Any:
+    """`handler` taking raw bytes: a request that does not parse ends INVALID_ARGUMENT."""
+    deserialize = handler.request_deserializer
+    if deserialize is None:
+        return handler
+
+    async def parse(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # protobuf's DecodeError, or invalid UTF-8 in a string
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid protobuf message ({len(data)} bytes): {error}",
+            )
+
+    if handler.response_streaming:
+        behavior = handler.unary_stream
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+                async for response in behavior(await parse(data, context), context):
+                    yield response
+
+        else:
+
+            async def stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await behavior(await parse(data, context), context)
+
+        return handler._replace(unary_stream=stream, request_deserializer=None)
+    behavior = handler.unary_unary
+
+    async def unary(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(await parse(data, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return handler._replace(unary_unary=unary, request_deserializer=None)
+
+
+class _ProofAdder(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds a fresh cluster proof to each call."""
+
+    def __init__(self, auth: ClusterAuth) -> None:
+        self._auth = auth
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method
+        method = method.decode() if isinstance(method, bytes) else method
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(AUTH_METADATA_KEY, self._auth.call_token(method))
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready,
+        )  # fmt: skip
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+def client_interceptors(auth: ClusterAuth | None) -> list[Any]:
+    return [] if auth is None else [_ProofAdder(auth)]
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
+    """Mutual TLS: this server presents tls_cert and requires a client certificate that
+    chains to tls_ca. None without TLS."""
+    if not config.tls:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(config.tls_key), _read(config.tls_cert))],
+        root_certificates=_read(config.tls_ca),
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(config: SecurityConfig) -> grpc.ChannelCredentials | None:
+    if not config.tls:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(config.tls_ca),
+        private_key=_read(config.tls_key),
+        certificate_chain=_read(config.tls_cert),
+    )
+
+
+def open_channel(
+    address: str,
+    config: SecurityConfig,
+    auth: ClusterAuth | None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """A client channel to a pdserve node: TLS when configured, a cluster proof on each call."""
+    interceptors = client_interceptors(auth)
+    credentials = channel_credentials(config)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def bind(server: grpc.aio.Server, address: str, config: SecurityConfig) -> int:
+    """`server.add_*_port(address)` as the config says; the bound port."""
+    credentials = server_credentials(config)
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials)
