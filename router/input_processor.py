@@ -76,7 +76,8 @@ class InputProcessor:
         return ProcessedRequest(
             # Unique per call: concurrent requests reusing a client id all run, and no client
             # can name (abort) another's request on a node.
-            request_id=uuid.uuid4().hex,
+            # (the client's id leads, so a request's log lines on every node still carry it)
+            request_id=_internal_id(request.request_id),
             client_request_id=request.request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
@@ -127,3 +128,9 @@ class InputProcessor:
                     f"{name}[{i}] = {token_id} is not a token id: the vocabulary has "
                     f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})"
                 )
+
+
+def _internal_id(client_id: str) -> str:
+    """The id nodes see: the client's id (if any) plus an unguessable suffix."""
+    suffix = uuid.uuid4().hex
+    return f"{client_id}.{suffix}" if client_id else suffix

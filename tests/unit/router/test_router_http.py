@@ -58,7 +58,7 @@ def test_completions_and_chat_match_grpc(tokenizer_files, tokenizer, output_ids)
     assert chat.usage.completion_tokens == 3
     assert [m.id for m in models.data] == ["fake-model"]
     decode_requests = h.decode[0].requests
-    assert decode_requests[1].request_id == completion.id + "-0"
+    assert decode_requests[1].request_id.startswith(completion.id + "-0.")
     assert list(decode_requests[1].prompt_token_ids) == list(decode_requests[0].prompt_token_ids)
 
 
