@@ -84,11 +84,7 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Add a request for local prefill and stream its outputs."""
         stream = self._open_stream(request.request_id)
-        try:
-            await self.call(lambda core: core.add_request(request))
-        except BaseException:
-            self._streams.pop(request.request_id, None)
-            raise
+        await self._add(request, lambda core: core.add_request(request))
         async for out in self._drain(request.request_id, stream):
             yield out
 
@@ -97,11 +93,7 @@ class AsyncEngine:
     ) -> AsyncIterator[StepOutput]:
         """Admit a request whose prompt KV is in its reserved blocks; stream its outputs."""
         stream = self._open_stream(request.request_id)
-        try:
-            await self.call(lambda core: core.add_prefilled(request, block_ids, first_token))
-        except BaseException:
-            self._streams.pop(request.request_id, None)
-            raise
+        await self._add(request, lambda core: core.add_prefilled(request, block_ids, first_token))
         async for out in self._drain(request.request_id, stream):
             yield out
 
@@ -114,6 +106,20 @@ class AsyncEngine:
         return known
 
     # ---- internals ------------------------------------------------------------------------
+
+    async def _add(self, request: Request, add: Callable[[EngineCore], Any]) -> None:
+        """Run the command that adds `request`. If the caller is cancelled (or times out)
+        while the command is queued or running, the command still runs on the engine thread:
+        an abort queued behind it (commands run in order) frees whatever it added, so a
+        cancelled call never leaves the request in the engine (prefilling, or held PREFILLED
+        with its blocks). An error from the command itself means nothing was added."""
+        try:
+            await self.call(add)
+        except BaseException as error:
+            self._streams.pop(request.request_id, None)
+            if isinstance(error, (asyncio.CancelledError, TimeoutError)):
+                self._commands.put((lambda: _abort_if_added(self.core, request), None))
+            raise
 
     def _open_stream(self, request_id: str) -> asyncio.Queue:
         if request_id in self._streams:
@@ -193,6 +199,13 @@ class AsyncEngine:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
         for stream in self._streams.values():
             stream.put_nowait(error)
+
+
+def _abort_if_added(core: EngineCore, request: Request) -> None:
+    """Abort `request` if this very request is the one the engine holds under its id (not
+    another call's that reuses the id)."""
+    if core.get_request(request.request_id) is request:
+        core.abort(request.request_id)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
