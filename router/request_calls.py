@@ -6,8 +6,9 @@ stream()
   P.Prefill(request, ticket)                  ─ started once the ticket is in
   _read_prefill task: PrefillFirstToken -> NodeTokens(0); PrefillTransferResult (logged)
                       P unreachable before its first token: Prefill on another prefill node
-                      (retry_prefill), once; P failed otherwise: D.CancelTransfer (D
-                      prefills locally)
+                      (retry_prefill), once; P failed otherwise, or reported a failed
+                      transfer: D.CancelTransfer (D frees the reservation and prefills
+                      locally at once, not at its transfer deadline)
   _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
   both tasks -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
   D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
@@ -263,7 +264,8 @@ class RequestCalls:
             return _describe(error)
 
     async def _forward_prefill(self) -> str | None:
-        """Reads P's two messages; returns why the hand-off failed, or None."""
+        """Reads P's two messages; returns why the hand-off failed (P's stream, or the
+        transfer P reports failed), or None."""
         message = await self._prefill_call.read()
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
             return "its stream did not start with the first token"
@@ -282,12 +284,8 @@ class RequestCalls:
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_result":
             return "its stream ended without a transfer result"
         result = message.transfer_result
-        if not result.ok:  # D refused or lost the KV and falls back on its own
-            logger.warning(
-                "request %s: KV transfer failed (%s); the decode node prefills locally",
-                self._request.request_id,
-                result.error,
-            )
+        if not result.ok:  # D is told at once (it may never hear from P: a broken connection)
+            return f"its KV transfer failed: {result.error}"
         return None
 
     async def _cancel_transfer(self, transfer_id: str, reason: str) -> None:

@@ -129,6 +129,7 @@ class FakeNode(
         self.aborted: list[str] = []  # request ids of Abort calls
         self.cancelled_transfers: list[str] = []  # transfer ids of CancelTransfer calls
         self.fail_code: grpc.StatusCode | None = None  # Prefill/Decode fail at once with it
+        self.transfer_error = ""  # P: the KV never reaches D; P's result reports this error
         self.gate = asyncio.Event()  # D: chunks from index `hold_at` on wait for it; P: the result
         self.gate.set()
         self.hold_at = 0
@@ -172,7 +173,8 @@ class FakeNode(
                 await context.abort(self.fail_code, "scripted prefill failure")
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
-            self.model.deliver(request.ticket.transfer_id, first_token)
+            if not self.transfer_error:
+                self.model.deliver(request.ticket.transfer_id, first_token)
             first = node_pb2.PrefillFirstToken(
                 token_id=first_token,
                 finish_reason=finish_reason,
@@ -182,7 +184,9 @@ class FakeNode(
                 first.logprob.CopyFrom(_logprob(first_token, 0))
             await context.write(node_pb2.PrefillResponse(first_token=first))
             await self.gate.wait()
-            result = node_pb2.PrefillTransferResult(ok=True, num_bytes=1024)
+            result = node_pb2.PrefillTransferResult(
+                ok=not self.transfer_error, error=self.transfer_error, num_bytes=1024
+            )
             await context.write(node_pb2.PrefillResponse(transfer_result=result))
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)

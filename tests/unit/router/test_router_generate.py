@@ -81,6 +81,27 @@ def test_prefill_failure_cancels_the_transfer_and_the_output_is_complete(
     assert h.router.stats.num_prefill_failures == 1
 
 
+def test_a_failed_transfer_prefill_reports_cancels_the_decode_side_at_once(
+    tokenizer_files, output_ids
+) -> None:
+    """P's first token went out but its KV never reached D (e.g. the P->D connection broke):
+    P's failed transfer result makes the router cancel D's reservation, so D prefills locally
+    at once instead of waiting out its 30 s transfer deadline (the test's 10 s bound)."""
+
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids, transfer_timeout_s=30.0) as h:
+            h.prefill[0].transfer_error = "send to tcp://D failed: connection reset"
+            result = await h.client.generate_all("hello", max_tokens=5)
+            return result, h
+
+    result, h = run(body())
+
+    assert result.token_ids == output_ids[:5] and result.finish_reason == "length"
+    (transfer_id,) = h.decode[0].cancelled_transfers
+    assert transfer_id == h.prefill[0].requests[0].ticket.transfer_id
+    assert h.router.stats.num_prefill_failures == 1
+
+
 def test_unreachable_prefill_node_falls_back_to_local_prefill(tokenizer_files, output_ids) -> None:
     async def body():
         async with RouterHarness(tokenizer_files, output_ids, transfer_timeout_s=30.0) as h:
