@@ -8,7 +8,10 @@
 
 Incoming messages are decoded once and routed to their session by transfer id and kind.
 Headers that do not decode, or name no live session, are refused and logged; no session is
-touched. A session leaves the manager the moment it finishes.
+touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
+finished already (e.g. it was not started in time, or cancelled) is answered with a refused
+ack, so its sender fails at once instead of at its deadline (only for the last
+`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -29,13 +33,14 @@ from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
-from cache_transfer.transports.base import KVTransport
+from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.security import ClusterAuth
-from pdserve.v1 import node_pb2
+from pdserve.v1 import node_pb2, transfer_pb2
 
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
+MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late handshakes are refused
 
 S = TypeVar("S", KVReceiver, KVSender)
 
@@ -70,6 +75,8 @@ class KVTransferManager:
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
         self._senders: dict[str, KVSender] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()  # receiver transfer id -> error
+        self._refusals: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
 
@@ -97,8 +104,10 @@ class KVTransferManager:
         num_tokens: int,
         timeout_s: float,
         transfer_id: str | None = None,
+        start_timeout_s: float | None = None,
     ) -> KVReceiver:
-        """A session receiving `num_tokens` tokens of KV into blocks reserved for it."""
+        """A session receiving `num_tokens` tokens of KV into blocks reserved for it (its
+        deadline from the sender's handshake, given `start_timeout_s`)."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
@@ -113,19 +122,30 @@ class KVTransferManager:
             num_tokens,
             timeout_s,
             auth=self.auth,
+            start_timeout_s=start_timeout_s,
         )
         return self._register(receiver, self._receivers)
 
-    def create_sender(self, ticket: node_pb2.TransferTicket, timeout_s: float) -> KVSender:
+    def create_sender(
+        self,
+        ticket: node_pb2.TransferTicket,
+        timeout_s: float,
+        start_timeout_s: float | None = None,
+    ) -> KVSender:
         """A session sending to the receiver that issued `ticket` (FAILED at once, and the
-        receiver told, when the ticket does not match this node's layout)."""
+        receiver told, when the ticket does not match this node's layout); given
+        `start_timeout_s`, it handshakes and its deadline runs from `start()`."""
         self._check_new(ticket.transfer_id)
-        return self._register(
-            KVSender(
-                self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth
-            ),
-            self._senders,
+        sender = KVSender(
+            self._transport,
+            self._staging,
+            self.layout,
+            ticket,
+            timeout_s,
+            auth=self.auth,
+            start_timeout_s=start_timeout_s,
         )
+        return self._register(sender, self._senders)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
         return self._receivers.get(transfer_id) or self._senders.get(transfer_id)
@@ -194,6 +214,8 @@ class KVTransferManager:
             stray = self.get(msg.transfer_id)
             if stray is not None:
                 stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
+            elif kind == "handshake" and msg.transfer_id in self._finished:
+                self._refuse_late_handshake(peer_id, msg)
             else:
                 logger.warning(
                     "refused a %s message from %s: no live transfer %r",
@@ -219,6 +241,33 @@ class KVTransferManager:
     def _on_finish(self, session: TransferSession, table: dict[str, TransferSession]) -> None:
         table.pop(session.transfer_id, None)
         self._count(session)
+        if isinstance(session, KVReceiver):
+            self._finished[session.transfer_id] = session.error or session.state.name
+            while len(self._finished) > MAX_FINISHED_REMEMBERED:
+                self._finished.popitem(last=False)
+
+    def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
+        """Tell a sender whose receiver finished before its handshake (best effort)."""
+        reason = f"the receiver already ended: {self._finished[msg.transfer_id]}"
+        logger.warning("refused a handshake from %s for transfer %s: %s",
+                       peer_id, msg.transfer_id, reason)  # fmt: skip
+        address = msg.handshake.src_address
+        if not address:
+            return
+        ack = transfer_pb2.HandshakeAck(
+            accepted=False, reason=reason, protocol_version=protocol.PROTOCOL_VERSION
+        )
+        header = protocol.encode(msg.transfer_id, 0, handshake_ack=ack)
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
+            except (TimeoutError, TransportError) as error:
+                logger.info("could not refuse transfer %s: %s", msg.transfer_id, error)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._refusals.add(task)
+        task.add_done_callback(self._refusals.discard)
 
     def _count(self, session: TransferSession) -> None:
         if session.state == TransferState.SUCCESS:

@@ -1,7 +1,8 @@
 """`KVReceiver`: the decode side of one KV hand-off.
 
     created (blocks reserved) ── ticket() ──► router ──► prefill node
-    BOOTSTRAPPING ── handshake ok ──► WAITING ── layer lands ──► TRANSFERRING
+    BOOTSTRAPPING ── handshake ok (starts the deadline, given start_timeout_s) ──► WAITING
+                  ── layer lands ──► TRANSFERRING
                   ── every layer complete + first token ──► SUCCESS (result ok sent to P)
     any refused message, the deadline, P's failed result, or a connection lost mid-layer
     ──► FAILED (blocks untouched since; the node frees them once wait() returns)
@@ -50,13 +51,16 @@ class KVReceiver(TransferSession):
         num_tokens: int,
         timeout_s: float,
         auth: ClusterAuth | None = None,
+        start_timeout_s: float | None = None,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first
         ceil(num_tokens / block_size) receive the KV); `num_tokens`: prompt tokens to receive.
         With `auth` the ticket is signed and only a handshake proving the cluster secret is
-        heard (any other is ignored and logged: it neither feeds nor fails the session)."""
+        heard (any other is ignored and logged: it neither feeds nor fails the session).
+        With `start_timeout_s` the sender's handshake must come within it, and `timeout_s`
+        counts from the handshake (the sender starts when its prefill does)."""
         _check_ticket(layout, kv_caches, dst_block_ids, num_tokens)
-        super().__init__(transport, transfer_id, timeout_s)
+        super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
         self.layout = layout
         self.dst_block_ids = list(dst_block_ids)
         self.num_tokens = num_tokens
@@ -212,6 +216,7 @@ class KVReceiver(TransferSession):
                 )
                 self.spawn(self._notify(handshake_ack=ack))
             return
+        self.start()
         self._advance(TransferState.WAITING)
         ack = transfer_pb2.HandshakeAck(accepted=True, protocol_version=PROTOCOL_VERSION)
         self.spawn(self._send(handshake_ack=ack))

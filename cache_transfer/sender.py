@@ -1,6 +1,8 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
+    created from the ticket ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
+    (started at creation unless given start_timeout_s: a prefill node starts it, and the
+    transfer's deadline, when the engine starts the prefill)
     send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order),
     or send_packed(i, payload) for a layer the caller packed itself
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
@@ -40,10 +42,12 @@ class KVSender(TransferSession):
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
         auth: ClusterAuth | None = None,
+        start_timeout_s: float | None = None,
     ) -> None:
         """With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret."""
-        super().__init__(transport, ticket.transfer_id, timeout_s)
+        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
+        The handshake goes out at the start (TransferSession)."""
+        super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
         self._auth = auth
         self._ticket = ticket
         self.layout = layout
@@ -63,8 +67,11 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        else:
+        elif self.started:
             self.spawn(self._handshake())
+
+    def _on_start(self) -> None:
+        self.spawn(self._handshake())
 
     async def send_layer(
         self,

@@ -3,8 +3,11 @@
     BOOTSTRAPPING ─► WAITING ─► TRANSFERRING ─► SUCCESS
           └────────────┴─────────────┴────────► FAILED  (refusal, deadline, abort, lost peer)
 
-A deadline timer armed at creation fails the session if it has not finished by then, whether
-or not anyone waits on it. Outgoing messages carry this side's sequence numbers; incoming ones
+A deadline timer fails the session if it has not finished `timeout_s` after it started,
+whether or not anyone waits on it. A session starts at creation, or, given `start_timeout_s`,
+at `start()` (a prefill node starts its sender when the engine starts the prefill; a receiver
+starts at the sender's handshake): the time a request queues before that is not the
+transfer's, and is bounded by `start_timeout_s` instead. Outgoing messages carry this side's sequence numbers; incoming ones
 must carry the peer's next number, so a lost, repeated or injected message fails the transfer.
 """
 
@@ -31,11 +34,21 @@ NOTIFY_TIMEOUT_S = 1.0  # telling the peer about a failure is best effort, bound
 class TransferSession:
     role = "session"
 
-    def __init__(self, transport: KVTransport, transfer_id: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        transfer_id: str,
+        timeout_s: float,
+        start_timeout_s: float | None = None,
+    ) -> None:
+        """`timeout_s`: from the start to SUCCESS; `start_timeout_s` (None: started at once):
+        the longest the session waits for `start()`."""
         if not transfer_id:
             raise ValueError("transfer_id must be a non-empty string")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if start_timeout_s is not None and not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0 or None, got {start_timeout_s}")
         self.transfer_id = transfer_id
         self.timeout_s = timeout_s
         self.state = TransferState.BOOTSTRAPPING
@@ -47,7 +60,12 @@ class TransferSession:
         self._loop = asyncio.get_running_loop()
         self._start_s = self._loop.time()
         self._done = asyncio.Event()
-        self._timer = self._loop.call_later(timeout_s, self._on_deadline)
+        self.started = start_timeout_s is None
+        if self.started:
+            self._timer = self._loop.call_later(timeout_s, self._on_deadline)
+        else:
+            self._timer = self._loop.call_later(start_timeout_s, self._on_start_deadline)
+            self._start_timeout_s = start_timeout_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finish_callbacks: list[Callable[[TransferSession], None]] = []
 
@@ -57,11 +75,26 @@ class TransferSession:
 
     @property
     def elapsed_s(self) -> float:
-        return self._loop.time() - self._start_s
+        """Since the start (0 until then)."""
+        return self._loop.time() - self._start_s if self.started else 0.0
 
     @property
     def remaining_s(self) -> float:
+        """Of the deadline (all of `timeout_s` until the start)."""
         return max(0.0, self.timeout_s - self.elapsed_s)
+
+    def start(self) -> None:
+        """Start the transfer's deadline now (a no-op once started or finished)."""
+        if self.started or self.finished:
+            return
+        self.started = True
+        self._start_s = self._loop.time()
+        self._timer.cancel()
+        self._timer = self._loop.call_later(self.timeout_s, self._on_deadline)
+        self._on_start()
+
+    def _on_start(self) -> None:
+        """What a role does when its session starts (the sender sends its handshake)."""
 
     def add_finish_callback(self, callback: Callable[[TransferSession], None]) -> None:
         """Call `callback(self)` once, when the session reaches SUCCESS or FAILED."""
@@ -69,12 +102,14 @@ class TransferSession:
 
     async def wait(self, timeout_s: float | None = None) -> TransferState:
         """The final state; FAILED when it is not reached within `timeout_s` (default: the
-        session's remaining deadline)."""
-        limit_s = self.remaining_s if timeout_s is None else timeout_s
+        session's own deadlines, which always end it)."""
+        if timeout_s is None:
+            await self._done.wait()
+            return self.state
         try:
-            await asyncio.wait_for(self._done.wait(), limit_s)
+            await asyncio.wait_for(self._done.wait(), timeout_s)
         except TimeoutError:
-            self.fail(f"no result within {limit_s:.3g}s of waiting")
+            self.fail(f"no result within {timeout_s:.3g}s of waiting")
         return self.state
 
     def abort(self, reason: str) -> None:
@@ -124,6 +159,9 @@ class TransferSession:
 
     def _on_deadline(self) -> None:
         self.fail(f"timed out after {self.timeout_s:.3g}s in state {self.state.name}")
+
+    def _on_start_deadline(self) -> None:
+        self.fail(f"not started within {self._start_timeout_s:.3g}s (queued too long)")
 
     def _check_envelope(self, msg: TransferMessage) -> str | None:
         """Why an incoming message is out of sequence, or None (and count it)."""

@@ -2,7 +2,9 @@
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
 Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
-    ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED)
+    ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
+        the prefill node's handshake within transfer_timeout_s (it handshakes when its
+        prefill starts), then transfer_timeout_s from the handshake
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
@@ -150,7 +152,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        receiver = self._manager.create_receiver(block_ids, request.prompt_len, timeout_s)
+        receiver = self._manager.create_receiver(
+            block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
+        )
         job.receiver = receiver
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)

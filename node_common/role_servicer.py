@@ -28,5 +28,6 @@ class RoleServicer:
         self.counters = counters
         self._engine = node.engine
         self._manager = node.manager
+        # A hand-off starts with its prefill (within this) and ends within this of its start.
         self._transfer_timeout_s = node.config.transfer_timeout_s
         self._metrics = node.metrics

@@ -2,6 +2,9 @@
 
     event loop     open(request_id, sender)                     before the engine sees the request
     engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is queued
+                     a request's first chunk: loop.call_soon_threadsafe(sender.start): the
+                       handshake and the transfer's deadline start with the prefill, not
+                       while the request queues
                      for each chunk that ends its prompt, of a request with a live sender:
                        CUDA: record an event on the compute stream; on the pack stream wait
                              for it and pack (one kernel, K and V); record `packed`. Nothing
@@ -62,6 +65,7 @@ class _Outgoing:
     trace: TransferTrace
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     broken: bool = False  # packing a layer failed: later layers are not sent
+    started: bool = False  # the engine computed a chunk of it: sender.start() is scheduled
     src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
 
 
@@ -102,7 +106,12 @@ class LayerStreamer:
         for chunk in chunks:
             request = chunk.request
             outgoing = self._outgoing.get(request.request_id)
-            if outgoing is None or chunk.end_pos != request.prompt_len:
+            if outgoing is None:
+                continue
+            if not outgoing.started:  # its prefill started (this step): so does the transfer
+                outgoing.started = True
+                self._loop.call_soon_threadsafe(outgoing.sender.start)
+            if chunk.end_pos != request.prompt_len:
                 continue
             if outgoing.broken or outgoing.sender.finished:
                 continue
@@ -133,6 +142,7 @@ class LayerStreamer:
         result (within the sender's deadline); the finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
+        sender.start()  # (the engine's hook started it unless no layer ran, e.g. no hook)
         if outgoing.tasks:
             await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
         try:

@@ -2,8 +2,10 @@
 
 check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
 build the Request (bad params: INVALID_ARGUMENT)
-create_sender(ticket) ── handshake in the background ──► decode node
+create_sender(ticket)  (its handshake and deadline start with the prefill: LayerStreamer)
 LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
+    the sender fails first (not started within transfer_timeout_s, the decode side failed it,
+    the connection broke) ──► abort the prefill ──► ABORTED (the router cancels D's side)
 ──► PrefillFirstToken                                     at once
 LayerStreamer.finish: layers sent, first token sent, the receiver's result awaited
 EngineCore.release (held blocks) ──► PrefillTransferResult
@@ -12,6 +14,7 @@ cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stay
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -37,6 +40,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._streamer = streamer
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
+        self._aborts: set[asyncio.Task[bool]] = set()  # prefills whose transfer failed first
 
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -54,7 +58,10 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             self.counters.num_queued_prefill_tokens -= num_queued
             num_queued = 0
             if first is None:
-                await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
+                why = f": its KV transfer failed ({sender.error})" if sender.error else ""
+                await context.abort(
+                    grpc.StatusCode.ABORTED, f"request {request_id} was aborted{why}"
+                )
             held = first.prefill_done
             first_token = _first_token(first)
             yield node_pb2.PrefillResponse(first_token=first_token)
@@ -115,7 +122,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> KVSender:
         try:
-            sender = self._manager.create_sender(request.ticket, self._transfer_timeout_s)
+            sender = self._manager.create_sender(
+                request.ticket, self._transfer_timeout_s, start_timeout_s=self._transfer_timeout_s
+            )
         except ValueError as error:  # the transfer id is already in progress here
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         sender.add_finish_callback(self._metrics.transfer_finished)
@@ -128,8 +137,20 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
 
     async def _prefill(self, request: Request, sender: KVSender) -> StepOutput | None:
         """Run the prefill; its one output (prefill done, or finished by the first token), or
-        None when the request was aborted."""
+        None when the request was aborted (also when its transfer failed first: nobody would
+        receive the KV)."""
         first = None
+        request_id = request.request_id
+
+        def on_failed(session: KVSender) -> None:
+            if session.state == TransferState.FAILED and first is None:
+                task = asyncio.get_running_loop().create_task(self._engine.abort(request_id))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+
+        if sender.state == TransferState.FAILED:  # before the prefill was even queued
+            return None
+        sender.add_finish_callback(on_failed)
         async for out in self._engine.generate(request):
             first = out
         if first is None or first.finish_reason == FinishReason.ABORT or not first.new_token_ids:

@@ -203,7 +203,9 @@ class RequestCalls:
         )
 
     def _start_prefill(self, ticket: node_pb2.TransferTicket) -> None:
-        timeout_s = self._config.transfer_timeout_s  # D falls back to local prefill after it
+        # P starts the prefill within transfer_timeout_s and ends the hand-off within
+        # transfer_timeout_s of that (as D waits): the call outlives neither.
+        timeout_s = 2 * self._config.transfer_timeout_s
         if self._timeout_s is not None:
             timeout_s = min(timeout_s, self._timeout_s)
         if self._prefill_work is not None:

@@ -1,0 +1,159 @@
+"""A KV hand-off's deadline starts when its prefill starts, not while the request queues on the
+prefill node; a request queued past the bound is aborted there (and D falls back); a receiver
+that ended before its sender's handshake refuses it at once.
+
+The prefill node's queue is forced by holding its prefills back from the engine (an Event),
+not by timing luck."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from cache_transfer import TransferState
+from pdserve.v1 import node_pb2
+from tests.unit.decode_node.node_harness import (
+    GREEDY,
+    RPC_TIMEOUT_S,
+    decode_request,
+    prompt,
+    read_chunks,
+    read_prefill,
+    read_ticket,
+    run,
+    running_nodes,
+    tokens_of,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLD_S = 3.0  # how long the prefill node's engine is kept from starting the prefill
+
+
+def hold_prefills(server) -> threading.Event:
+    """Keep `server`'s engine from stepping (its requests wait in the scheduler's queue, its
+    commands still run, as between the steps of a busy engine) until the returned event is
+    set."""
+    release = threading.Event()
+    step = server.core.step
+
+    def held_step():
+        if release.wait(0.01):
+            return step()
+        return []
+
+    server.core.step = held_step
+    return release
+
+
+def prefill_request(request_id, prompt_ids, ticket) -> node_pb2.PrefillRequest:
+    return node_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=GREEDY, ticket=ticket
+    )
+
+
+def test_queueing_on_the_prefill_node_is_not_transfer_time() -> None:
+    prompt_ids = prompt(21, seed=3)
+
+    async def main() -> None:
+        async with running_nodes("tcp", transfer_timeout_s=30.0) as nodes:
+            release = hold_prefills(nodes.prefill)
+            decode = nodes.decode_stub.Decode(
+                decode_request("q1", prompt_ids, transfer_timeout_s=30.0), timeout=RPC_TIMEOUT_S
+            )
+            ticket = await read_ticket(decode)
+            prefill = nodes.prefill_stub.Prefill(
+                prefill_request("q1", prompt_ids, ticket), timeout=RPC_TIMEOUT_S
+            )
+            await wait_until(lambda: nodes.prefill.manager.get(ticket.transfer_id) is not None)
+            held_s = time.monotonic()
+            await asyncio.sleep(HOLD_S)  # queued: neither side's transfer clock runs
+            sender = nodes.prefill.manager.get(ticket.transfer_id)
+            receiver = nodes.decode.manager.get(ticket.transfer_id)
+            assert not sender.started and sender.state == TransferState.BOOTSTRAPPING
+            assert not receiver.started and receiver.state == TransferState.BOOTSTRAPPING
+            release.set()
+            first, result = await read_prefill(prefill)
+            chunks = await read_chunks(decode)
+            queued_s = time.monotonic() - held_s
+            assert result.transfer_result.ok, result
+            # the hand-off's own time excludes the queue (it was held for HOLD_S of it)
+            assert result.transfer_result.elapsed_s < min(HOLD_S, queued_s)
+            assert tokens_of(chunks)[0] == first.first_token.token_id
+            assert not nodes.decode.traces["q1"].prefilled_locally
+
+    run(main())
+
+
+def test_a_prefill_queued_past_the_transfer_timeout_is_aborted_and_decode_falls_back() -> None:
+    prompt_ids = prompt(17, seed=4)
+
+    async def main() -> None:
+        async with running_nodes("tcp", transfer_timeout_s=1.0) as nodes:
+            release = hold_prefills(nodes.prefill)
+            decode = nodes.decode_stub.Decode(
+                decode_request("q2", prompt_ids, transfer_timeout_s=30.0), timeout=RPC_TIMEOUT_S
+            )
+            ticket = await read_ticket(decode)
+            prefill = nodes.prefill_stub.Prefill(
+                prefill_request("q2", prompt_ids, ticket), timeout=RPC_TIMEOUT_S
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await asyncio.wait_for(prefill.read(), RPC_TIMEOUT_S)
+            assert error.value.code() == grpc.StatusCode.ABORTED
+            assert "not started within" in error.value.details()
+            # P told D (its failed result): D prefills locally long before its own 30 s bound
+            chunks = await read_chunks(decode)
+            assert len(tokens_of(chunks)) == GREEDY.max_tokens
+            assert nodes.decode.traces["q2"].prefilled_locally
+            release.set()  # the aborted prefill never runs; every block is free (harness)
+
+    run(main())
+
+
+def test_a_handshake_after_the_receiver_ended_is_refused_at_once() -> None:
+    prompt_ids = prompt(13, seed=6)
+
+    async def main() -> None:
+        async with running_nodes("tcp", transfer_timeout_s=30.0) as nodes:
+            release = hold_prefills(nodes.prefill)
+            decode = nodes.decode_stub.Decode(
+                decode_request("q3", prompt_ids, transfer_timeout_s=30.0), timeout=RPC_TIMEOUT_S
+            )
+            ticket = await read_ticket(decode)
+            prefill = nodes.prefill_stub.Prefill(
+                prefill_request("q3", prompt_ids, ticket), timeout=RPC_TIMEOUT_S
+            )
+            await wait_until(lambda: nodes.prefill.manager.get(ticket.transfer_id) is not None)
+            cancel = node_pb2.CancelTransferRequest(transfer_id=ticket.transfer_id, reason="test")
+            assert (await nodes.decode_stub.CancelTransfer(cancel, timeout=RPC_TIMEOUT_S)).found
+            await read_chunks(decode)  # D prefilled locally
+            started_s = time.monotonic()
+            release.set()  # P's prefill starts and handshakes with a receiver that is gone
+            failure = await prefill_failure(prefill)
+            assert time.monotonic() - started_s < 10.0  # not its 30 s transfer deadline
+            assert "receiver already ended" in failure
+
+    run(main())
+
+    run(main())
+
+
+async def prefill_failure(call) -> str:
+    """Why a Prefill call's hand-off failed: the call's status (the prefill was aborted
+    before its first token) or its failed transfer result."""
+    try:
+        while True:
+            message = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+            assert message is not grpc.aio.EOF, "the hand-off did not fail"
+            if message.WhichOneof("kind") == "transfer_result":
+                assert not message.transfer_result.ok
+                return message.transfer_result.error
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.ABORTED, error
+        return error.details()
