@@ -4,8 +4,10 @@ that record how every request ended (tokens, a clear status, or past its deadlin
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,9 +60,11 @@ async def run_one(
     client: GenerationClient,
     timeout_s: float,
     cancel_after_s: float | None = None,
+    on_chunk: Callable[[Outcome], None] | None = None,
     **request_fields,
 ) -> Outcome:
-    """One request; cancelled by the client after `cancel_after_s` when given."""
+    """One request; cancelled by the client after `cancel_after_s` when given; `on_chunk`
+    sees the outcome so far after every chunk (a fault test strikes from there)."""
     outcome = Outcome()
     start = time.monotonic()
 
@@ -69,6 +73,8 @@ async def run_one(
             outcome.token_ids.extend(chunk.token_ids)
             if chunk.finish_reason:
                 outcome.finish_reason = chunk.finish_reason
+            if on_chunk is not None:
+                on_chunk(outcome)
 
     try:
         if cancel_after_s is None:
@@ -111,3 +117,38 @@ def free_blocks_settled(cluster, names: list[str], timeout_s: float = 30.0) -> d
             break
         time.sleep(0.1)
     return {n: (s.num_free_kv_blocks, s.num_kv_blocks) for n, s in stats.items()}
+
+
+def prompts(num: int, seed: int, min_len: int = 8, max_len: int = 60) -> list[list[int]]:
+    """`num` seeded random token-id prompts (ids in [3, 512): the tiny model's, no specials)."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, 512) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)
+    ]
+
+
+async def burst(
+    client: GenerationClient,
+    prompt_ids: list[list[int]],
+    timeout_s: float,
+    max_tokens: int = 16,
+    cancel_after_s: list[float | None] | None = None,
+    on_chunk: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    """Every prompt at once (greedy, ignore_eos); how each request ended."""
+    cancels = cancel_after_s or [None] * len(prompt_ids)
+    return await asyncio.gather(
+        *(
+            run_one(
+                client,
+                timeout_s,
+                cancel,
+                on_chunk,
+                prompt_token_ids=ids,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+            )  # fmt: skip
+            for ids, cancel in zip(prompt_ids, cancels, strict=True)
+        )
+    )

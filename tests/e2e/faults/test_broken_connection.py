@@ -1,0 +1,91 @@
+"""The P->D KV connection breaks (as after a decode node restarted behind the same address):
+the prefill node's sends fail, its failed transfer result reaches the router, and the router's
+CancelTransfer frees the decode node's reservation at once: D prefills locally within seconds,
+not at its 30 s transfer deadline. Real nodes and a real router in one process; the break is
+the prefill node's tcp transport failing the hand-off's last message (the first token), after
+every layer went out: D has all the KV but will never hear from P."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cache_transfer import protocol
+from cache_transfer.transports.base import TransportError
+from pdserve.config import RouterConfig
+from router.client import GenerationClient
+from router.server import RouterServer
+from tests.e2e.faults.fault_tools import CLEAR_CODES, run_one
+from tests.e2e.faults.table import FaultRow, record
+from tests.unit.decode_node.node_harness import prompt, running_nodes
+
+pytestmark = pytest.mark.timeout(120)
+
+TRANSFER_TIMEOUT_S = 30.0
+FAST_S = 10.0  # well under the transfer timeout, generous on a loaded machine
+
+
+def test_a_broken_p_to_d_connection_cancels_the_reservation_at_once():
+    async def main():
+        async with running_nodes("tcp", transfer_timeout_s=TRANSFER_TIMEOUT_S) as nodes:
+            transport = nodes.prefill.manager._transport
+            send = transport.send
+
+            async def broken_send(peer_address, header, payload=None):
+                if protocol.kind_of(protocol.decode(header)) == "first_token":
+                    raise TransportError(f"connection to {peer_address} reset by peer")
+                await send(peer_address, header, payload)
+
+            transport.send = broken_send
+            cancels: list[tuple[str, str]] = []
+            abort = nodes.decode.manager.abort
+
+            def recording_abort(transfer_id: str, reason: str) -> bool:
+                cancels.append((transfer_id, reason))
+                return abort(transfer_id, reason)
+
+            nodes.decode.manager.abort = recording_abort
+            router = RouterServer(RouterConfig(
+                port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
+                prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
+                transfer_timeout_s=TRANSFER_TIMEOUT_S,
+            ))  # fmt: skip
+            await router.start()
+            client = GenerationClient(router.address)
+            try:
+                outcomes = [
+                    await run_one(
+                        client,
+                        60.0,
+                        prompt_token_ids=prompt(20 + i, seed=i),
+                        max_tokens=6,
+                        temperature=0.0,
+                        ignore_eos=True,
+                    )  # fmt: skip
+                    for i in range(3)
+                ]
+            finally:
+                await client.close()
+                await router.stop()
+            _, decode_stats = await nodes.stats()
+            return outcomes, cancels, decode_stats, nodes.decode.servicer.counters.num_fallbacks
+
+    start = time.monotonic()
+    outcomes, cancels, decode_stats, num_fallbacks = asyncio.run(asyncio.wait_for(main(), 100))
+    elapsed_s = time.monotonic() - start
+    record(FaultRow(
+        "P->D connection broken (P's failed result cancels D's reservation)", len(outcomes),
+        sum(o.code is None for o in outcomes),
+        sum(o.code in CLEAR_CODES and bool(o.details) for o in outcomes),
+        0,  # running_nodes asserts both pools whole again on exit
+        sum(o.elapsed_s > FAST_S for o in outcomes), f"slowest {max(o.elapsed_s for o in outcomes):.1f} s",
+    ))  # fmt: skip
+    assert all(o.code is None and o.num_tokens == 6 for o in outcomes), outcomes
+    assert all(o.elapsed_s < FAST_S for o in outcomes), [o.elapsed_s for o in outcomes]
+    assert num_fallbacks == len(outcomes)
+    # the mechanism: each reservation was released by the router relaying P's report
+    assert len(cancels) == len(outcomes), cancels
+    assert all("its KV transfer failed: send to" in reason for _, reason in cancels), cancels
+    assert elapsed_s < 100
