@@ -2,7 +2,8 @@
 
 check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
 build the Request (bad params: INVALID_ARGUMENT)
-create_sender(ticket)  (its handshake and deadline start with the prefill: LayerStreamer)
+create_sender(ticket, the request's transfer_timeout_s capped by the node's)  (its handshake
+    and deadline start with the prefill: LayerStreamer)
 LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
     the sender fails first (not started within transfer_timeout_s, the decode side failed it,
     the connection broke) ──► abort the prefill ──► ABORTED (the router cancels D's side)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -103,6 +105,11 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         problem = None
         if not request.request_id:
             problem = "request_id is empty"
+        elif not request.transfer_timeout_s >= 0:
+            problem = (
+                f"transfer_timeout_s must be >= 0 (0: the node's default), got "
+                f"{request.transfer_timeout_s}"
+            )
         elif not ticket.transfer_id or not ticket.dst_address:
             problem = "the ticket needs a transfer_id and a dst_address"
         elif ticket.num_tokens != len(request.prompt_token_ids):
@@ -122,8 +129,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> KVSender:
         try:
+            timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
             sender = self._manager.create_sender(
-                request.ticket, self._transfer_timeout_s, start_timeout_s=self._transfer_timeout_s
+                request.ticket, timeout_s, start_timeout_s=timeout_s
             )
         except ValueError as error:  # the transfer id is already in progress here
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))

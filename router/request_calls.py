@@ -217,6 +217,7 @@ class RequestCalls:
                 prompt_token_ids=self._request.prompt_token_ids,
                 sampling=self._request.node_sampling,
                 ticket=ticket,
+                transfer_timeout_s=self._config.transfer_timeout_s,
             ),
             timeout=timeout_s,
         )

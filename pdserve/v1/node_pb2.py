@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/node.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x82\x04\n\x12NodeSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsJ\x04\x08\n\x10\x0bR\x04stop\"\xa8\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_address\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x65xpires_at_unix_s\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.NodeSamplingParams\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.pdserve.v1.DecodeMode\x12\x1a\n\x12transfer_timeout_s\x18\x05 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"p\n\x0e\x44\x65\x63odeResponse\x12,\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\x93\x01\n\nTokenChunk\x12\x14\n\x0coutput_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"<\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x16\x43\x61ncelTransferResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.NodeSamplingParams\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\"\x8d\x01\n\x0fPrefillResponse\x12\x34\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1d.pdserve.v1.PrefillFirstTokenH\x00\x12<\n\x0ftransfer_result\x18\x02 \x01(\x0b\x32!.pdserve.v1.PrefillTransferResultH\x00\x42\x06\n\x04kind\"\x82\x01\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"X\n\x15PrefillTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12GetNodeInfoRequest\"\xf3\x01\n\x08NodeInfo\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.NodeRole\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0ckv_transport\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\"\x11\n\x0fGetStatsRequest\"\xec\x02\n\tNodeStats\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1d\n\x15num_pending_transfers\x18\x05 \x01(\r\x12\x1d\n\x15num_finished_requests\x18\x06 \x01(\x04\x12\x1a\n\x12num_local_prefills\x18\x07 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x08 \x01(\x04\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\t \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\n \x01(\x04\x12\x30\n\rlast_transfer\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.LayerTimeline\"n\n\rLayerTimeline\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ncomputed_s\x18\x03 \x03(\x01\x12\x0e\n\x06sent_s\x18\x04 \x03(\x01\x12\x10\n\x08landed_s\x18\x05 \x03(\x01\"\x15\n\x13GetTokenizerRequest\"^\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02*g\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_MODE_DISAGGREGATED\x10\x01\x12\x1d\n\x19\x44\x45\x43ODE_MODE_LOCAL_PREFILL\x10\x02\x32\x96\x02\n\x04Node\x12\x43\n\x0bGetNodeInfo\x12\x1e.pdserve.v1.GetNodeInfoRequest\x1a\x14.pdserve.v1.NodeInfo\x12>\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x15.pdserve.v1.NodeStats\x12K\n\x0cGetTokenizer\x12\x1f.pdserve.v1.GetTokenizerRequest\x1a\x1a.pdserve.v1.TokenizerFiles\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2S\n\x0bPrefillNode\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\xa8\x01\n\nDecodeNode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12W\n\x0e\x43\x61ncelTransfer\x12!.pdserve.v1.CancelTransferRequest\x1a\".pdserve.v1.CancelTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/node.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x82\x04\n\x12NodeSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsJ\x04\x08\n\x10\x0bR\x04stop\"\xa8\x01\n\x0eTransferTicket\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64st_address\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x65xpires_at_unix_s\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"\xcb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.NodeSamplingParams\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.pdserve.v1.DecodeMode\x12\x1a\n\x12transfer_timeout_s\x18\x05 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"p\n\x0e\x44\x65\x63odeResponse\x12,\n\x06ticket\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicketH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x06\n\x04kind\"\x93\x01\n\nTokenChunk\x12\x14\n\x0coutput_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"<\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x16\x43\x61ncelTransferResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdserve.v1.NodeSamplingParams\x12*\n\x06ticket\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.TransferTicket\x12\x1a\n\x12transfer_timeout_s\x18\x05 \x01(\x01\"\x8d\x01\n\x0fPrefillResponse\x12\x34\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1d.pdserve.v1.PrefillFirstTokenH\x00\x12<\n\x0ftransfer_result\x18\x02 \x01(\x0b\x32!.pdserve.v1.PrefillTransferResultH\x00\x42\x06\n\x04kind\"\x82\x01\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"X\n\x15PrefillTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12GetNodeInfoRequest\"\xf3\x01\n\x08NodeInfo\x12\"\n\x04role\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.NodeRole\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0ckv_transport\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\"\x11\n\x0fGetStatsRequest\"\xec\x02\n\tNodeStats\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1d\n\x15num_pending_transfers\x18\x05 \x01(\r\x12\x1d\n\x15num_finished_requests\x18\x06 \x01(\x04\x12\x1a\n\x12num_local_prefills\x18\x07 \x01(\x04\x12\x1c\n\x14num_failed_transfers\x18\x08 \x01(\x04\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\t \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\n \x01(\x04\x12\x30\n\rlast_transfer\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.LayerTimeline\"n\n\rLayerTimeline\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ncomputed_s\x18\x03 \x03(\x01\x12\x0e\n\x06sent_s\x18\x04 \x03(\x01\x12\x10\n\x08landed_s\x18\x05 \x03(\x01\"\x15\n\x13GetTokenizerRequest\"^\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*R\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02*g\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_MODE_DISAGGREGATED\x10\x01\x12\x1d\n\x19\x44\x45\x43ODE_MODE_LOCAL_PREFILL\x10\x02\x32\x96\x02\n\x04Node\x12\x43\n\x0bGetNodeInfo\x12\x1e.pdserve.v1.GetNodeInfoRequest\x1a\x14.pdserve.v1.NodeInfo\x12>\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x15.pdserve.v1.NodeStats\x12K\n\x0cGetTokenizer\x12\x1f.pdserve.v1.GetTokenizerRequest\x1a\x1a.pdserve.v1.TokenizerFiles\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2S\n\x0bPrefillNode\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32\xa8\x01\n\nDecodeNode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12W\n\x0e\x43\x61ncelTransfer\x12!.pdserve.v1.CancelTransferRequest\x1a\".pdserve.v1.CancelTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=2806
-  _globals['_NODEROLE']._serialized_end=2888
-  _globals['_DECODEMODE']._serialized_start=2890
-  _globals['_DECODEMODE']._serialized_end=2993
+  _globals['_NODEROLE']._serialized_start=2834
+  _globals['_NODEROLE']._serialized_end=2916
+  _globals['_DECODEMODE']._serialized_start=2918
+  _globals['_DECODEMODE']._serialized_end=3021
   _globals['_NODESAMPLINGPARAMS']._serialized_start=67
   _globals['_NODESAMPLINGPARAMS']._serialized_end=581
   _globals['_TRANSFERTICKET']._serialized_start=584
@@ -51,35 +51,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1286
   _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1325
   _globals['_PREFILLREQUEST']._serialized_start=1328
-  _globals['_PREFILLREQUEST']._serialized_end=1484
-  _globals['_PREFILLRESPONSE']._serialized_start=1487
-  _globals['_PREFILLRESPONSE']._serialized_end=1628
-  _globals['_PREFILLFIRSTTOKEN']._serialized_start=1631
-  _globals['_PREFILLFIRSTTOKEN']._serialized_end=1761
-  _globals['_PREFILLTRANSFERRESULT']._serialized_start=1763
-  _globals['_PREFILLTRANSFERRESULT']._serialized_end=1851
-  _globals['_ABORTREQUEST']._serialized_start=1853
-  _globals['_ABORTREQUEST']._serialized_end=1887
-  _globals['_ABORTRESPONSE']._serialized_start=1889
-  _globals['_ABORTRESPONSE']._serialized_end=1919
-  _globals['_GETNODEINFOREQUEST']._serialized_start=1921
-  _globals['_GETNODEINFOREQUEST']._serialized_end=1941
-  _globals['_NODEINFO']._serialized_start=1944
-  _globals['_NODEINFO']._serialized_end=2187
-  _globals['_GETSTATSREQUEST']._serialized_start=2189
-  _globals['_GETSTATSREQUEST']._serialized_end=2206
-  _globals['_NODESTATS']._serialized_start=2209
-  _globals['_NODESTATS']._serialized_end=2573
-  _globals['_LAYERTIMELINE']._serialized_start=2575
-  _globals['_LAYERTIMELINE']._serialized_end=2685
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2687
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2708
-  _globals['_TOKENIZERFILES']._serialized_start=2710
-  _globals['_TOKENIZERFILES']._serialized_end=2804
-  _globals['_NODE']._serialized_start=2996
-  _globals['_NODE']._serialized_end=3274
-  _globals['_PREFILLNODE']._serialized_start=3276
-  _globals['_PREFILLNODE']._serialized_end=3359
-  _globals['_DECODENODE']._serialized_start=3362
-  _globals['_DECODENODE']._serialized_end=3530
+  _globals['_PREFILLREQUEST']._serialized_end=1512
+  _globals['_PREFILLRESPONSE']._serialized_start=1515
+  _globals['_PREFILLRESPONSE']._serialized_end=1656
+  _globals['_PREFILLFIRSTTOKEN']._serialized_start=1659
+  _globals['_PREFILLFIRSTTOKEN']._serialized_end=1789
+  _globals['_PREFILLTRANSFERRESULT']._serialized_start=1791
+  _globals['_PREFILLTRANSFERRESULT']._serialized_end=1879
+  _globals['_ABORTREQUEST']._serialized_start=1881
+  _globals['_ABORTREQUEST']._serialized_end=1915
+  _globals['_ABORTRESPONSE']._serialized_start=1917
+  _globals['_ABORTRESPONSE']._serialized_end=1947
+  _globals['_GETNODEINFOREQUEST']._serialized_start=1949
+  _globals['_GETNODEINFOREQUEST']._serialized_end=1969
+  _globals['_NODEINFO']._serialized_start=1972
+  _globals['_NODEINFO']._serialized_end=2215
+  _globals['_GETSTATSREQUEST']._serialized_start=2217
+  _globals['_GETSTATSREQUEST']._serialized_end=2234
+  _globals['_NODESTATS']._serialized_start=2237
+  _globals['_NODESTATS']._serialized_end=2601
+  _globals['_LAYERTIMELINE']._serialized_start=2603
+  _globals['_LAYERTIMELINE']._serialized_end=2713
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2715
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2736
+  _globals['_TOKENIZERFILES']._serialized_start=2738
+  _globals['_TOKENIZERFILES']._serialized_end=2832
+  _globals['_NODE']._serialized_start=3024
+  _globals['_NODE']._serialized_end=3302
+  _globals['_PREFILLNODE']._serialized_start=3304
+  _globals['_PREFILLNODE']._serialized_end=3387
+  _globals['_DECODENODE']._serialized_start=3390
+  _globals['_DECODENODE']._serialized_end=3558
 # @@protoc_insertion_point(module_scope)

@@ -51,10 +51,11 @@ def hold_prefills(server) -> threading.Event:
     return release
 
 
-def prefill_request(request_id, prompt_ids, ticket) -> node_pb2.PrefillRequest:
+def prefill_request(request_id, prompt_ids, ticket, **fields) -> node_pb2.PrefillRequest:
     return node_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt_ids, sampling=GREEDY, ticket=ticket
-    )
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=GREEDY, ticket=ticket,
+        **fields,
+    )  # fmt: skip
 
 
 def test_queueing_on_the_prefill_node_is_not_transfer_time() -> None:
@@ -90,23 +91,27 @@ def test_queueing_on_the_prefill_node_is_not_transfer_time() -> None:
     run(main())
 
 
-def test_a_prefill_queued_past_the_transfer_timeout_is_aborted_and_decode_falls_back() -> None:
+@pytest.mark.parametrize("where", ["request", "node"])
+def test_a_prefill_queued_past_the_transfer_timeout_is_aborted_and_decode_falls_back(where):
+    """The timeout comes with the request (the router's), or is the node's own (the cap)."""
     prompt_ids = prompt(17, seed=4)
+    node_timeout_s, request_timeout_s = (30.0, 1.0) if where == "request" else (1.0, 30.0)
 
     async def main() -> None:
-        async with running_nodes("tcp", transfer_timeout_s=1.0) as nodes:
+        async with running_nodes("tcp", transfer_timeout_s=node_timeout_s) as nodes:
             release = hold_prefills(nodes.prefill)
             decode = nodes.decode_stub.Decode(
                 decode_request("q2", prompt_ids, transfer_timeout_s=30.0), timeout=RPC_TIMEOUT_S
             )
             ticket = await read_ticket(decode)
-            prefill = nodes.prefill_stub.Prefill(
-                prefill_request("q2", prompt_ids, ticket), timeout=RPC_TIMEOUT_S
+            request = prefill_request(
+                "q2", prompt_ids, ticket, transfer_timeout_s=request_timeout_s
             )
+            prefill = nodes.prefill_stub.Prefill(request, timeout=RPC_TIMEOUT_S)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await asyncio.wait_for(prefill.read(), RPC_TIMEOUT_S)
             assert error.value.code() == grpc.StatusCode.ABORTED
-            assert "not started within" in error.value.details()
+            assert "not started within 1s" in error.value.details()
             # P told D (its failed result): D prefills locally long before its own 30 s bound
             chunks = await read_chunks(decode)
             assert len(tokens_of(chunks)) == GREEDY.max_tokens
@@ -157,3 +162,19 @@ async def prefill_failure(call) -> str:
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.ABORTED, error
         return error.details()
+
+
+def test_a_negative_transfer_timeout_is_invalid() -> None:
+    async def main() -> None:
+        async with running_nodes("local") as nodes:
+            ticket = node_pb2.TransferTicket(
+                transfer_id="t", dst_address="local://x", num_tokens=3, dst_block_ids=[0],
+                layout_hash=nodes.prefill.layout.layout_hash(),
+            )  # fmt: skip
+            request = prefill_request("neg", [5, 6, 7], ticket, transfer_timeout_s=-1.0)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await nodes.prefill_stub.Prefill(request, timeout=RPC_TIMEOUT_S).read()
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "transfer_timeout_s" in error.value.details()
+
+    run(main())

@@ -98,7 +98,9 @@ def test_a_failed_transfer_prefill_reports_cancels_the_decode_side_at_once(
 
     assert result.token_ids == output_ids[:5] and result.finish_reason == "length"
     (transfer_id,) = h.decode[0].cancelled_transfers
-    assert transfer_id == h.prefill[0].requests[0].ticket.transfer_id
+    (prefill_request,) = h.prefill[0].requests
+    assert transfer_id == prefill_request.ticket.transfer_id
+    assert prefill_request.transfer_timeout_s == 30.0  # one timeout: P gets D's
     assert h.router.stats.num_prefill_failures == 1
 
 
