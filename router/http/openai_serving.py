@@ -79,7 +79,8 @@ class OpenAIServing:
                 for i, choice in enumerate(parsed.choices)
             ]
         except InvalidRequestError as error:
-            raise self._rejected(request_id, OpenAIError(str(error)), start_s) from None
+            error = OpenAIError(str(error), self._param(parsed, error.param))
+            raise self._rejected(request_id, error, start_s) from None
         except RouterError as error:
             raise self._rejected(
                 request_id, OpenAIError.from_router_error(error), start_s
@@ -87,6 +88,13 @@ class OpenAIServing:
         except OpenAIError as error:
             raise self._rejected(request_id, error, start_s) from None
         return PreparedRequest(parsed, request_id, processed, start_s)
+
+    @staticmethod
+    def _param(parsed: OpenAIRequest, param: str | None) -> str | None:
+        """The request's name for a parameter the router's validation blamed."""
+        if param in ("prompt", "prompt_token_ids"):
+            return "messages" if parsed.chat else "prompt"
+        return param
 
     def reject(self, error: OpenAIError, start_s: float) -> OpenAIError:
         """Counts a request refused before it was parsed."""
