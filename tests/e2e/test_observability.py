@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -70,7 +71,16 @@ class Scrapes:
         return self.after[process][key]
 
 
-def test_metrics_after_known_traffic(cluster_http):
+@dataclass
+class Traffic:
+    scrapes: Scrapes
+    served: list  # the completions served (finish length, length, length, stop)
+    num_disaggregated: int  # how many of them went through the prefill node
+
+
+@pytest.fixture(scope="module")
+def traffic(cluster_http) -> Traffic:
+    """Known requests between two scrapes of the router's and both nodes' /metrics."""
     assert set(cluster_http.metrics_urls) == {"prefill-0", "decode-0"}
     scrapes = Scrapes(cluster_http)
     client = openai.OpenAI(base_url=f"{cluster_http.http_url}/v1", api_key="unused",
@@ -78,7 +88,10 @@ def test_metrics_after_known_traffic(cluster_http):
     with client:
         length = [  # disaggregated, then the same prompt again (prefix-cache hits), then local
             client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
                 extra_body={"ignore_eos": True},  # a vLLM extra: every request runs 6 tokens
             )  # fmt: skip
             for prompt in (LONG_PROMPT, LONG_PROMPT, SHORT_PROMPT)
@@ -97,6 +110,11 @@ def test_metrics_after_known_traffic(cluster_http):
     num_disaggregated = 3  # the long prompts
     cluster_http.wait_all_blocks_free(timeout_s=10)
     scrapes.take()
+    return Traffic(scrapes, served, num_disaggregated)
+
+
+def test_router_metrics(traffic):
+    scrapes, served = traffic.scrapes, traffic.served
 
     # router: requests by status and finish reason, latency histograms, tokens, routes
     d = scrapes.delta
@@ -118,13 +136,18 @@ def test_metrics_after_known_traffic(cluster_http):
     # ITL: one sample per token after each request's first chunk
     assert 0 < d("router", "pdserve_inter_token_latency_seconds_count") < completion_tokens
     assert scrapes.now("router", "pdserve_requests_running") == 0
-    assert d("router", "pdserve_routes_total", kind="disaggregated", reason="") == num_disaggregated
+    assert d("router", "pdserve_routes_total", kind="disaggregated",
+             reason="") == traffic.num_disaggregated  # fmt: skip
     assert d("router", "pdserve_routes_total", kind="local", reason="short_prompt") == 1
     assert d("router", "pdserve_prefix_cache_hit_tokens_total") > 0
     assert scrapes.now("router", "pdserve_retries_total") == 0
     assert scrapes.now("router", "pdserve_prefill_failures_total") == 0
 
-    # nodes: load gauges, KV pool, finished requests, prefix cache, local prefills, transfers
+
+def test_node_metrics(traffic):
+    scrapes, served, num_disaggregated = traffic.scrapes, traffic.served, traffic.num_disaggregated
+    d = scrapes.delta
+    # load gauges, KV pool, finished requests, prefix cache, local prefills, transfers
     for node in ("prefill-0", "decode-0"):
         assert scrapes.now(node, "pdserve_node_requests_running") == 0
         assert scrapes.now(node, "pdserve_node_requests_waiting") == 0
