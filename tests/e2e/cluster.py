@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,32 +22,6 @@ from pdserve.v1 import node_pb2, node_pb2_grpc
 START_TIMEOUT_S = 300.0
 _ROUTER = re.compile(r"pd-serve: router listening on (\S+)")
 _NODE = re.compile(r"\[(prefill|decode)-(\d+)\] pd-\w+ listening on (\S+)")
-_HTTP = re.compile(r"pd-serve: OpenAI-compatible API on (\S+)/v1 ")
-_METRICS = re.compile(r"\[(prefill|decode)-(\d+)\] pd-\w+ listening on .*metrics (http://\S+?)\)")
-
-
-def free_ports(count: int, attempts: int = 50) -> int:
-    """The first of `count` consecutive ports free on loopback right now (pd-serve gives node i
-    of `--metrics-port N` the port N + i)."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def _children_of(pid: int) -> list[int]:
@@ -81,8 +54,6 @@ class Cluster:
     process: subprocess.Popen | None = None
     router: str | None = None
     nodes: dict[str, str] = field(default_factory=dict)  # "decode-0" -> host:port
-    http_url: str | None = None  # the router's HTTP API (OpenAI routes under /v1)
-    metrics_urls: dict[str, str] = field(default_factory=dict)  # "decode-0" -> .../metrics
     log: list[str] = field(default_factory=list)
     _ready: threading.Event = field(default_factory=threading.Event)
 
@@ -103,21 +74,10 @@ class Cluster:
             self.log.append(line)
             if match := _NODE.search(line):
                 self.nodes[f"{match.group(1)}-{match.group(2)}"] = match.group(3)
-            if match := _METRICS.search(line):
-                self.metrics_urls[f"{match.group(1)}-{match.group(2)}"] = match.group(3)
-            if match := _HTTP.search(line):
-                self.http_url = match.group(1)
             if match := _ROUTER.search(line):
                 self.router = match.group(1)
-            if line.startswith("pd-serve: try "):  # printed after the router and HTTP lines
                 self._ready.set()
         self._ready.set()
-
-    def lines(self, process: str, containing: str) -> list[str]:
-        """pd-serve's output lines from `process` ("router", "decode-0", ...) that contain
-        `containing` (each process's lines carry its name in brackets)."""
-        tag = f"[{process}] "
-        return [line for line in list(self.log) if line.startswith(tag) and containing in line]
 
     def node_stats(self, name: str) -> node_pb2.NodeStats:
         with grpc.insecure_channel(self.nodes[name]) as channel:

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.cluster import Cluster, free_ports
+from tests.e2e.cluster import Cluster
+from tests.e2e.observe import free_ports, http_url, metrics_urls
 
 MODEL = "smollm2-135m"
 # Prompts of at most this many tokens are prefilled on the decode node (the HTTP cluster's
@@ -36,8 +37,12 @@ def cluster_2p2d():
 def cluster_http():
     """1P1D with the OpenAI HTTP API and every node's /metrics on free ports; the shortest
     prompts take the local-prefill route."""
-    yield from _cluster(
+    clusters = _cluster(
         "--prefill", "1", "--decode", "1",
         "--http-port", str(free_ports(1)), "--metrics-port", str(free_ports(2)),
         "--local-prefill-max-tokens", str(HTTP_LOCAL_PREFILL_MAX_TOKENS),
     )  # fmt: skip
+    for cluster in clusters:
+        cluster.http_url = http_url(cluster)
+        cluster.metrics_urls = metrics_urls(cluster)
+        yield cluster

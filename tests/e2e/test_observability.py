@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import GenerationClient
 from tests.e2e.conftest import MODEL
+from tests.e2e.observe import process_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -173,7 +174,7 @@ def test_node_metrics(traffic):
 def lines_for(cluster, process: str, request_id: str) -> list[str]:
     """`process`'s log lines about the request, waiting (bounded) for at least one."""
     deadline = time.monotonic() + LOG_WAIT_S
-    while not (lines := cluster.lines(process, f"[req={request_id}")) and (
+    while not (lines := process_lines(cluster, process, f"[req={request_id}")) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.05)
@@ -207,4 +208,4 @@ def test_one_request_logs_across_router_and_nodes(cluster_http):
     assert any("prefill done" in x and "KV hand-off ok" in x for x in prefill_lines), prefill_lines
     assert any("decode finished" in x for x in decode_lines), decode_lines
     # and no other request's lines carry this client's id
-    assert all(request_id in x for x in cluster_http.lines("router", f"[req={client_id}"))
+    assert all(request_id in x for x in process_lines(cluster_http, "router", f"[req={client_id}"))
