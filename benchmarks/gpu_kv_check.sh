@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9 on the lent H200 (one GPU): the KV hand-off figures, one command.
-#   carry .whl made by: ../shared/tools/gpu-wheels.sh grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+#   carry .whl made by: ../shared/tools/gpu-wheels.sh grpcio==1.85.1 protobuf==7.35.1 \
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1   (routers run with --http-port 0)
 #   bash benchmarks/gpu_kv_check.sh   -> $OUT/kv_transfer.txt, $OUT/kv_ttft.txt
 # 1. pd-bench transfer: one 8192-token llama3-8b request (1 GiB bf16) prefill process -> decode
 #    process over ucx, both on the one GPU: pack, unpack, end to end, the HBM copy ceiling and the
@@ -25,7 +26,7 @@ grep -v '^\[' "$out/kv_transfer.log" | tee "$out/kv_transfer.txt" | tail -n 30
 echo "exit code: $rc_transfer"
 echo "== pd-bench ttft --model synthetic:llama3-8b --dtype bfloat16 --device cuda --transport ucx --prompt-tokens 2048 8192 --requests 5 --warmup 2"
 timeout -k 10 240 python3 -m benchmarks.cli ttft --model synthetic:llama3-8b --dtype bfloat16 \
-  --device cuda --transport ucx --prompt-tokens 2048 8192 --requests 5 --warmup 2 \
+  --device cuda --transport ucx --prompt-tokens 2048 8192 --requests 5 --warmup 2 --serve-arg=--http-port=0 \
   >"$out/kv_ttft.log" 2>&1
 rc_ttft=$?
 grep -v '^\[' "$out/kv_ttft.log" | tee "$out/kv_ttft.txt" | tail -n 60
