@@ -89,10 +89,12 @@ def test_chat_logprobs_with_token_text(client, tokenizer):
         [entry.token for entry in content], choice.message.content, choice.finish_reason, tokenizer
     )
     for entry in content:
-        assert entry.bytes == list(entry.token.encode())
         assert [t.token for t in entry.top_logprobs][0] == entry.token
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    # each token's own bytes, together, are the content's (a multi-byte character may span tokens)
+    spelled = b"".join(bytes(entry.bytes) for entry in content).decode()
+    assert spelled.removesuffix(tokenizer.eos_token) == choice.message.content
     prompt = tokenizer.apply_chat_template(MESSAGES)
     assert response.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert response.usage.completion_tokens == len(content)
