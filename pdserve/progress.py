@@ -1,18 +1,23 @@
 """Progress of long work (converting a GGUF file, loading a model's weights).
 
 ```
-stderr is a terminal   a tqdm bar on stderr (gone when the work is done)
-otherwise              a log line "<what>: 40% (12/30 tensors, 3.1 s)" each time another
+Progress / track       work counted in units
+  stderr a terminal    a tqdm bar on stderr (gone when the work is done)
+  otherwise            a log line "<what>: 40% (12/30 tensors, 3.1 s)" each time another
                        LOG_EVERY_FRACTION of the work is done or LOG_EVERY_S passed since the
                        last line, whichever comes first (node processes under pd-serve, pods)
+still_working          one step that cannot be counted (a library call): its time so far, on
+                       the bar or in a log line every LOG_EVERY_S, from a thread, until it ends
 ```
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TypeVar
@@ -96,6 +101,40 @@ def track(
         for item in items:
             yield item
             progress.update()
+
+
+@contextlib.contextmanager
+def still_working(
+    what: str,
+    logger: logging.Logger,
+    stream: IO[str] | None = None,
+    interval_s: float = LOG_EVERY_S,
+) -> Iterator[None]:
+    """Says, every `interval_s` while the block runs, that `what` is still going and since
+    when (a bar that counts seconds on a terminal)."""
+    stream = sys.stderr if stream is None else stream
+    done = threading.Event()
+    start_s = time.monotonic()
+    bar = None
+    if _is_terminal(stream):
+        bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", file=stream, leave=False)
+
+    def report() -> None:
+        while not done.wait(interval_s):
+            if bar is not None:
+                bar.refresh()
+            else:
+                logger.info("%s: still going (%.0f s)", what, time.monotonic() - start_s)
+
+    thread = threading.Thread(target=report, name="still-working", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if bar is not None:
+            bar.close()
 
 
 def _is_terminal(stream: IO[str]) -> bool:

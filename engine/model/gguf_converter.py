@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from engine.model.arch_config import RopeConfig
 from engine.model.rope import rope_inv_freq
 from pdserve import envs
-from pdserve.progress import track
+from pdserve.progress import still_working, track
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +262,15 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
     if "tokenizer.ggml.model" not in reader.fields:
         logger.warning("%s carries no tokenizer; the model will take token ids only", gguf_path)
         return
-    logger.info("converting %s: writing the tokenizer", gguf_path.name)
-    from transformers import AutoTokenizer  # slow import, only needed when converting
+    what = f"converting {gguf_path.name}: writing the tokenizer"
+    logger.info("%s", what)
+    with still_working(what, logger):  # transformers' GGUF reader: tens of seconds, silent
+        from transformers import AutoTokenizer  # slow import, only needed when converting
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
-    tokenizer.save_pretrained(out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+        )
+        tokenizer.save_pretrained(out_dir)
     chat_template = _field(reader, "tokenizer.chat_template", None)
     if chat_template:
         config_path = out_dir / "tokenizer_config.json"

@@ -1,13 +1,15 @@
 """Progress: log lines every tenth of the work or every few seconds off a terminal, a tqdm
-bar on one."""
+bar on one; a step that cannot be counted says it is still going."""
 
 from __future__ import annotations
 
 import io
 import logging
+import re
+import time
 
 from pdserve import progress
-from pdserve.progress import Progress, track
+from pdserve.progress import Progress, still_working, track
 
 logger = logging.getLogger("test.progress")
 
@@ -68,4 +70,26 @@ def test_on_a_terminal_a_bar_and_no_log_lines(caplog):
     terminal = FakeTerminal()
     assert list(track(range(4), "loading", 4, "tensors", logger, terminal)) == [0, 1, 2, 3]
     assert "loading" in terminal.getvalue() and "tensors" in terminal.getvalue()
+    assert messages(caplog) == []
+
+
+def test_still_working_reports_until_the_step_ends(caplog):
+    caplog.set_level(logging.INFO)
+    with still_working("writing the tokenizer", logger, io.StringIO(), interval_s=0.01):
+        deadline = time.monotonic() + 10
+        while len(messages(caplog)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    said = messages(caplog)
+    assert len(said) >= 2
+    assert all(re.fullmatch(r"writing the tokenizer: still going \(\d+ s\)", m) for m in said)
+    time.sleep(0.05)
+    assert messages(caplog) == said  # nothing after the step ended
+
+
+def test_still_working_on_a_terminal_shows_the_time_on_a_bar(caplog):
+    caplog.set_level(logging.INFO)
+    terminal = FakeTerminal()
+    with still_working("writing the tokenizer", logger, terminal, interval_s=0.01):
+        time.sleep(0.03)
+    assert "writing the tokenizer: 00:0" in terminal.getvalue()
     assert messages(caplog) == []
