@@ -156,7 +156,9 @@ def test_node_metrics(traffic):
         assert total > 0 and scrapes.now(node, "pdserve_node_kv_blocks_free") == total
         assert scrapes.now(node, "pdserve_node_kv_cache_usage_ratio") == 0
         assert scrapes.now(node, "pdserve_node_kv_transfer_failures_total") == 0
-    assert d("decode-0", "pdserve_node_requests_finished_total") == len(served)
+    # the stop-string request ends at the router, which aborts it on the decode node: counted
+    # there unless the router's cancel of the call beat the abort's last chunk
+    assert d("decode-0", "pdserve_node_requests_finished_total") in (len(served) - 1, len(served))
     assert d("prefill-0", "pdserve_node_requests_finished_total") == num_disaggregated
     assert d("prefill-0", "pdserve_node_prefix_cache_hit_tokens_total") > 0  # the repeated prompt
     assert d("decode-0", "pdserve_node_local_prefills_total") == 1
