@@ -101,7 +101,9 @@ class OpenAIServing:
         return self._rejected("-", error, start_s)
 
     def _rejected(self, request_id: str, error: OpenAIError, start_s: float) -> OpenAIError:
-        status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}.get(error.status, error.code)
+        status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}.get(
+            error.status, error.code
+        )
         self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
         return error
 

@@ -217,9 +217,12 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(tokenizer_files, out
                 streamed = await http.post("/completions", content=oversized())
                 small = await http.post("/completions", json={"model": "fake-model",
                                                               "prompt": "hi", "max_tokens": 2})  # fmt: skip
-            return declared, streamed, small, h
+                metrics = (await http.get(h.router.http.url + "/metrics")).text
+            return declared, streamed, small, metrics, h
 
-    declared, streamed, small, h = run(body())
+    declared, streamed, small, metrics, h = run(body())
+    refused = 'pdserve_requests_total{api="http",finish_reason="",status="RESOURCE_EXHAUSTED"} 2.0'
+    assert refused in metrics
     for response in (declared, streamed):
         assert response.status_code == 413
         assert "--max-request-bytes" in response.json()["error"]["message"]
