@@ -94,6 +94,8 @@ class OpenAIServing:
         """The request's name for a parameter the router's validation blamed."""
         if param in ("prompt", "prompt_token_ids"):
             return "messages" if parsed.chat else "prompt"
+        if param == "max_tokens":
+            return parsed.max_tokens_param
         return param
 
     def reject(self, error: OpenAIError, start_s: float) -> OpenAIError:

@@ -138,6 +138,24 @@ def test_bad_requests_get_openai_errors(tokenizer_files, output_ids, payload, st
     assert f'pdserve_requests_total{{api="http",finish_reason="",status="{label}"}} 1.0' in metrics
 
 
+def test_a_chat_error_names_the_parameter_the_body_used(tokenizer_files, output_ids) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            http = httpx.AsyncClient(base_url=base_url(h))
+            errors = [
+                (await http.post("/chat/completions", json={
+                    "model": "fake-model", "messages": messages, name: 10**9})).json()
+                for name in ("max_completion_tokens", "max_tokens")
+            ]  # fmt: skip
+            await http.aclose()
+            return errors
+
+    errors = [response["error"] for response in run(body())]
+    assert [e["param"] for e in errors] == ["max_completion_tokens", "max_tokens"]
+
+
 def test_health_metrics_and_chat_without_max_tokens(tokenizer_files, output_ids) -> None:
     async def body():
         async with harness(tokenizer_files, output_ids) as h:
