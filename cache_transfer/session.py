@@ -7,8 +7,9 @@ A deadline timer fails the session if it has not finished `timeout_s` after it s
 whether or not anyone waits on it. A session starts at creation, or, given `start_timeout_s`,
 at `start()` (a prefill node starts its sender when the engine starts the prefill; a receiver
 starts at the sender's handshake): the time a request queues before that is not the
-transfer's, and is bounded by `start_timeout_s` instead. Outgoing messages carry this side's sequence numbers; incoming ones
-must carry the peer's next number, so a lost, repeated or injected message fails the transfer.
+transfer's, and is bounded by `start_timeout_s` instead. Outgoing messages carry this side's
+sequence numbers; incoming ones must carry the peer's next number, so a lost, repeated or
+injected message fails the transfer.
 """
 
 from __future__ import annotations

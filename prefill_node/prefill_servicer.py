@@ -42,7 +42,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._streamer = streamer
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
-        self._aborts: set[asyncio.Task[bool]] = set()  # prefills whose transfer failed first
+        self._aborts: set[asyncio.Task[None]] = set()  # prefills whose transfer failed first
 
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -150,9 +150,15 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         first = None
         request_id = request.request_id
 
+        async def abort() -> None:
+            try:
+                await self._engine.abort(request_id)
+            except Exception:  # the engine stopped: the request went with it
+                logger.exception("request %s: could not abort the prefill", request_id)
+
         def on_failed(session: KVSender) -> None:
             if session.state == TransferState.FAILED and first is None:
-                task = asyncio.get_running_loop().create_task(self._engine.abort(request_id))
+                task = asyncio.get_running_loop().create_task(abort())
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)
 

@@ -15,9 +15,10 @@ with FaultCluster(tmp_path) as cluster:
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
+import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -28,7 +29,7 @@ from router.client import GenerationClient
 from router.server import RouterServer
 from tests.e2e.faults.fault_tools import CLEAR_CODES, Outcome, free_blocks_settled
 from tests.e2e.faults.table import FaultRow, record
-from tests.e2e.registry_cluster import RegistryCluster
+from tests.e2e.registry_cluster import _LISTENING, LAUNCH_TIMEOUT_S, RegistryCluster
 
 NUM_KV_BLOCKS = 96  # of 4 tokens: a few requests fill a pool (overload is cheap to reach)
 TRANSFER_TIMEOUT_S = 3.0
@@ -44,7 +45,6 @@ NODE_FLAGS = dict(
 ROUTER_CONFIG = dict(transfer_timeout_s=TRANSFER_TIMEOUT_S, node_rpc_timeout_s=2.0)
 MAX_RSS_GROWTH_MIB = 200.0  # per surviving node over one fault (allocator caches included)
 SETTLE_S = 30.0  # how long pools may take to be whole again after the fault ends
-_KV = re.compile(r"\(kv (\S+)\)")
 
 
 class FaultCluster(RegistryCluster):
@@ -63,9 +63,20 @@ class FaultCluster(RegistryCluster):
         return names
 
     def _listening_line(self, proc) -> str:  # type: ignore[override]
-        line = RegistryCluster._listening_line(proc)
-        if match := _KV.search(line):
-            self.kv_addresses[proc.name] = match[1]
+        """The node's listening line; other lines before it (UCX's own log, e.g. a bind it
+        retries) are skipped, within LAUNCH_TIMEOUT_S."""
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        with ThreadPoolExecutor(1) as pool:
+            while True:
+                remaining = max(0.1, deadline - time.monotonic())
+                line = pool.submit(proc.process.stdout.readline).result(timeout=remaining)
+                if _LISTENING.match(line.rstrip("\n")):
+                    break
+                if not line or time.monotonic() > deadline:
+                    proc.process.kill()
+                    raise RuntimeError(f"{proc.name} exited or did not start: last {line!r}")
+        line = line.rstrip("\n")
+        self.kv_addresses[proc.name] = _LISTENING.match(line)[2]
         return line
 
     def _note_listening(self, names: Sequence[str]) -> None:

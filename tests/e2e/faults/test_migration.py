@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from tests.e2e.faults.fault_tools import free_blocks_settled
+from tests.e2e.faults.table import FaultRow, record
 from tests.e2e.registry_cluster import RegistryCluster, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,7 +56,17 @@ def test_decode_killed_mid_stream_is_migrated(tmp_path, sampling):
                 return undisturbed, disturbed, router.stats
 
         undisturbed, disturbed, stats = asyncio.run(asyncio.wait_for(main(), 240))
+        settled = free_blocks_settled(cluster, ["decode-0", "prefill-0"])
+        record(FaultRow(
+            f"decode killed mid-stream (SIGKILL), {sampling_name(sampling)}: migrated",
+            len(disturbed), sum(t == u for t, u in zip(disturbed, undisturbed)), 0,
+            sum(total - free for free, total in settled.values()), 0,
+            f"migrations={stats.num_migrations}; tokens identical to the undisturbed run",
+        ))  # fmt: skip
         assert disturbed == undisturbed
         assert stats.num_migrations >= 1  # decode-1 held some of the 4 streams
-        settled = free_blocks_settled(cluster, ["decode-0", "prefill-0"])
         assert all(free == total for free, total in settled.values()), settled
+
+
+def sampling_name(sampling: dict) -> str:
+    return "greedy" if sampling["temperature"] == 0.0 else "seeded"
