@@ -46,7 +46,8 @@ async def requests(cluster, num: int, seed: int):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_decode_restarted_on_its_ports(tmp_path, transport):
     with FaultCluster(tmp_path) as cluster:
-        flags = dict(kv_transport=transport, transfer_timeout_s=TRANSFER_TIMEOUT_S)
+        flags = dict(kv_transport=transport, transfer_timeout_s=TRANSFER_TIMEOUT_S,
+                     bind_retry_s=50)  # old ports may linger (within LAUNCH_TIMEOUT_S)  # fmt: skip
         cluster.start_nodes(decode=1, port=free_port(), kv_port=free_port(), **flags)
         cluster.start_nodes(prefill=1, **flags)
         before, _ = asyncio.run(requests(cluster, 2, seed=5))
@@ -63,5 +64,6 @@ def test_decode_restarted_on_its_ports(tmp_path, transport):
                             f"{elapsed_s:.1f} s for 3", min_completed=5)  # fmt: skip
         assert all(o.elapsed_s < FAST_S for o in after), [o.elapsed_s for o in after]
         # a failed hand-off is P's report relayed by the router, never D waiting it out
-        assert stats.num_failed_transfers == num_prefill_failures <= 1
+        assert stats.num_failed_transfers == num_prefill_failures
         assert stats.num_local_prefills == stats.num_failed_transfers  # the rest went through P
+        assert stats.num_failed_transfers < len(after)  # P reconnected: hand-offs work again
