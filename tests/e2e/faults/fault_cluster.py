@@ -64,20 +64,27 @@ class FaultCluster(RegistryCluster):
 
     def _listening_line(self, proc) -> str:  # type: ignore[override]
         """The node's listening line; other lines before it (UCX's own log, e.g. a bind it
-        retries) are skipped, within LAUNCH_TIMEOUT_S."""
+        retries) are skipped, within LAUNCH_TIMEOUT_S (else the node is killed)."""
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        with ThreadPoolExecutor(1) as pool:
-            while True:
+        skipped: list[str] = []
+        pool = ThreadPoolExecutor(1)
+        listening = None
+        try:
+            while listening is None:
                 remaining = max(0.1, deadline - time.monotonic())
                 line = pool.submit(proc.process.stdout.readline).result(timeout=remaining)
-                if _LISTENING.match(line.rstrip("\n")):
-                    break
-                if not line or time.monotonic() > deadline:
-                    proc.process.kill()
-                    raise RuntimeError(f"{proc.name} exited or did not start: last {line!r}")
-        line = line.rstrip("\n")
-        self.kv_addresses[proc.name] = _LISTENING.match(line)[2]
-        return line
+                if not line:
+                    raise RuntimeError(f"{proc.name} exited ({proc.process.poll()}): {skipped}")
+                listening = _LISTENING.match(line.rstrip("\n"))
+                skipped = [*skipped[-20:], line]
+        except TimeoutError:
+            raise RuntimeError(f"{proc.name} did not start in time: {skipped}") from None
+        finally:
+            if listening is None:
+                proc.process.kill()  # (its pipe closes: the reading thread ends)
+            pool.shutdown(wait=False)
+        self.kv_addresses[proc.name] = listening[2]
+        return listening[0]
 
     def _note_listening(self, names: Sequence[str]) -> None:
         for name in names:
