@@ -18,6 +18,7 @@ pd-serve's nodes load the model in their own processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -206,10 +207,8 @@ class BenchCluster:
         return leftover
 
     def _kill_session(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the session this object started
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):  # the session this object started
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def _log_tail(self) -> str:
         tail = "".join(list(self.log)[-LOG_LINES_SHOWN:])
