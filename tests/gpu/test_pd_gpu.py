@@ -64,9 +64,13 @@ def greedy(addr: str) -> list[GenerationResult]:
         async with GenerationClient(addr) as client:
             return [
                 await client.generate_all(
-                    prompt_token_ids=ids, max_tokens=MAX_TOKENS, temperature=0.0,
-                    ignore_eos=True, logprobs=0, timeout_s=REQUEST_TIMEOUT_S,
-                )  # fmt: skip
+                    prompt_token_ids=ids,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    logprobs=0,
+                    timeout_s=REQUEST_TIMEOUT_S,
+                )
                 for ids in prompts()
             ]
 
