@@ -230,8 +230,8 @@ class LayerStreamer:
                 if first.ready is not None:
                     try:
                         await _wait_event(first.ready, sender.remaining_s)
-                    except TimeoutError as error:
-                        sender.abort(f"layer {first.layer_idx}: {error}")
+                    except Exception as error:  # the deadline, or a CUDA error
+                        sender.abort(f"layer {first.layer_idx} was not packed: {error!r}")
                         outgoing.queued.clear()
                         return
                 batch = [outgoing.queued.popleft()]

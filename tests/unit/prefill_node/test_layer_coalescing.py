@@ -10,13 +10,7 @@ import threading
 import pytest
 
 from cache_transfer.transports import ucx_available
-from tests.unit.decode_node.node_harness import (
-    prompt,
-    run,
-    run_disaggregated,
-    run_local,
-    running_nodes,
-)
+from tests.unit.decode_node import node_harness as harness
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,10 +28,10 @@ TRANSPORTS = [
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) -> None:
-    prompt_ids = prompt(41, seed=7)
+    prompt_ids = harness.prompt(41, seed=7)
 
     async def main() -> None:
-        async with running_nodes(transport) as nodes:
+        async with harness.running_nodes(transport) as nodes:
             loop = asyncio.get_running_loop()
             streamer = nodes.prefill.streamer
             num_layers = nodes.prefill.layout.num_layers
@@ -62,10 +56,10 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
                 await real_send_many(peer_address, messages)
 
             kv_transport.send_many = counting_send_many
-            handoff = await run_disaggregated(nodes, "pd", prompt_ids)
+            handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
             assert handoff.transfer_result.ok, handoff.transfer_result.error
             assert batches == [num_layers]  # every layer in one message
-            local = await run_local(nodes, "local", prompt_ids)
+            local = await harness.run_local(nodes, "local", prompt_ids)
             assert handoff.token_ids == local  # the KV arrived byte-exact
             _, decode_stats = await nodes.stats()
             landed = decode_stats.last_transfer
@@ -74,4 +68,4 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
             (trace,) = nodes.prefill.traces.values()
             assert all(t is not None for t in trace.layer_sent_s)
 
-    run(main())
+    harness.run(main())
