@@ -173,6 +173,7 @@ class Sampler:
             token_ids = self._sample_random_rows(logits, requests, random_rows)
         else:
             token_ids = logits.argmax(dim=-1)  # [num_reqs]
+        wait_for_device(token_ids)
         return SamplerOutput(
             token_ids=token_ids.tolist(),
             logprobs=_compute_logprobs(raw_logits, token_ids, requests),
@@ -237,6 +238,15 @@ class Sampler:
             generator = cache[device] = torch.Generator(device=device)
             generator.manual_seed(seed)
         return generator
+
+
+def wait_for_device(tensor: torch.Tensor) -> None:
+    """Wait, with the GIL released, until the work that produces a CUDA tensor is done, so the
+    `.tolist()` that follows copies at once. tolist's own wait holds the GIL for the whole
+    step's GPU time, which would starve the node's event loop (KV sends, token streaming,
+    heartbeats) on every step. Nothing to do on the host."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def _compute_logprobs(
