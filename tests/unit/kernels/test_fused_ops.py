@@ -1,0 +1,97 @@
+"""The fused per-layer Triton kernels (kernels/fused/triton_ops.py) against the torch reference,
+on CPU through the Triton interpreter (tiny shapes); tests/gpu/test_fused_ops_gpu.py runs them
+compiled at model sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (imported)
+pytest.importorskip("triton", reason="triton is not installed (pip install --no-deps triton)")
+
+from kernels.fused import REFERENCE_OPS, get_layer_ops  # noqa: E402
+from kernels.fused import triton_ops as tops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+def _randn(*shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 48])  # a power of two and a padded width
+def test_add_rms_norm_matches_reference(dtype, dim) -> None:
+    x, res, w = (_randn(5, dim, dtype=dtype, seed=s) for s in (1, 2, 3))
+    w = w.reshape(-1)[:dim].contiguous()
+    want_out, want_res = REFERENCE_OPS.add_rms_norm(x, res.clone(), w, 1e-5)
+    res_buf = res.clone()
+    out, new_res = tops.add_rms_norm(x, res_buf, w, 1e-5)
+    assert new_res.data_ptr() == res_buf.data_ptr(), "the sum is written into residual"
+    # One rounding, as torch rounds (the CPU interpreter may truncate bf16 instead of rounding).
+    exact = dtype == torch.float32 or DEVICE == "cuda"
+    torch.testing.assert_close(new_res, want_res, **({"atol": 0, "rtol": 0} if exact else _tol(dtype)))
+    torch.testing.assert_close(out, want_out, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference_on_heads(dtype) -> None:
+    x = _randn(3, 4, 16, dtype=dtype, seed=4)  # Qwen3's per-head q/k norm shape
+    w = _randn(16, dtype=dtype, seed=5)
+    out = tops.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, REFERENCE_OPS.rms_norm(x, w, 1e-6), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_in_place_on_the_fused_qkv_buffer(dtype) -> None:
+    num_tokens, heads, kv_heads, head_dim = 4, 4, 2, 16
+    qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=6)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    cos_sin = _randn(num_tokens, head_dim, dtype=dtype, seed=7)
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+    want_q, want_k = REFERENCE_OPS.rotary_qk(q.clone(), k.clone(), cos, sin)
+    v_before = v.clone()
+    got_q, got_k = tops.rotary_qk(q, k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    assert torch.equal(v, v_before), "v is not touched"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype) -> None:
+    x = _randn(3, 2 * 40, dtype=dtype, seed=8)
+    torch.testing.assert_close(tops.silu_and_mul(x), REFERENCE_OPS.silu_and_mul(x), **_tol(dtype))
+
+
+def test_empty_batches_launch_nothing() -> None:
+    w = torch.ones(8, device=DEVICE)
+    out, res = tops.add_rms_norm(torch.empty(0, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE), w, 1e-5)
+    assert out.shape == (0, 8) and res.shape == (0, 8)
+    assert tops.silu_and_mul(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
+
+
+def test_selection_follows_the_backend_and_device() -> None:
+    assert get_layer_ops("torch", torch.device("cpu")).name == "reference"
+    assert get_layer_ops("triton", torch.device("cpu")).name == "reference"
+    if torch.cuda.is_available():
+        assert get_layer_ops("triton", torch.device("cuda")).name == "triton"
+        assert get_layer_ops("torch", torch.device("cuda")).name == "reference"
+
+
+def test_add_rms_norm_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="same|one"):
+        tops.add_rms_norm(torch.zeros(2, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE),
+                          torch.ones(8, device=DEVICE), 1e-5)  # fmt: skip
