@@ -50,7 +50,9 @@ def seeded_generator_seed(seed: int, output_index: int) -> int:
     return x ^ (x >> 31)
 
 
-def _on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _on_device(
+    values: list, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A host list as a device tensor without a sync: on CUDA built in pinned memory and copied
     non-blocking (the same values and dtype `torch.tensor(values, device=device)` gives)."""
     tensor = torch.tensor(values, dtype=dtype)

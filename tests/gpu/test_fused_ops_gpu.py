@@ -32,7 +32,9 @@ def ops():
 @pytest.mark.parametrize("num_tokens", [1, 37, 4096])
 def test_add_rms_norm_at_llama3_8b_width(ops, dtype, num_tokens) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x, res = (torch.randn(num_tokens, 4096, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    x, res = (
+        torch.randn(num_tokens, 4096, device="cuda", generator=gen).to(dtype) for _ in range(2)
+    )
     w = torch.rand(4096, device="cuda", generator=gen).to(dtype) + 0.5
     want_out, want_res = REFERENCE_OPS.add_rms_norm(x, res.clone(), w, 1e-5)
     out, new_res = ops.add_rms_norm(x, res, w, 1e-5)

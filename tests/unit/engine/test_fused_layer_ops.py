@@ -27,8 +27,13 @@ def test_the_cpu_engine_runs_the_reference_ops() -> None:
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_triton_ops_give_the_reference_tokens(model: str) -> None:
-    llm = LLM(f"synthetic:{model}", device="cpu", dtype="float32", max_num_seqs=4,
-              enable_prefix_caching=False)  # the second run recomputes everything
+    llm = LLM(
+        f"synthetic:{model}",
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    )  # the second run recomputes everything
     prompts = random_prompts(4, 512, seed=5, min_len=3, max_len=20)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompts, params)]

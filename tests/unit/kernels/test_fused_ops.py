@@ -40,7 +40,9 @@ def test_add_rms_norm_matches_reference(dtype, dim) -> None:
     assert new_res.data_ptr() == res_buf.data_ptr(), "the sum is written into residual"
     # One rounding, as torch rounds (the CPU interpreter may truncate bf16 instead of rounding).
     exact = dtype == torch.float32 or DEVICE == "cuda"
-    torch.testing.assert_close(new_res, want_res, **({"atol": 0, "rtol": 0} if exact else _tol(dtype)))
+    torch.testing.assert_close(
+        new_res, want_res, **({"atol": 0, "rtol": 0} if exact else _tol(dtype))
+    )
     torch.testing.assert_close(out, want_out, **_tol(dtype))
 
 
@@ -78,7 +80,9 @@ def test_silu_and_mul_matches_reference(dtype) -> None:
 
 def test_empty_batches_launch_nothing() -> None:
     w = torch.ones(8, device=DEVICE)
-    out, res = tops.add_rms_norm(torch.empty(0, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE), w, 1e-5)
+    out, res = tops.add_rms_norm(
+        torch.empty(0, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE), w, 1e-5
+    )
     assert out.shape == (0, 8) and res.shape == (0, 8)
     assert tops.silu_and_mul(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
 
