@@ -3,8 +3,10 @@
 ```
 input_ids [T], positions [T]           all tokens of the step, requests concatenated
   embed_tokens -> residual [T, hidden]; x = norm(residual)
-  per layer:  x = o_proj(attn(rotary_qk(qk_norm?(qkv_proj(x)))))   KV written to the paged
-              on_layer_done(layer_idx)                             cache, then the hook
+  per layer:  q, k, v = qk_norm?(qkv_proj(x))
+              rotary_qk_write_kv: q, k rotated; k, v stored in the paged KV cache (one op)
+              x = o_proj(attn(q))                  (the backend attends; it does not write)
+              on_layer_done(layer_idx)             (the layer's KV is in the cache)
               x, residual = add_rms_norm(x, residual)      (residual += x; x = norm(residual))
               x = down_proj(silu_and_mul(gate_up_proj(x)))
               x, residual = add_rms_norm(x, residual)      (the next layer's input norm)
@@ -14,8 +16,9 @@ input_ids [T], positions [T]           all tokens of the step, requests concaten
 
 q/k/v and gate/up are fused Linear layers; `load_weights` stacks Hugging Face's separate tensors
 into them. Attention itself is the injected `AttentionBackend`; the residual add + RMSNorm,
-rotary on q and k and SwiGLU are `LayerOps` (kernels/fused: one Triton launch each on CUDA, the
-torch reference, bit-identical to the unfused code, on CPU and with the "torch" backend).
+rotary on q and k with the KV-cache write, and SwiGLU are `LayerOps` (kernels/fused: one
+Triton launch each on CUDA; the torch reference, bit-identical to the unfused code, on CPU and
+with the "torch" backend).
 """
 
 from __future__ import annotations
@@ -82,9 +85,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = self.ops.rotary_qk(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        # Rotary on q and k and the KV-cache write in one op; the backend only attends.
+        q, k = self.ops.rotary_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        out = self.attn_backend.forward(
+            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True
+        )  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -37,6 +37,9 @@ class LayerOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> (q, k) rotated, with the rotated
+    # k and v stored at their cache slots (the attention backend is then told kv_written)
+    rotary_qk_write_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 REFERENCE_OPS = LayerOps(
@@ -45,6 +48,7 @@ REFERENCE_OPS = LayerOps(
     add_rms_norm=reference.add_rms_norm,
     rotary_qk=reference.rotary_qk,
     silu_and_mul=reference.silu_and_mul,
+    rotary_qk_write_kv=reference.rotary_qk_write_kv,
 )
 
 
@@ -57,6 +61,7 @@ def triton_ops() -> LayerOps:
         add_rms_norm=module.add_rms_norm,
         rotary_qk=module.rotary_qk,
         silu_and_mul=module.silu_and_mul,
+        rotary_qk_write_kv=module.rotary_qk_write_kv,
     )
 
 

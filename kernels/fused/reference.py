@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.torch_backend import write_kv_cache
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in float32 (as Hugging Face's LlamaRMSNorm): [..., d]."""
@@ -37,6 +39,23 @@ def rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary on q and k (new tensors)."""
     return rotary(q, cos, sin), rotary(k, cos, sin)
+
+
+def rotary_qk_write_kv(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    cos: torch.Tensor,  # [T, 1, D // 2]
+    sin: torch.Tensor,  # [T, 1, D // 2]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on q and k, then the rotated k and v stored at their cache slots (what the
+    attention backend's write would store). Returns (q, k) rotated."""
+    q, k = rotary_qk(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

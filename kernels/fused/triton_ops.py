@@ -5,7 +5,9 @@ rotary on q and k together, and SwiGLU.
 add_rms_norm  grid (T,):          s = x + residual (rounded to the dtype, stored in residual),
                                   out = weight * (s * rsqrt(mean(s^2) + eps)) in float32 math
 rms_norm      grid (T,):          the same without the add
-rotary_qk     grid (T, H + KVH):  q and k rotated in place (rotate-half), cos/sin rows of the step
+rotary_qk     grid (T, H + KVH):  q and k rotated in place (rotate-half), cos/sin rows of the step;
+                                  with caches (rotary_qk_write_kv) the k programs also store the
+                                  rotated k and v at the token's slot (the KV-cache write)
 silu_and_mul  grid (T, cdiv(d, BLOCK)): silu(gate) * up
 ```
 
@@ -98,16 +100,19 @@ def _norm_warps(block: int) -> int:
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cos, stride_sin,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_q_heads,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_cos, stride_sin, stride_cache_slot, stride_cache_head,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if head < num_q_heads:
-        base = q_ptr + tok * stride_q_tok + head * stride_q_head
+    is_k = head >= num_q_heads
+    if is_k:
+        kv_head = head - num_q_heads
+        base = k_ptr + tok * stride_k_tok + kv_head * stride_k_head
     else:
-        base = k_ptr + tok * stride_k_tok + (head - num_q_heads) * stride_k_head
+        base = q_ptr + tok * stride_q_tok + head * stride_q_head
     offs = tl.arange(0, HALF_PAD)
     mask = offs < HALF
     x1 = tl.load(base + offs, mask=mask, other=0.0)
@@ -122,6 +127,24 @@ def _rotary_kernel(
     o2 = ((x2f * cos).to(dt).to(tl.float32) + (x1f * sin).to(dt).to(tl.float32)).to(dt)
     tl.store(base + offs, o1, mask=mask)
     tl.store(base + HALF + offs, o2, mask=mask)
+    if WRITE_KV:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if is_k:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            kv_head = head - num_q_heads
+            cache_offs = slot * stride_cache_slot + kv_head * stride_cache_head
+            tl.store(k_cache_ptr + cache_offs + offs, o1, mask=mask)
+            tl.store(k_cache_ptr + cache_offs + HALF + offs, o2, mask=mask)
+            v_base = v_ptr + tok * stride_v_tok + kv_head * stride_v_head
+            v1 = tl.load(v_base + offs, mask=mask, other=0.0)
+            v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
+            tl.store(v_cache_ptr + cache_offs + offs, v1, mask=mask)
+            tl.store(v_cache_ptr + cache_offs + HALF + offs, v2, mask=mask)
+
+
+def _check_last_dim(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError("rotary_qk needs a contiguous last dim for q, k, v, cos and sin")
 
 
 def rotary_qk(
@@ -131,18 +154,42 @@ def rotary_qk(
     sin: torch.Tensor,  # [T, 1, D // 2]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, one launch for both; returns (q, k)."""
+    _check_last_dim(q, k, cos, sin)
+    _launch_rotary(q, k, k, cos, sin, k, k, k, 1, 0, write_kv=False)
+    return q, k
+
+
+def rotary_qk_write_kv(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    cos: torch.Tensor,  # [T, 1, D // 2]
+    sin: torch.Tensor,  # [T, 1, D // 2]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place and store the rotated k and v at their cache slots: one launch
+    for the rotary and the KV-cache write. Returns (q, k)."""
+    _check_last_dim(q, k, v, cos, sin)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same strides and a contiguous head_dim")
+    slots = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KVH, D]: fails if not a view
+    _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, slots.stride(0),
+                   slots.stride(1), write_kv=True)  # fmt: skip
+    return q, k
+
+
+def _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slots, stride_slot, stride_head, write_kv):
     num_tokens, num_q_heads, head_dim = q.shape
-    for t in (q, k, cos, sin):
-        if t.stride(-1) != 1:
-            raise ValueError("rotary_qk needs a contiguous last dim for q, k, cos and sin")
     half = head_dim // 2
     if num_tokens:
         _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, cos, sin, num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos.stride(0), sin.stride(0), HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            num_warps=1,
+            q, k, v, cos, sin, k_cache, v_cache, slots, num_q_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), stride_slot, stride_head,
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE_KV=write_kv, num_warps=1,
         )  # fmt: skip
-    return q, k
 
 
 @triton.jit

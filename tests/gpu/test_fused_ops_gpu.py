@@ -63,6 +63,29 @@ def test_rotary_qk_matches_reference(ops, dtype, head_dim) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_write_kv_matches_reference(ops, dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    num_tokens, heads, kv_heads, head_dim, block_size = 70, 32, 8, 128, 16
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, device="cuda",
+                      generator=gen).to(dtype)  # fmt: skip
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    angles = torch.rand(num_tokens, head_dim // 2, device="cuda", generator=gen) * 100
+    cos, sin = torch.cat((angles.cos(), angles.sin()), -1).to(dtype).unsqueeze(1).chunk(2, -1)
+    slots = torch.randperm(64 * block_size, device="cuda", generator=gen)[:num_tokens]
+    shape = (64, block_size, kv_heads, head_dim)
+    want = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2)]
+    got = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2)]
+    want_q, want_k = REFERENCE_OPS.rotary_qk_write_kv(q.clone(), k.clone(), v, cos, sin, *want,
+                                                      slots)  # fmt: skip
+    got_q, got_k = ops.rotary_qk_write_kv(q, k, v, cos, sin, *got, slots)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    torch.testing.assert_close(got[0], want[0], **_tol(dtype))
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(ops, dtype) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(33, 2 * 14336, device="cuda", generator=gen).to(dtype)
@@ -114,8 +137,8 @@ def test_engine_logits_fused_close_to_reference_bf16() -> None:
 
 def test_eager_decode_launches_few_kernels_per_layer() -> None:
     """One eager decode step, profiled on 4 and 2 layers: the difference / 2 is one layer's
-    kernels (fused add+norm x2, QKV, rotary, KV write, attention, o_proj, gate_up, SwiGLU,
-    down)."""
+    kernels (fused add+norm x2, QKV, rotary + KV write, attention (+ merge), o_proj, gate_up,
+    SwiGLU, down: about 10)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels_per_step(layers: int) -> int:
@@ -135,4 +158,4 @@ def test_eager_decode_launches_few_kernels_per_layer() -> None:
         return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
     per_layer = (kernels_per_step(4) - kernels_per_step(2)) / 2
-    assert 0 < per_layer <= 16, f"{per_layer} kernels per layer"
+    assert 0 < per_layer <= 14, f"{per_layer} kernels per layer"

@@ -73,6 +73,31 @@ def test_rotary_qk_in_place_on_the_fused_qkv_buffer(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_write_kv_stores_the_rotated_k_and_v(dtype) -> None:
+    num_tokens, heads, kv_heads, head_dim, block_size, num_blocks = 5, 4, 2, 16, 4, 6
+    qkv = _randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    cos, sin = _randn(num_tokens, head_dim, dtype=dtype, seed=10).unsqueeze(1).chunk(2, dim=-1)
+    slots = torch.tensor([3, 9, 10, 17, 0], device=DEVICE)  # scattered over blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    want_caches = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    got_caches = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(2)]
+    want_q, want_k = REFERENCE_OPS.rotary_qk_write_kv(
+        q.clone(), k.clone(), v, cos, sin, *want_caches, slots
+    )
+    got_q, got_k = tops.rotary_qk_write_kv(q, k, v, cos, sin, *got_caches, slots)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+    torch.testing.assert_close(got_caches[0], want_caches[0], **_tol(dtype))
+    assert torch.equal(got_caches[1], want_caches[1]), "v is copied unchanged"
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not got_caches[0].view(-1, kv_heads, head_dim)[untouched].any(), "only the slots"
+    assert torch.equal(got_caches[1].view(-1, kv_heads, head_dim)[slots], v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype) -> None:
     x = _randn(3, 2 * 40, dtype=dtype, seed=8)
     torch.testing.assert_close(tops.silu_and_mul(x), REFERENCE_OPS.silu_and_mul(x), **_tol(dtype))
