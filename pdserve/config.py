@@ -25,6 +25,9 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
+# A chat of the longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k
+# characters), JSON-escaped, fits; anything larger is not a request this router could serve.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -324,6 +327,10 @@ class RouterConfig:
         0, "prompts longer than N characters are refused before tokenizing (0: 32 x the "
         "model's context length)",
     )  # fmt: skip
+    max_request_bytes: int = knob(
+        DEFAULT_MAX_REQUEST_BYTES,
+        "HTTP request bodies larger than N bytes are refused (413) before being read whole",
+    )
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:
@@ -332,6 +339,8 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
