@@ -78,7 +78,10 @@ def _token_counts(
     flat_ids = _on_device(
         list(itertools.chain.from_iterable(token_lists)), device, torch.long
     )  # [total_tokens]
-    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    # output_size known on the host: no sync to size the result
+    rows = torch.repeat_interleave(
+        torch.arange(num_rows, device=device), lengths, output_size=flat_ids.numel()
+    )
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     counts.scatter_add_(
         0, rows * vocab_size + flat_ids, torch.ones_like(flat_ids, dtype=torch.float32)

@@ -159,3 +159,36 @@ def test_eager_decode_launches_few_kernels_per_layer() -> None:
 
     per_layer = (kernels_per_step(4) - kernels_per_step(2)) / 2
     assert 0 < per_layer <= 16, f"{per_layer} kernels per layer"
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_a_decode_step_syncs_once(enforce_eager: bool) -> None:
+    """Inputs, forward, sampler (greedy, seeded top-k/top-p/min-p, penalties, min_tokens,
+    logprobs) of a decode step: the only device sync is the copy of the sampled ids."""
+    import warnings
+
+    llm = LLM(MODEL, device="cuda", dtype="bfloat16", attention_backend="triton",
+              enforce_eager=enforce_eager, max_num_seqs=8, max_model_len=512)  # fmt: skip
+    core = llm.engine
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=8),
+        SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5,
+                       frequency_penalty=0.3, min_tokens=4, max_tokens=8, logprobs=3),
+        SamplingParams(temperature=0.7, max_tokens=8),
+    ]  # fmt: skip
+    for i, p in enumerate(params):
+        core.add_request(core.make_request(f"r{i}", list(range(20, 60 + 7 * i)), p))
+    core.step()  # the prefills
+    core.step()  # a first decode step (compiles, pins host buffers)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs = core.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(outputs) == len(params)
+    assert len(syncs) <= 1, syncs
