@@ -108,8 +108,8 @@ def _rotary_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_k = head >= num_q_heads
+    kv_head = head - num_q_heads  # meaningful for k programs only
     if is_k:
-        kv_head = head - num_q_heads
         base = k_ptr + tok * stride_k_tok + kv_head * stride_k_head
     else:
         base = q_ptr + tok * stride_q_tok + head * stride_q_head
@@ -130,7 +130,6 @@ def _rotary_kernel(
     if WRITE_KV:  # noqa: SIM102 (a compile-time branch around a runtime one)
         if is_k:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
-            kv_head = head - num_q_heads
             cache_offs = slot * stride_cache_slot + kv_head * stride_cache_head
             tl.store(k_cache_ptr + cache_offs + offs, o1, mask=mask)
             tl.store(k_cache_ptr + cache_offs + HALF + offs, o2, mask=mask)
