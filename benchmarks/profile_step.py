@@ -20,8 +20,9 @@ perf_counter on the host:
 Without `--sync` the GPU's work lands in `sample` (its copy waits); with `--sync` a device
 sync closes `inputs` and `forward`, so `forward` holds the GPU time and `sample` its own.
 Then `--profile-steps` steps under torch.profiler: GPU kernel time by kernel name (top
-`--top`), kernels per step and launch calls per step (cudaLaunchKernel & co.; one
-cudaGraphLaunch per replayed step). On CPU the table lists aten ops by self CPU time instead.
+`--top`), kernels per step (memcpy/memset included) and host calls that enqueue device work per
+step (cudaLaunchKernel, cuLaunchKernel(Ex) for Triton, cudaGraphLaunch: one per replayed step,
+cudaMemcpyAsync, cudaMemsetAsync). On CPU the table lists aten ops by self CPU time instead.
 """
 
 from __future__ import annotations
