@@ -172,11 +172,20 @@ def test_a_decode_step_syncs_once(enforce_eager: bool) -> None:
     core = llm.engine
     params = [
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=8),
-        SamplingParams(temperature=1.0, repetition_penalty=1.2, presence_penalty=0.5,
-                       frequency_penalty=0.3, min_tokens=4, max_tokens=8, logprobs=3),
-        SamplingParams(temperature=0.7, max_tokens=8),
-    ]  # fmt: skip
+        SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=8, ignore_eos=True
+        ),
+        SamplingParams(
+            temperature=1.0,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            min_tokens=4,
+            max_tokens=8,
+            logprobs=3,
+        ),
+        SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True),
+    ]  # fmt: skip  (min_tokens masks EOS for the third: nobody stops before the last step)
     for i, p in enumerate(params):
         core.add_request(core.make_request(f"r{i}", list(range(20, 60 + 7 * i)), p))
     core.step()  # the prefills
