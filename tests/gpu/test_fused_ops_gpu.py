@@ -185,7 +185,7 @@ def test_a_decode_step_syncs_once(enforce_eager: bool) -> None:
             logprobs=3,
         ),
         SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True),
-    ]  # fmt: skip  (min_tokens masks EOS for the third: nobody stops before the last step)
+    ]  # the third's min_tokens masks EOS: nobody stops before the measured step
     for i, p in enumerate(params):
         core.add_request(core.make_request(f"r{i}", list(range(20, 60 + 7 * i)), p))
     core.step()  # the prefills
