@@ -152,7 +152,7 @@ def test_eager_decode_launches_few_kernels_per_layer() -> None:
         core.step()  # prefill
         core.step()  # a warm decode step (Triton compiles)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             core.step()
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
