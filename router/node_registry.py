@@ -7,6 +7,8 @@ start(static source) ── per node, concurrently ──> add_node: NodeClient.
                          first one's GetTokenizer becomes the router's tokenizer (None: the
                          model has none). Otherwise refused (logged).
 sync(registered nodes)   (RedisNodeSource, at every resync)
+  one record per address: several may name one (a restarted node's old record, a forged
+                     one): the admitted node's role first, then one not refused
   new address        record disagrees with the served model? refused, logged once per node id;
                      else add_node in the background
   known address      its NodeLoad takes the record's load report
@@ -58,7 +60,7 @@ class NodeRegistry:
         self._admit_lock = asyncio.Lock()
         self._registered: dict[str, NodeAddress] = {}  # the last sync's nodes, by address
         self._joining: dict[str, asyncio.Task] = {}  # by address
-        self._refused: dict[str, str] = {}  # address -> node id refused (logged once)
+        self._refused: dict[str, set[str]] = {}  # address -> node ids refused (logged once)
         self._leaving: set[asyncio.Task] = set()
         self.model_info: node_pb2.NodeInfo | None = None  # the first admitted node's
         self.tokenizer: Tokenizer | None = None  # None with a model info: token ids only
@@ -99,25 +101,43 @@ class NodeRegistry:
     async def sync(self, nodes: list[NodeAddress]) -> list[asyncio.Task]:
         """Makes the registered nodes `nodes`: joins new ones (in the background; the tasks are
         returned), updates the load of known ones, removes those gone."""
-        self._registered = {node.address: node for node in nodes}
+        ids: dict[str, set[str]] = {}
+        for node in nodes:
+            ids.setdefault(node.address, set()).add(_node_id(node))
+        self._refused = {a: r & ids[a] for a, r in self._refused.items() if r & ids.get(a, set())}
+        self._registered = self._pick(nodes)
         for address in [a for a, c in self._ready.items() if _registered(c)]:
             if address not in self._registered:
                 await self._remove(address, "left the registry")
-        self._refused = {
-            a: node_id
-            for a, node_id in self._refused.items()
-            if a in self._registered and _node_id(self._registered[a]) == node_id
-        }
-        for node in nodes:
+        for node in self._registered.values():
             client = self._ready.get(node.address)
             if client is not None:
-                if node.record is not None:
+                if node.record is not None and node.role == client.info.role:
                     client.load.update(node.record)
                     if _registered(client):  # a static node stays static (never removed)
                         client.record = node.record
-            elif node.address not in self._joining and node.address not in self._refused:
+            elif node.address not in self._joining and not self._is_refused(node):
                 self._join(node)
         return list(self._joining.values())
+
+    def _pick(self, nodes: list[NodeAddress]) -> dict[str, NodeAddress]:
+        """One record per address. Several records may name one address (a restarted node's
+        old record not yet expired, or a forged one): the admitted node's role first, then
+        any not refused, so a record refused at an address never hides a genuine one."""
+
+        def rank(node: NodeAddress) -> tuple[bool, bool]:
+            client = self._ready.get(node.address)
+            return (client is not None and client.info.role != node.role, self._is_refused(node))
+
+        picked: dict[str, NodeAddress] = {}
+        for node in nodes:
+            current = picked.get(node.address)
+            if current is None or rank(node) < rank(current):
+                picked[node.address] = node
+        return picked
+
+    def _is_refused(self, node: NodeAddress) -> bool:
+        return _node_id(node) in self._refused.get(node.address, set())
 
     async def add_node(self, node: NodeAddress, deadline_s: float) -> bool:
         """Connects to `node` (retrying until `deadline_s`, monotonic) and admits it if it is
@@ -160,7 +180,7 @@ class NodeRegistry:
     def _join(self, node: NodeAddress) -> None:
         refusal = self._record_refusal(node)
         if refusal is not None:
-            self._refused[node.address] = _node_id(node)
+            self._refused.setdefault(node.address, set()).add(_node_id(node))
             logger.error("%s node %s refused: %s", node.role_name, node.address, refusal)
             return
         deadline_s = time.monotonic() + self._config.node_wait_s
@@ -173,7 +193,7 @@ class NodeRegistry:
         finally:
             self._joining.pop(node.address, None)
         if not admitted:
-            self._refused[node.address] = _node_id(node)
+            self._refused.setdefault(node.address, set()).add(_node_id(node))
         elif node.address not in self._registered:  # it left while we connected
             await self._remove(node.address, "left the registry while joining")
 

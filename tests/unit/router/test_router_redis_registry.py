@@ -318,3 +318,58 @@ def test_the_router_stops_promptly_while_following_the_registry(redis_server):
         return stop_times_s
 
     assert max(run(body(), timeout_s=30)) < 1.0
+
+
+def test_records_naming_a_registered_node_with_another_role_do_not_hide_it(
+    tokenizer_files, redis_server
+):
+    """Forged (or stale) records at the prefill node's address claiming a decode node, in the
+    registry before the router starts: whatever order the registry lists them in, they are
+    refused and the genuine prefill node still joins (the view is one record per address, and
+    a refusal is per record, not per address)."""
+    config = registry_config(redis_server)
+
+    async def body():
+        model = FakeModel(OUTPUT_IDS)
+        prefill, decode = (FakeNode(role, model, tokenizer_files)
+                           for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE))  # fmt: skip
+        registrars = []
+        for node in (prefill, decode):
+            await node.start()
+            registrars.append(registrar(node, config))
+        forged_info = node_pb2.NodeInfo()
+        forged_info.CopyFrom(prefill.info)
+        forged_info.role = node_pb2.NODE_ROLE_DECODE
+        stats = node_pb2.NodeStats(num_kv_blocks=64, num_free_kv_blocks=64)
+        for i in range(4):  # several ids: some list before the genuine record, some after
+            record = node_record(f"forged-{i}", prefill.address, "local://x", forged_info,
+                                 stats, config)  # fmt: skip
+
+            async def make_record(record=record):
+                return record
+
+            registrars.append(NodeRegistrar(config, f"forged-{i}", make_record))
+        for reg in registrars:
+            await reg.start()
+        router = RouterServer(
+            RouterConfig(port=0, http_port=0, registry=config, node_wait_s=2.0, grace_s=0.0)
+        )
+        await router.start()
+        client = GenerationClient(router.address)
+        try:
+            await asyncio.sleep(6 * config.heartbeat_s)  # several resyncs
+            await wait_until(lambda: addresses(router.registry.prefill_nodes) == {prefill.address})
+            views = (addresses(router.registry.prefill_nodes),
+                     addresses(router.registry.decode_nodes))  # fmt: skip
+            return views, await client.generate_all("hello", max_tokens=3)
+        finally:
+            await client.close()
+            await router.stop()
+            for reg in registrars:
+                await reg.stop()
+            for node in (prefill, decode):
+                await node.stop()
+
+    (prefill_view, decode_view), result = run(body())
+    assert len(prefill_view) == 1 and len(decode_view) == 1
+    assert result.token_ids == OUTPUT_IDS[:3]
