@@ -61,6 +61,7 @@ class Request:
     num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' digests, cached
 
     @property
     def prompt_len(self) -> int:

@@ -78,6 +78,17 @@ class ModelConfig:
     )
 
 
+def prefix_cache_salt_knob() -> Any:
+    """One salt for the prefix cache's sha256 block hashes (pdserve.block_hash): the nodes'
+    engines and the router's prefix-aware policy hash alike when given the same salt."""
+    return knob(
+        None,
+        "salt of the prefix cache's sha256 block hashes, so deployments that must not share "
+        "cached prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT, else none); give the "
+        "router and its nodes the same one",
+    )
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block geometry and how much memory the pool takes.
@@ -101,6 +112,7 @@ class CacheConfig:
     enable_prefix_caching: bool = knob(
         True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
     )
+    prefix_cache_salt: str | None = prefix_cache_salt_knob()
 
 
 @dataclass(frozen=True)
@@ -324,6 +336,7 @@ class RouterConfig:
         0, "prompts longer than N characters are refused before tokenizing (0: 32 x the "
         "model's context length)",
     )  # fmt: skip
+    prefix_cache_salt: str | None = prefix_cache_salt_knob()
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:

@@ -64,8 +64,9 @@ class RouterServer:
         check = self.api_keys.grpc_check if self.api_keys is not None else None
         self._server = grpc.aio.server(interceptors=[RequestGuard(check)])
         self.policy = make_policy(
-            config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens
-        )
+            config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens,
+            config.prefix_cache_salt,
+        )  # fmt: skip
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
         self.handler = RequestHandler(
             self.registry, dispatcher, self.stats, config.max_prompt_chars
