@@ -22,6 +22,7 @@ import grpc
 from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
+from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
@@ -49,6 +50,7 @@ class _DecodeJob:
     request_id: str
     trace: DecodeTrace
     receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason
 
@@ -62,6 +64,11 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
         )
+        self._block_size = node.layout.block_size
+        self.caps = TransferCaps(
+            node.core.pool.num_blocks, config.max_transfer_timeout_s,
+            config.max_pending_kv_share, config.max_pending_transfers,
+        )  # fmt: skip
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -78,7 +85,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         )
         try:
             if request.mode == node_pb2.DECODE_MODE_DISAGGREGATED:
-                timeout_s = request.transfer_timeout_s or self._transfer_timeout_s
+                timeout_s = self.caps.timeout_s(
+                    request.transfer_timeout_s, self._transfer_timeout_s
+                )
                 receiver = await self._reserve(job, engine_request, timeout_s, context)
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
                 chunks = await self._after_transfer(job, engine_request, receiver)
@@ -144,9 +153,13 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     ) -> KVReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
+        num_blocks = -(-num_tokens // self._block_size)
         try:
+            job.hold = await self.caps.acquire(
+                context.peer(), num_blocks, self.admission.queue_timeout_s
+            )
             block_ids = await self.admission.reserve(request_id, num_tokens)
-        except AdmissionRefused as error:
+        except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
@@ -163,6 +176,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
         job.receiver = None
+        if job.hold is not None:
+            job.hold.release()  # the blocks are no longer awaiting KV
         if state == TransferState.SUCCESS and not job.aborted:
             return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
         request_id = request.request_id
@@ -256,6 +271,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     def _close(self, job: _DecodeJob) -> None:
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
+        if job.hold is not None:
+            job.hold.release()
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         if job.receiver is not None:
             job.receiver.abort("the decode call ended")
@@ -272,7 +289,9 @@ class _Refused(Exception):
         self.error = error
 
 
-async def _refuse(context: grpc.aio.ServicerContext, error: AdmissionRefused) -> None:
+async def _refuse(
+    context: grpc.aio.ServicerContext, error: AdmissionRefused | TransferCapExceeded
+) -> None:
     """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
     context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

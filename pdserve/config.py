@@ -269,8 +269,33 @@ class NodeConfig:
         "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a killed "
         "node) before exiting with an error",
     )
+    max_transfer_timeout_s: float = knob(
+        120.0,
+        "decode: the longest KV hand-off a Decode call may ask for (its transfer_timeout_s is "
+        "clamped to this), so reserved blocks always come back",
+    )
+    max_pending_kv_share: float = knob(
+        0.75,
+        "decode: the fraction of the KV pool one caller (one gRPC connection) may hold in "
+        "reservations awaiting KV; beyond it, its next Decode waits (--queue-timeout-s, then "
+        "RESOURCE_EXHAUSTED) for its own earlier hand-offs to resolve (1: no per-caller cap)",
+    )
+    max_pending_transfers: int = knob(
+        256,
+        "decode: reservations awaiting KV the node holds at once, all callers together; more "
+        "are refused RESOURCE_EXHAUSTED at once",
+    )
 
     def __post_init__(self) -> None:
+        if not self.max_transfer_timeout_s > 0 or not 0 < self.max_pending_kv_share <= 1:
+            raise ValueError(
+                f"max_transfer_timeout_s must be > 0 and max_pending_kv_share in (0, 1], got "
+                f"{self.max_transfer_timeout_s} and {self.max_pending_kv_share}"
+            )
+        if self.max_pending_transfers < 1:
+            raise ValueError(
+                f"max_pending_transfers must be >= 1, got {self.max_pending_transfers}"
+            )
         if self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
             raise ValueError(
                 f"max_queued_requests must be >= 0 and queue_timeout_s > 0, got "
