@@ -74,3 +74,21 @@ def test_ucx_passes_the_host_where_ucxx_takes_one(monkeypatch: pytest.MonkeyPatc
     calls.clear()
     _bound("ucx", "0.0.0.0")  # a wildcard: ucxx's default, every interface
     assert calls == [{"port": 0, "host": None}]
+
+
+@pytest.mark.parametrize("name", ["tcp", pytest.param("ucx", marks=needs_ucx)])
+def test_a_port_another_listener_holds_is_still_refused(name: str) -> None:
+    """SO_REUSEADDR (set so a restarted node binds through TIME_WAIT) never lets two live
+    listeners share a port."""
+    from cache_transfer import TransportBindError
+
+    async def scenario() -> None:
+        first = make_transport(name, "127.0.0.1")
+        try:
+            port = int(first.address.rsplit(":", 1)[1])
+            with pytest.raises(TransportBindError):
+                await make_transport(name, "127.0.0.1", port).close()
+        finally:
+            await first.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
