@@ -167,7 +167,9 @@ REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 @dataclass(frozen=True)
 class RegistryConfig:
     """Where the registry is, and the heartbeat that keeps a node's record alive
-    (pdserve.registry)."""
+    (pdserve.registry). The URL may carry Redis ACL credentials and TLS files, as redis-py
+    reads them: rediss://USER:PASSWORD@HOST:PORT/DB?ssl_ca_certs=CA.pem&ssl_certfile=C.pem
+    &ssl_keyfile=K.pem (logs show `redacted_url`)."""
 
     url: str  # redis://HOST:PORT/DB
     heartbeat_s: float = 1.0  # nodes refresh their record; routers resync their view
@@ -178,7 +180,7 @@ class RegistryConfig:
         if not self.url.startswith(REGISTRY_URL_SCHEMES):
             raise ValueError(
                 f"registry URL must look like redis://HOST:PORT/DB (or rediss://, unix://), "
-                f"got {self.url!r}"
+                f"got {self.redacted_url!r}"
             )
         for name in ("heartbeat_s", "ttl_s", "timeout_s"):
             if not getattr(self, name) > 0:
@@ -188,6 +190,16 @@ class RegistryConfig:
                 f"registry ttl_s ({self.ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
                 "or records expire between heartbeats (use about 3 heartbeats)"
             )
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with its password (if any) replaced by ***: what logs and errors show."""
+        scheme, sep, rest = self.url.partition("://")
+        userinfo, at, hostpart = rest.rpartition("@")
+        if not sep or not at or ":" not in userinfo:
+            return self.url
+        user = userinfo.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{hostpart}"
 
 
 @dataclass(frozen=True)

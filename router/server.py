@@ -134,7 +134,7 @@ class RouterServer:
         await asyncio.gather(*joining, return_exceptions=True)
         logger.info(
             "registry %s: %d prefill and %d decode nodes ready",
-            source.config.url,
+            source.config.redacted_url,
             len(self.registry.prefill_nodes),
             len(self.registry.decode_nodes),
         )
