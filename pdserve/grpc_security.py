@@ -108,7 +108,7 @@ def _parsing(handler: Any) -> Any:
     return handler._replace(unary_unary=unary, request_deserializer=None)
 
 
-class _ProofAdder(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _ProofAdder:
     """Adds a fresh cluster proof to each call."""
 
     def __init__(self, auth: ClusterAuth) -> None:
@@ -124,15 +124,22 @@ class _ProofAdder(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClie
             details.wait_for_ready,
         )  # fmt: skip
 
+
+class _UnaryProofAdder(_ProofAdder, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamProofAdder(_ProofAdder, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 def client_interceptors(auth: ClusterAuth | None) -> list[Any]:
-    return [] if auth is None else [_ProofAdder(auth)]
+    """One interceptor per call shape: grpc.aio files an interceptor under the first shape it
+    implements only, so one object serving both would leave streaming calls (Prefill,
+    Decode) without a proof."""
+    return [] if auth is None else [_UnaryProofAdder(auth), _StreamProofAdder(auth)]
 
 
 def _read(path: str | None) -> bytes | None:

@@ -1,7 +1,9 @@
-"""Issue 15: mutual TLS between the router and the nodes (--tls-cert, --tls-key, --tls-ca).
-A real router and real prefill/decode nodes (in this process, loopback, a throwaway CA) complete
-a disaggregated request over TLS; a client without a certificate, or with one from another CA,
-is refused by the nodes; a router without TLS cannot reach them."""
+"""Issue 15: a secured cluster serves. A real router and real prefill/decode nodes (in this
+process, loopback) complete requests with a cluster secret (disaggregated and colocated: the
+streaming Prefill and Decode calls carry their proof too), and with mutual TLS between the
+router and the nodes (--tls-cert, --tls-key, --tls-ca; a throwaway CA) plus the secret; a
+client without a certificate, or with one from another CA, is refused by the nodes; a router
+without TLS cannot reach them."""
 
 from __future__ import annotations
 
@@ -28,15 +30,56 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SecurityConfig]:
     ca = make_ca(directory, "cluster-ca")
     rogue_ca = make_ca(directory, "rogue-ca")
 
-    def config(name: str, authority, authority_name: str) -> SecurityConfig:
-        files = issue(directory, name, authority, authority_name)
-        return SecurityConfig(tls_cert=files.cert, tls_key=files.key, tls_ca=files.ca)
+    secret = directory / "cluster-secret"
+    secret.write_text("a-cluster-secret-0123456789abcdef\n")
 
-    return {
-        "node": config("node", ca, "cluster-ca"),
-        "router": config("router", ca, "cluster-ca"),
+    def config(name: str, authority, authority_name: str, **more: str) -> SecurityConfig:
+        files = issue(directory, name, authority, authority_name)
+        return SecurityConfig(tls_cert=files.cert, tls_key=files.key, tls_ca=files.ca, **more)
+
+    return {  # the production shape: mutual TLS and the cluster secret
+        "node": config("node", ca, "cluster-ca", cluster_secret_file=str(secret)),
+        "router": config("router", ca, "cluster-ca", cluster_secret_file=str(secret)),
         "rogue": config("rogue", rogue_ca, "rogue-ca"),
+        "secret only": SecurityConfig(cluster_secret_file=str(secret)),
     }
+
+
+async def _one_request(nodes, security: SecurityConfig, disaggregated: bool = True) -> None:
+    """A real router with `security` serves one greedy request through `nodes`."""
+    router = RouterServer(
+        RouterConfig(
+            host="127.0.0.1", port=0, http_port=0, node_wait_s=20,
+            prefill_addrs=(nodes.prefill.address,) if disaggregated else (),
+            decode_addrs=(nodes.decode.address,), security=security,
+        )
+    )  # fmt: skip
+    await router.start()
+    try:
+        async with GenerationClient(router.address) as client:
+            result = await client.generate_all(
+                prompt_token_ids=prompt(11, seed=2), temperature=0.0, max_tokens=6,
+                ignore_eos=True, timeout_s=60,
+            )  # fmt: skip
+        assert len(result.token_ids) == 6 and result.finish_reason == "length"
+        request_id = list(nodes.decode.traces)[-1]
+        assert nodes.decode.traces[request_id].prefilled_locally == (not disaggregated)
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize("disaggregated", [True, False], ids=["disaggregated", "colocated"])
+def test_router_and_nodes_with_a_cluster_secret(
+    pki: dict[str, SecurityConfig], disaggregated: bool
+) -> None:
+    """Every router -> node call carries its proof, the streaming ones (Prefill, Decode)
+    included: grpc.aio files a client interceptor under one call shape only."""
+
+    async def main() -> None:
+        async with running_nodes("tcp", security=pki["secret only"], check_free=False) as nodes:
+            await _one_request(nodes, pki["secret only"], disaggregated)
+
+    run(main(), timeout_s=150)
 
 
 async def _stats_code(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
@@ -57,25 +100,7 @@ def test_router_and_nodes_over_mutual_tls(pki: dict[str, SecurityConfig]) -> Non
     async def main() -> None:
         # check_free=False: the harness's own stubs are plaintext, which these nodes refuse.
         async with running_nodes("tcp", security=pki["node"], check_free=False) as nodes:
-            router = RouterServer(
-                RouterConfig(
-                    host="127.0.0.1", port=0, http_port=0, node_wait_s=20,
-                    prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
-                    security=pki["router"],
-                )
-            )  # fmt: skip
-            await router.start()
-            try:
-                async with GenerationClient(router.address) as client:
-                    result = await client.generate_all(
-                        prompt_token_ids=prompt(11, seed=2), temperature=0.0, max_tokens=6,
-                        ignore_eos=True, timeout_s=60,
-                    )  # fmt: skip
-                assert len(result.token_ids) == 6 and result.finish_reason == "length"
-                (request_id,) = list(nodes.decode.traces)
-                assert not nodes.decode.traces[request_id].prefilled_locally  # disaggregated
-            finally:
-                await router.stop()
+            await _one_request(nodes, pki["router"])
 
             # Clients the nodes must refuse: no TLS, TLS without a client certificate, and a
             # certificate from another CA. The cluster's own certificate is served.
@@ -89,8 +114,9 @@ def test_router_and_nodes_over_mutual_tls(pki: dict[str, SecurityConfig]) -> Non
                 "rogue CA": await _stats_code(address, channel_credentials(pki["rogue"])),
             }
             assert set(codes.values()) == {grpc.StatusCode.UNAVAILABLE}, codes
-            ok = await _stats_code(address, channel_credentials(pki["router"]))
-            assert ok == grpc.StatusCode.OK
+            # The cluster's certificate gets through TLS; the call still needs its proof.
+            no_proof = await _stats_code(address, channel_credentials(pki["router"]))
+            assert no_proof == grpc.StatusCode.UNAUTHENTICATED
 
             # A router client without TLS never reaches a TLS node.
             plain = NodeClient(address)
