@@ -65,6 +65,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
         )
         self._block_size = node.layout.block_size
+        self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
             config.max_pending_kv_share, config.max_pending_transfers,
@@ -200,6 +201,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if job.aborted:  # checked right before the engine sees the request
             yield self._abort_chunk(job, 0)
             return
+        # Received KV enters the prefix cache only when its sender proved the cluster secret
+        # (every layer landed, or the receiver would not have succeeded).
+        request.cache_kv = self._kv_authenticated
         job.trace.token_times_s.append(time.monotonic())
         first = node_pb2.TokenChunk(output_index=0, token_ids=[first_token.token_id])
         if first_token.HasField("logprob"):

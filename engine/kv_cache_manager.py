@@ -117,8 +117,9 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Hash and register `request`'s blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
+        """Hash and register `request`'s blocks that are now full of computed tokens (none
+        for a request whose KV may not be shared: `request.cache_kv` False)."""
+        if not self.enable_prefix_caching or not request.cache_kv:
             return
         block_size = self.block_size
         num_full_blocks = request.num_computed_tokens // block_size
