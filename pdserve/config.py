@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.net import redact_url
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
@@ -79,8 +81,7 @@ class ModelConfig:
 
 
 def prefix_cache_salt_knob() -> Any:
-    """One salt for the prefix cache's sha256 block hashes (pdserve.block_hash): the nodes'
-    engines and the router's prefix-aware policy hash alike when given the same salt."""
+    """The prefix cache's salt (pdserve.block_hash), one knob for the engine and the router."""
     return knob(
         None,
         "salt of the prefix cache's sha256 block hashes, so deployments that must not share "
@@ -193,13 +194,7 @@ class RegistryConfig:
 
     @property
     def redacted_url(self) -> str:
-        """The URL with its password (if any) replaced by ***: what logs and errors show."""
-        scheme, sep, rest = self.url.partition("://")
-        userinfo, at, hostpart = rest.rpartition("@")
-        if not sep or not at or ":" not in userinfo:
-            return self.url
-        user = userinfo.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{hostpart}"
+        return redact_url(self.url)  # what logs and errors show
 
 
 @dataclass(frozen=True)
@@ -299,14 +294,11 @@ class NodeConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.max_transfer_timeout_s > 0 or not 0 < self.max_pending_kv_share <= 1:
+        caps = (self.max_transfer_timeout_s, self.max_pending_kv_share, self.max_pending_transfers)
+        if not (caps[0] > 0 and 0 < caps[1] <= 1 and caps[2] >= 1):
             raise ValueError(
-                f"max_transfer_timeout_s must be > 0 and max_pending_kv_share in (0, 1], got "
-                f"{self.max_transfer_timeout_s} and {self.max_pending_kv_share}"
-            )
-        if self.max_pending_transfers < 1:
-            raise ValueError(
-                f"max_pending_transfers must be >= 1, got {self.max_pending_transfers}"
+                "max_transfer_timeout_s must be > 0, max_pending_kv_share in (0, 1] and "
+                f"max_pending_transfers >= 1, got {caps[0]}, {caps[1]} and {caps[2]}"
             )
         if self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
             raise ValueError(
