@@ -25,7 +25,8 @@ fi
 export PYTHONUNBUFFERED=1
 common=(--dataset jsonl --dataset-path benchmarks/data/sharegpt_smollm2_500.jsonl --ignore-eos
         --slo-ttft-ms 250 --slo-tpot-ms 25 --policy prefix_aware --no-progress
-        --json "$out/goodput2.json" --plot "$out/goodput2.png" --cluster-log "$out/cluster.log")
+        --json "$out/goodput2.json" --plot "$out/goodput2.png" --cluster-log "$out/cluster.log"
+        --http-port 0)  # the GPU image has no FastAPI stack; the benchmark speaks gRPC
 if [ "${DRY_RUN:-0}" = 1 ]; then
   run=(--model smollm2-135m --device cpu --num-prompts 4 --max-output-tokens 4 --request-rate 4
        --num-warmups 0 --cluster-timeout-s 300)

@@ -7,6 +7,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio/pyzmq/ucxx for the two-process tests (gpu_serve_check.sh)
+  SITE=$(mktemp -d)
+  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl ||
+    { echo "gpu_check: installing .whl failed"; exit 2; }
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 log_dir="${OUT:-/tmp}"
 if [ "${WITH_FA:-0}" = 1 ]; then
   bash .fa/build.sh && export PYTHONPATH="$HOME/fa/src:$PYTHONPATH"

@@ -2,7 +2,10 @@
 # Issue 10 on the lent H200 (one GPU): pd-bench compare, 1P1D (both nodes on the one GPU) against
 # colocated (one node), synthetic:llama3-8b bf16, ShareGPT requests from the committed sample
 # (benchmarks/data/sharegpt_smollm2_500.jsonl, token ids), 100 prompts x 4 rates, --ignore-eos.
-#   carry .whl made by: ../shared/tools/gpu-wheels.sh grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+#   carry .whl made by: ../shared/tools/gpu-wheels.sh grpcio==1.85.1 protobuf==7.35.1 \
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+#   (the image's grpcio 1.84 is older than the generated stubs need; the routers run with
+#   --http-port 0, so the FastAPI stack, absent there, is not needed)
 #   (the nodes need pyzmq or ucxx for the KV transport, redis for pdserve.registry, and the
 #   router/nodes grpc_health + grpc_reflection, which the GPU image lacks)
 #   bash benchmarks/gpu_serve_check.sh      -> $OUT/serve_compare.{txt,json,png}, cluster logs
@@ -26,5 +29,5 @@ timeout -k 10 330 python3 -m benchmarks.cli compare --configs 1P1D,colocated:1 \
   --num-prompts "${NUM_PROMPTS:-100}" --request-rate "${RATES:-2,4,8,16}" --ignore-eos \
   --max-output-tokens 512 --slo-ttft-ms 250 --slo-tpot-ms 25 --no-progress \
   --json "$out/serve_compare.json" --plot "$out/serve_compare.png" \
-  --cluster-log "$out/cluster.log" --cluster-timeout-s 120 2>&1 | tee "$out/serve_compare.txt"
+  --cluster-log "$out/cluster.log" --cluster-timeout-s 120 --http-port 0 2>&1 | tee "$out/serve_compare.txt"
 exit "${PIPESTATUS[0]}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,9 +28,6 @@ from pdserve.security import load_cluster_auth, open_cluster_warning
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeys, install
 from router.dispatcher import Dispatcher
-from router.http.app import build_app
-from router.http.http_server import HttpServer
-from router.http.openai_serving import OpenAIServing
 from router.node_registry import NodeRegistry
 from router.node_source import NodeSource, StaticNodeSource
 from router.policies import make_policy
@@ -37,6 +35,9 @@ from router.redis_node_source import RedisNodeSource
 from router.request_handler import RequestHandler
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
+
+if TYPE_CHECKING:
+    from router.http.http_server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ class RouterServer:
         )
         self.http: HttpServer | None = None
         if config.http_port:
+            # Imported here: a router run with --http-port 0 needs no FastAPI stack installed.
+            from router.http.app import build_app
+            from router.http.http_server import HttpServer
+            from router.http.openai_serving import OpenAIServing
+
             app = build_app(
                 OpenAIServing(self.handler),
                 self.stats.metrics,
