@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import RouterConfig
-from pdserve.grpc_security import RequestGuard
+from pdserve.grpc_security import SERVER_OPTIONS, RequestGuard
 from pdserve.net import host_port
 from pdserve.security import load_cluster_auth, open_cluster_warning
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -63,7 +63,7 @@ class RouterServer:
         self.api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
         install(self.api_keys)
         check = self.api_keys.grpc_check if self.api_keys is not None else None
-        self._server = grpc.aio.server(interceptors=[RequestGuard(check)])
+        self._server = grpc.aio.server(interceptors=[RequestGuard(check)], options=SERVER_OPTIONS)
         self.policy = make_policy(
             config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens,
             config.prefix_cache_salt,

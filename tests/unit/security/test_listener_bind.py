@@ -92,3 +92,31 @@ def test_a_port_another_listener_holds_is_still_refused(name: str) -> None:
             await first.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_live_nodes_grpc_port_cannot_be_shared() -> None:
+    """gRPC's default SO_REUSEPORT would let a second server bind a live node's port and take
+    a share of its connections; pdserve's servers turn it off."""
+    from node_common.node_server import NodeServer
+    from pdserve.config import RouterConfig
+    from router.server import RouterServer
+
+    class Backend:
+        node_info = tokenizer_files = kv_address = None
+
+    async def scenario() -> None:
+        first = NodeServer("127.0.0.1", 0, Backend(), "pdserve.v1.DecodeNode", lambda s: None)
+        await first.start()
+        try:
+            second = NodeServer(
+                "127.0.0.1", first.port, Backend(), "pdserve.v1.DecodeNode", lambda s: None
+            )
+            with pytest.raises(OSError):
+                await second.start()
+            router = RouterServer(RouterConfig(host="127.0.0.1", port=first.port, http_port=0))
+            with pytest.raises(OSError):
+                await router.start()
+        finally:
+            await first.stop(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
