@@ -113,9 +113,11 @@ def test_a_live_nodes_grpc_port_cannot_be_shared() -> None:
             )
             with pytest.raises(OSError):
                 await second.start()
+            await second.stop(0)
             router = RouterServer(RouterConfig(host="127.0.0.1", port=first.port, http_port=0))
             with pytest.raises(OSError):
                 await router.start()
+            await router.stop(0)
         finally:
             await first.stop(0)
 
