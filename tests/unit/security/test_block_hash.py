@@ -88,3 +88,13 @@ def test_engine_and_router_compute_identical_hashes(salt, monkeypatch):
     assert block_ids == request.block_ids[:3] and hit_tokens == 12
     assert again.block_hashes == engine_hashes
     manager.free(request)
+
+
+def test_pd_serve_gives_the_salt_to_the_router_and_the_nodes():
+    from pdserve.cli import build_parser, engine_config, router_config
+
+    parser = build_parser("serve")
+    assert parser.targets["--prefix-cache-salt"] == {"router", "node"}
+    args = parser.parse_args(["--prefix-cache-salt", "tenant-a"])
+    assert router_config(args).prefix_cache_salt == "tenant-a"
+    assert engine_config(args).cache.prefix_cache_salt == "tenant-a"
