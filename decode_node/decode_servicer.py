@@ -1,9 +1,11 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
-Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
+    ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED)
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
+                    (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
 Abort (Node service) / the router cancels the call ──► fail the receiver, free the
