@@ -11,6 +11,7 @@ import sys
 import time
 
 from pdserve.config import DEFAULT_MODEL
+from pdserve.logs import configure_logging
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # INFO: a cold start's conversion and loading progress (a bar instead on a terminal)
+    configure_logging("info", "generate")
     from engine import LLM, InvalidRequestError, SamplingParams
 
     try:

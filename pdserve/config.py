@@ -27,6 +27,9 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
+# A chat of the longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k
+# characters), JSON-escaped, fits; anything larger is not a request this router could serve.
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -84,9 +87,8 @@ def prefix_cache_salt_knob() -> Any:
     """The prefix cache's salt (pdserve.block_hash), one knob for the engine and the router."""
     return knob(
         None,
-        "salt of the prefix cache's sha256 block hashes, so deployments that must not share "
-        "cached prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT, else none); give the "
-        "router and its nodes the same one",
+        "salt of the prefix cache's sha256 block hashes: deployments that must not share cached "
+        "prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT); the same on router and nodes",
     )
 
 
@@ -277,9 +279,7 @@ class NodeConfig:
         "node) before exiting with an error",
     )
     max_transfer_timeout_s: float = knob(
-        120.0,
-        "decode: the longest KV hand-off a Decode call may ask for (its transfer_timeout_s is "
-        "clamped to this), so reserved blocks always come back",
+        120.0, "decode: a Decode's transfer_timeout_s is clamped to this (reservations expire)"
     )
     max_pending_kv_share: float = knob(
         0.75,
@@ -288,9 +288,7 @@ class NodeConfig:
         "RESOURCE_EXHAUSTED) for its own earlier hand-offs to resolve (1: no per-caller cap)",
     )
     max_pending_transfers: int = knob(
-        256,
-        "decode: reservations awaiting KV the node holds at once, all callers together; more "
-        "are refused RESOURCE_EXHAUSTED at once",
+        256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
     )
 
     def __post_init__(self) -> None:
@@ -365,6 +363,10 @@ class RouterConfig:
         0, "prompts longer than N characters are refused before tokenizing (0: 32 x the "
         "model's context length)",
     )  # fmt: skip
+    max_request_bytes: int = knob(
+        DEFAULT_MAX_REQUEST_BYTES,
+        "HTTP request bodies larger than N bytes are refused (413) before being read whole",
+    )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
@@ -374,6 +376,8 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

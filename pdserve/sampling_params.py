@@ -40,7 +40,12 @@ _FLOAT_FIELDS = (
 
 
 class InvalidRequestError(ValueError):
-    """A request or its parameters cannot be served; the message says what to fix."""
+    """A request or its parameters cannot be served; the message says what to fix, `param`
+    (when one is to blame) names the parameter (OpenAI's error "param")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -76,7 +81,9 @@ class SamplingParams:
         }
         for name, value in kwargs.items():
             if isinstance(value, float) and not math.isfinite(value):
-                raise InvalidRequestError(f"sampling.{name} must be a finite number, got {value}")
+                raise InvalidRequestError(
+                    f"sampling.{name} must be a finite number, got {value}", name
+                )
         if "stop" in proto.DESCRIPTOR.fields_by_name:
             kwargs["stop"] = list(proto.stop)
         return cls(**kwargs, stop_token_ids=list(proto.stop_token_ids), ignore_eos=proto.ignore_eos)
@@ -99,39 +106,45 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg, param)
 
         for name in _FLOAT_FIELDS:
             if not math.isfinite(getattr(self, name)):
-                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise bad(name, f"{name} must be a finite number, got {getattr(self, name)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
-            raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise bad(
+                "temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise bad(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+            raise bad(
+                "top_k", f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+            raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise bad(
-                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise bad(f"{name} must be in [-2, 2], got {value}")
+                raise bad(name, f"{name} must be in [-2, 2], got {value}")
         if self.min_tokens < 0:
-            raise bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise bad("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise bad(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+            raise bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not s for s in self.stop):
-            raise bad("stop strings must be non-empty")
+            raise bad("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be non-negative token ids")
+            raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids")

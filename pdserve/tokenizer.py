@@ -9,6 +9,7 @@ generation_config.json when present.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +23,21 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pdserve.sampling_params import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # a byte-fallback token (SentencePiece)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is written as one printable character;
+    printable Latin-1 bytes as themselves, the others as chr(256 + k) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    chars.update({chr(256 + k): b for k, b in enumerate(others)})
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
 def _token_content(value: str | dict | None) -> str | None:
@@ -108,6 +124,20 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also when they are only part of a UTF-8 character
+        (its decoded text then shows U+FFFD): byte-level BPE's characters mapped back to bytes,
+        a byte-fallback token <0xAB> its byte, any other token its text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        byte_level = isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel)
+        if byte_level and all(c in _BYTE_LEVEL_CHARS for c in piece):
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        if match := _BYTE_TOKEN.match(piece):
+            return bytes([int(match.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)

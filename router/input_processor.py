@@ -71,7 +71,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total_len} exceeds the model's context length of {self._max_model_len} "
-                "tokens; shorten the prompt or lower max_tokens"
+                "tokens; shorten the prompt or lower max_tokens",
+                "max_tokens",
             )
         return ProcessedRequest(
             # Unique per call: concurrent requests reusing a client id all run, and no client
@@ -91,7 +92,9 @@ class InputProcessor:
         if kind == "prompt_token_ids":
             token_ids = list(request.prompt_token_ids.ids)
             if not token_ids:
-                raise InvalidRequestError("prompt_token_ids is empty; send at least one token")
+                raise InvalidRequestError(
+                    "prompt_token_ids is empty; send at least one token", "prompt_token_ids"
+                )
             self._check_token_ids("prompt_token_ids", token_ids)
             return token_ids
         if self._tokenizer is None:
@@ -99,14 +102,14 @@ class InputProcessor:
         self._check_prompt_size(request, kind)
         if kind == "prompt":
             if not request.prompt:
-                raise InvalidRequestError("prompt is empty; send at least one character")
+                raise InvalidRequestError("prompt is empty; send at least one character", kind)
             token_ids = self._tokenizer.encode(request.prompt)
         else:
             messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             token_ids = self._tokenizer.encode(text, add_special_tokens=False)  # in the template
         if not token_ids:
-            raise InvalidRequestError(f"the {kind} tokenizes to no tokens")
+            raise InvalidRequestError(f"the {kind} tokenizes to no tokens", kind)
         return token_ids
 
     def _check_prompt_size(self, request: generation_pb2.GenerateRequest, kind: str) -> None:
@@ -118,7 +121,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the {kind} has {num_chars} characters; this router refuses more than "
                 f"{self._max_prompt_chars} before tokenizing (the context is "
-                f"{self._max_model_len} tokens): shorten it"
+                f"{self._max_model_len} tokens): shorten it",
+                kind,
             )
 
     def _check_token_ids(self, name: str, token_ids: list[int]) -> None:
@@ -126,7 +130,8 @@ class InputProcessor:
             if token_id >= self._vocab_size:
                 raise InvalidRequestError(
                     f"{name}[{i}] = {token_id} is not a token id: the vocabulary has "
-                    f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})"
+                    f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})",
+                    name.removeprefix("sampling."),
                 )
 
 

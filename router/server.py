@@ -86,6 +86,8 @@ class RouterServer:
                 OpenAIServing(self.handler),
                 self.stats.metrics,
                 lambda: bool(self.registry.decode_nodes),
+                config.max_request_bytes,
+                self.api_keys,
             )
             self.http = HttpServer(app, config.host, config.http_port, config.grace_s)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

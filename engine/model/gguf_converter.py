@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from engine.model.arch_config import RopeConfig
 from engine.model.rope import rope_inv_freq
 from pdserve import envs
+from pdserve.progress import still_working, track
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,12 @@ def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     """Write config, generation config, weights and (if the file has one) tokenizer."""
     reader = GGUFReader(gguf_path)
     config = _hf_config(reader, gguf_path)
-    tensors = dict(_hf_tensors(reader, config))
+    num_tensors = sum(1 for t in reader.tensors if t.name != _ROPE_FREQS)
+    what = f"converting {gguf_path.name}"
+    logger.info("%s (once; later starts read the converted folder)", what)
+    tensors = dict(track(_hf_tensors(reader, config), what, num_tensors, "tensors", logger))
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    logger.info("%s: writing model.safetensors (%.0f MB)", what, num_bytes / 1e6)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _eos_ids(reader)}
@@ -256,12 +262,15 @@ def _write_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> None
     if "tokenizer.ggml.model" not in reader.fields:
         logger.warning("%s carries no tokenizer; the model will take token ids only", gguf_path)
         return
-    from transformers import AutoTokenizer  # slow import, only needed when converting
+    what = f"converting {gguf_path.name}: writing the tokenizer"
+    logger.info("%s", what)
+    with still_working(what, logger):  # transformers' GGUF reader: tens of seconds, silent
+        from transformers import AutoTokenizer  # slow import, only needed when converting
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
-    tokenizer.save_pretrained(out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+        )
+        tokenizer.save_pretrained(out_dir)
     chat_template = _field(reader, "tokenizer.chat_template", None)
     if chat_template:
         config_path = out_dir / "tokenizer_config.json"

@@ -27,6 +27,7 @@ from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
 from pdserve.config import ModelConfig
+from pdserve.progress import track
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ def load_model(
     if source.hf_dir is None:
         init_synthetic_weights(model, arch, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(source.hf_dir))
+        weights = track(iter_safetensors(source.hf_dir), f"loading {source.name} weights",
+                        count_safetensors(source.hf_dir), "tensors", logger)  # fmt: skip
+        model.load_weights(weights)
     model.requires_grad_(False).eval()
     logger.info(
         "loaded %s (%s, %d layers) on %s in %s in %.2f s",
@@ -106,14 +109,25 @@ def load_model(
     return LoadedModel(model, arch, source.name, source.tokenizer_dir)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) of every tensor in the folder's safetensors files (sharded too)."""
+def _safetensors_files(model_dir: Path) -> list[str]:
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.exists():
-        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-    else:
-        files = sorted(path.name for path in model_dir.glob("*.safetensors"))
-    for file_name in files:
+        return sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    return sorted(path.name for path in model_dir.glob("*.safetensors"))
+
+
+def count_safetensors(model_dir: Path) -> int:
+    """How many tensors `iter_safetensors` yields (reads only the files' headers)."""
+    total = 0
+    for file_name in _safetensors_files(model_dir):
+        with safe_open(model_dir / file_name, framework="pt", device="cpu") as tensors:
+            total += len(tensors.keys())
+    return total
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of every tensor in the folder's safetensors files (sharded too)."""
+    for file_name in _safetensors_files(model_dir):
         with safe_open(model_dir / file_name, framework="pt", device="cpu") as tensors:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, tensors.get_tensor(name)

@@ -8,6 +8,10 @@ GET  /health                 200 while a decode node is ready, else 503
 GET  /metrics                Prometheus text format (RouterMetrics)
 errors                       {"error": {"message", "type", "param", "code"}} (OpenAI's shape)
 ```
+
+With `--api-key-file`, every /v1/ route needs `Authorization: Bearer KEY` (401 otherwise), as
+the gRPC API does; /health and /metrics stay open (probes, Prometheus). A body larger than
+`--max-request-bytes` is refused (413) before it is read whole.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from router.auth import ApiKeys
 from router.http.openai_errors import OpenAIError
 from router.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from router.http.openai_serving import OpenAIServing
@@ -29,9 +34,21 @@ from router.metrics import RouterMetrics
 
 
 def build_app(
-    serving: OpenAIServing, metrics: RouterMetrics, is_ready: Callable[[], bool]
+    serving: OpenAIServing,
+    metrics: RouterMetrics,
+    is_ready: Callable[[], bool],
+    max_body_bytes: int,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def authorize(request: Request) -> None:
+        """Raises OpenAIError(401) unless the request carries a listed API key (if any is)."""
+        if api_keys is not None and not api_keys.check(request.headers.get("authorization")):
+            raise OpenAIError(
+                "send a valid API key as 'Authorization: Bearer KEY'", status=401,
+                code="invalid_api_key",
+            )  # fmt: skip
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -54,26 +71,53 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
         return JSONResponse(serving.models())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(serving, request, parse_completion)
+        authorize(request)
+        return await _generate(serving, request, parse_completion, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(serving, request, parse_chat)
+        authorize(request)
+        return await _generate(serving, request, parse_chat, max_body_bytes)
 
     return app
 
 
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) once it is known to exceed `max_bytes`: by its Content-Length,
+    or while reading it."""
+    too_large = OpenAIError(
+        f"the request body exceeds this router's limit of {max_bytes} bytes "
+        "(--max-request-bytes)", status=413,
+    )  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _generate(
-    serving: OpenAIServing, request: Request, parse: Callable[[Any], OpenAIRequest]
+    serving: OpenAIServing,
+    request: Request,
+    parse: Callable[[Any], OpenAIRequest],
+    max_body_bytes: int,
 ) -> Response:
     start_s = time.monotonic()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(await _read_body(request, max_body_bytes))
+    except OpenAIError as error:
+        raise serving.reject(error, start_s) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         error = OpenAIError(f"the request body is not JSON: {error}")
         raise serving.reject(error, start_s) from None

@@ -61,6 +61,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # top alternatives per token (0: sampled token only)
     chat: bool = False
     max_tokens_set: bool = True  # chat without max_tokens: filled to the context length
+    max_tokens_param: str = "max_tokens"  # the name the body used (chat: or max_completion_tokens)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,7 +100,10 @@ def parse_chat(body: Any) -> OpenAIRequest:
         max_tokens = _int(body, "max_tokens", 1, None)
     n = _int(body, "n", 1, MAX_N) or 1
     sampling = _sampling(body, max_tokens, logprobs)
-    return _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
+    parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
+    if "max_completion_tokens" in body:
+        parsed.max_tokens_param = "max_completion_tokens"
+    return parsed
 
 
 def _request(

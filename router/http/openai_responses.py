@@ -155,7 +155,9 @@ class ResponseBuilder:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         token = self._token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        # the token's own bytes: a piece of a multi-byte character is not its U+FFFD text's
+        raw = token.encode() if self._tokenizer is None else self._tokenizer.token_bytes(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
     def _token_text(self, token_id: int) -> str:
         if self._tokenizer is None:

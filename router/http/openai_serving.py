@@ -79,7 +79,8 @@ class OpenAIServing:
                 for i, choice in enumerate(parsed.choices)
             ]
         except InvalidRequestError as error:
-            raise self._rejected(request_id, OpenAIError(str(error)), start_s) from None
+            error = OpenAIError(str(error), self._param(parsed, error.param))
+            raise self._rejected(request_id, error, start_s) from None
         except RouterError as error:
             raise self._rejected(
                 request_id, OpenAIError.from_router_error(error), start_s
@@ -88,12 +89,23 @@ class OpenAIServing:
             raise self._rejected(request_id, error, start_s) from None
         return PreparedRequest(parsed, request_id, processed, start_s)
 
+    @staticmethod
+    def _param(parsed: OpenAIRequest, param: str | None) -> str | None:
+        """The request's name for a parameter the router's validation blamed."""
+        if param in ("prompt", "prompt_token_ids"):
+            return "messages" if parsed.chat else "prompt"
+        if param == "max_tokens":
+            return parsed.max_tokens_param
+        return param
+
     def reject(self, error: OpenAIError, start_s: float) -> OpenAIError:
         """Counts a request refused before it was parsed."""
         return self._rejected("-", error, start_s)
 
     def _rejected(self, request_id: str, error: OpenAIError, start_s: float) -> OpenAIError:
-        status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND"}.get(error.status, error.code)
+        status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}.get(
+            error.status, error.code
+        )
         self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
         return error
 

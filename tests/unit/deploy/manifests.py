@@ -1,12 +1,10 @@
-"""What the deploy tests share: every kustomization under deploy/k8s rendered (also the base
-with the pending http-metrics component), and lookups into the rendered objects."""
+"""What the deploy tests share: every kustomization under deploy/k8s rendered, and lookups into
+the rendered objects."""
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,6 @@ from tests.unit.deploy.dockerfile import REPO_ROOT
 from tests.unit.deploy.kustomize_lite import render
 
 K8S = REPO_ROOT / "deploy" / "k8s"
-PENDING_COMPONENT = K8S / "components" / "http-metrics"
-WITH_PENDING = "base+components/http-metrics"
 ROLE_COMMANDS = ("pd-router", "pd-prefill", "pd-decode")
 # what the downward API gives a pod (env valueFrom.fieldRef), for expanding $(VAR) in args
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0", "metadata.namespace": "ns"}
@@ -32,27 +28,8 @@ def kustomizations() -> dict[str, Path]:
     return found
 
 
-def with_pending_component(folder: Path) -> Path:
-    """Writes, under `folder`, a kustomization of the base plus the pending component."""
-    relative = Path(os.path.relpath(K8S, folder))
-    (folder / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [str(relative / "base")],
-                "components": [str(relative / "components" / "http-metrics")],
-            }
-        )
-    )
-    return folder
-
-
 @functools.cache
 def rendered(name: str) -> tuple[dict[str, Any], ...]:
-    if name == WITH_PENDING:
-        with tempfile.TemporaryDirectory() as folder:
-            return tuple(render(with_pending_component(Path(folder))))
     return tuple(render(kustomizations()[name]))
 
 

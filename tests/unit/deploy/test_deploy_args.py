@@ -2,7 +2,8 @@
 $(VAR)s expanded as Kubernetes does (ConfigMaps, the downward API), parsed by the parsers of
 pd-router, pd-prefill and pd-decode, turned into their config dataclasses (whose checks run),
 and consistent with the manifests (the ports listened on are the ports declared and probed;
-the registry URL is the Redis Service; nodes advertise their pod IP)."""
+Prometheus scrapes the port each process serves /metrics on: the router's HTTP port, the nodes'
+--metrics-port; the registry URL is the Redis Service; nodes advertise their pod IP)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from prefill_node.prefill_server import PrefillServer
 from router.cli import build_router_parser
 from tests.unit.deploy.manifests import (
     FIELD_VALUES,
-    WITH_PENDING,
     container_env,
     expand,
     find,
@@ -34,15 +34,6 @@ PARSERS = {
     "pd-prefill": lambda: build_node_parser(PrefillServer),
     "pd-decode": lambda: build_node_parser(DecodeServer),
 }
-# Flags of issue 11 parts 1-2 (another branch) that only components/http-metrics uses, with the
-# container port each must name. Once the parsers know them they are parsed like any other.
-PENDING_FLAGS = {"--http-port": "http", "--metrics-port": "metrics"}
-
-
-def _known(parser: argparse.ArgumentParser, flag: str) -> bool:
-    return any(flag in action.option_strings for action in parser._actions)  # noqa: SLF001
-
-
 def _parse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argparse.Namespace:
     errors = io.StringIO()
     try:
@@ -53,27 +44,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argpa
 
 
 def _containers_with_args(name: str):
-    """(workload name, container, expanded argv) of every pdserve container of a rendering."""
+    """(workload name, pod template, container, expanded argv) of every pdserve container."""
     objects = rendered(name)
-    for workload, _, container in pdserve_containers(objects):
+    for workload, template, container in pdserve_containers(objects):
         env = container_env(objects, container)
         argv = [expand(arg, env) for arg in container.get("args", [])]
         unresolved = [arg for arg in argv if "$(" in arg]
         assert not unresolved, f"{workload['metadata']['name']}: unset variables {unresolved}"
-        yield workload["metadata"]["name"], container, argv
-
-
-def _split_pending(parser, argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """argv without the pending flags this branch's parser does not know yet, and those."""
-    kept, pending = [], {}
-    for token in argv:
-        flag, _, value = token.partition("=")
-        if flag in PENDING_FLAGS and not _known(parser, flag):
-            assert value, f"write pending flags as {flag}=VALUE (one token)"
-            pending[flag] = value
-        else:
-            kept.append(token)
-    return kept, pending
+        yield workload["metadata"]["name"], template, container, argv
 
 
 def _check_config(command: str, args: argparse.Namespace, what: str) -> None:
@@ -88,49 +66,37 @@ def _check_config(command: str, args: argparse.Namespace, what: str) -> None:
         pytest.fail(f"{what}: its launcher would refuse the settings: {error}")
 
 
-def _check_ports(name: str, container: dict, args: argparse.Namespace, what: str) -> None:
+def _check_ports(
+    name: str, template: dict, container: dict, args: argparse.Namespace, what: str
+) -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert args.port == ports["grpc"], f"{what}: listens on {args.port}, declares {ports}"
     assert args.host == "0.0.0.0", f"{what}: must listen on every interface of the pod"
-    if container["command"][0] != "pd-router":
+    if container["command"][0] == "pd-router":
+        assert args.http_port == ports["http"], f"{what}: HTTP on {args.http_port}, declares {ports}"
+        metrics_port = args.http_port  # /metrics is on the router's HTTP port
+    else:
         assert args.kv_port == ports["kv"], f"{what}: KV port {args.kv_port} is not declared"
         assert args.advertise_host == FIELD_VALUES["status.podIP"], f"{what}: advertise the pod IP"
+        assert args.metrics_port == ports["metrics"], f"{what}: /metrics on {args.metrics_port}"
+        metrics_port = args.metrics_port
+    annotations = template["metadata"]["annotations"]
+    assert metrics_port, f"{what}: serves no /metrics, but its pods are scraped"
+    assert int(annotations["prometheus.io/port"]) == metrics_port, f"{what}: scrapes another port"
+    assert annotations["prometheus.io/path"] == "/metrics"
     registry = urlsplit(args.registry)
     redis = find(rendered(name), "Service", registry.hostname)
     assert registry.port in [p["port"] for p in redis["spec"]["ports"]], f"{what}: {registry}"
 
 
-@pytest.mark.parametrize("name", [*kustomizations(), WITH_PENDING])
+@pytest.mark.parametrize("name", list(kustomizations()))
 def test_every_container_starts_with_arguments_its_launcher_accepts(name: str) -> None:
-    pending_seen = {}
-    for workload, container, argv in _containers_with_args(name):
+    for workload, template, container, argv in _containers_with_args(name):
         what = f"{name}: {workload}"
         command = container["command"][0]
-        parser = PARSERS[command]()
-        argv, pending = _split_pending(parser, argv)
-        assert not pending or name == WITH_PENDING, f"{what}: pending flags {pending} in use"
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        for flag, value in pending.items():
-            assert int(value) == ports[PENDING_FLAGS[flag]], f"{what}: {flag}={value} vs {ports}"
-            pending_seen[flag] = value
-        args = _parse(parser, argv, what)
+        args = _parse(PARSERS[command](), argv, what)
         _check_config(command, args, what)
-        _check_ports(name, container, args, what)
-    if pending_seen:
-        pytest.skip(f"the rest parses; this branch's launchers lack {sorted(pending_seen)} yet")
-
-
-def test_the_pending_component_adds_exactly_the_pending_flags() -> None:
-    before = {w: argv for w, _, argv in _containers_with_args("base")}
-    after = {w: argv for w, _, argv in _containers_with_args(WITH_PENDING)}
-    added = {w: after[w][len(before[w]) :] for w in before}
-    assert after.keys() == before.keys()
-    assert all(after[w][: len(before[w])] == before[w] for w in before)
-    assert added == {
-        "router": ["--http-port=8000"],
-        "prefill": ["--metrics-port=9090"],
-        "decode": ["--metrics-port=9090"],
-    }
+        _check_ports(name, template, container, args, what)
 
 
 def test_a_bad_argument_fails_this_check() -> None:

@@ -15,20 +15,18 @@ import yaml
 
 from tests.unit.deploy import dockerfile
 from tests.unit.deploy.manifests import (
-    WITH_PENDING,
     find,
     kustomizations,
     pdserve_containers,
     pod_templates,
     port_number,
     rendered,
-    with_pending_component,
 )
 
 # The oldest Kubernetes with GA gRPC probes that kubernetes-validate ships schemas for, and the
 # newest it ships.
 K8S_VERSIONS = ("1.27.0", "1.37.0")
-RENDERINGS = [*kustomizations(), WITH_PENDING]
+RENDERINGS = list(kustomizations())
 NODE_ROLES = ("prefill", "decode")
 
 
@@ -61,8 +59,8 @@ def _kustomize_command() -> list[str] | None:
 
 @pytest.mark.skipif(_kustomize_command() is None, reason="no kustomize or kubectl installed")
 @pytest.mark.parametrize("name", RENDERINGS)
-def test_renderer_agrees_with_kustomize(name: str, tmp_path) -> None:
-    folder = with_pending_component(tmp_path) if name == WITH_PENDING else kustomizations()[name]
+def test_renderer_agrees_with_kustomize(name: str) -> None:
+    folder = kustomizations()[name]
     result = subprocess.run(
         [*_kustomize_command(), str(folder)], capture_output=True, text=True, timeout=120
     )

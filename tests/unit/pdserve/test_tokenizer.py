@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.tokenizer import Tokenizer
@@ -147,3 +148,26 @@ def test_default_model_tokenizer_matches_transformers() -> None:
                 MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         )
+
+
+def test_token_bytes_are_the_tokens_own_bytes(tokenizer: Tokenizer) -> None:
+    """Byte-level BPE: a token holding part of a character has its bytes, not U+FFFD's."""
+    text = "日本語 🙂 <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(b"\xef\xbf\xbd" not in p and "\ufffd" in tokenizer.decode([i])
+               for i, p in zip(ids, pieces, strict=True))  # fmt: skip
+
+
+def test_token_bytes_of_byte_fallback_tokens() -> None:
+    byte_tokens = {f"<0x{b:02X}>": b for b in range(256)}
+    model = tokenizers.models.BPE(vocab={"<unk>": 256, **byte_tokens, "a": 257}, merges=[],
+                                  unk_token="<unk>", byte_fallback=True)  # fmt: skip
+    backend = tokenizers.Tokenizer(model)
+    backend.decoder = tokenizers.decoders.Sequence(
+        [tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()]
+    )
+    tokenizer = Tokenizer(backend)
+    ids = tokenizer.encode("a日", add_special_tokens=False)
+    assert [tokenizer.token_bytes(i) for i in ids] == [b"a", b"\xe6", b"\x97", b"\xa5"]

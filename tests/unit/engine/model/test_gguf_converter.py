@@ -7,9 +7,12 @@ convert_hf_to_gguf.py writes them, so the converted model must reproduce transfo
 from __future__ import annotations
 
 import copy
+import io
 import json
+import logging
 import os
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -273,3 +276,27 @@ def test_real_smollm2_gguf_matches_transformers(smollm2_folder):
     want = reference_logits(reference, prompts)
     torch.testing.assert_close(ours, want, atol=2e-3, rtol=1e-3)
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_conversion_and_loading_report_progress_off_a_terminal(
+    hf_checkpoints, cache_dir, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal: log lines, no bar
+    caplog.set_level(logging.INFO)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(hf_checkpoints["llama"], "llama", path)
+    load_model(ModelConfig(model=str(path)), TorchAttentionBackend(), torch.device("cpu"),
+               torch.float32)  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    num_tensors = 3 + 9 * hf_checkpoints["llama"].model.config.num_hidden_layers
+    converting = [line for line in lines if line.startswith("converting tiny.gguf: ")]
+    assert f"converting tiny.gguf: 100% ({num_tensors}/{num_tensors} tensors" in "\n".join(
+        converting
+    )
+    assert len([line for line in converting if "%" in line]) >= 5  # every tenth or so
+    assert any("writing model.safetensors" in line for line in converting)
+    loading = [line for line in lines if line.startswith("loading tiny weights: ")]
+    assert loading and loading[-1].startswith(
+        f"loading tiny weights: 100% ({num_tensors}/{num_tensors} tensors"
+    )
+    assert sys.stderr.getvalue() == ""
