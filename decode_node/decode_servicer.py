@@ -70,7 +70,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
-            config.max_pending_kv_share, config.max_pending_transfers,
+            config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
         )  # fmt: skip
 
     async def Decode(

@@ -10,7 +10,8 @@ acquire(caller, num_blocks, wait_s)
                               --max-pending-kv-share of the pool, it waits (bounded by wait_s,
                               outside the admission FIFO: nobody else waits behind it) for the
                               caller's own hand-offs to resolve; TransferCapExceeded
-                              (RESOURCE_EXHAUSTED) when they do not in time, or when the node
+                              (RESOURCE_EXHAUSTED) when they do not in time, at once when
+                              --max-queued-requests calls already wait so, or when the node
                               already awaits --max-pending-transfers hand-offs
 hold.release()                the hand-off resolved (landed, failed, timed out, or the call
                               ended); idempotent
@@ -57,6 +58,7 @@ class TransferCaps:
         max_timeout_s: float,
         max_caller_share: float,
         max_pending: int,
+        max_waiting: int,
     ) -> None:
         self.max_timeout_s = max_timeout_s
         self.max_caller_share = max_caller_share
@@ -67,7 +69,9 @@ class TransferCaps:
             else math.inf
         )
         self.max_pending = max_pending
+        self.max_waiting = max_waiting  # over-cap calls waiting at once (--max-queued-requests)
         self.num_pending = 0  # holds, and callers waiting for one
+        self.num_waiting = 0
         self.num_refused = 0
         self._blocks_by_caller: collections.Counter[str] = collections.Counter()
         self._released = asyncio.Event()
@@ -90,7 +94,20 @@ class TransferCaps:
                 f"(--max-pending-transfers {self.max_pending})",
                 self.max_timeout_s / 4,
             )
+        over_cap = (
+            f"this caller ({caller}) holds {self.blocks_held(caller)} KV blocks in reservations "
+            f"awaiting KV; {num_blocks} more exceed its cap of {self.max_caller_blocks} "
+            f"(--max-pending-kv-share {self.max_caller_share:g} of the pool)"
+        )
+        if self._over_cap(caller, num_blocks) and self.num_waiting >= self.max_waiting:
+            self.num_refused += 1
+            raise TransferCapExceeded(
+                f"{over_cap} and {self.num_waiting} calls already wait (--max-queued-requests "
+                f"{self.max_waiting})",
+                self.max_timeout_s / 4,
+            )
         self.num_pending += 1
+        self.num_waiting += 1
         try:
             async with asyncio.timeout(wait_s):
                 while self._over_cap(caller, num_blocks):
@@ -99,15 +116,14 @@ class TransferCaps:
             self.num_pending -= 1
             self.num_refused += 1
             raise TransferCapExceeded(
-                f"this caller ({caller}) holds {self.blocks_held(caller)} KV blocks in "
-                f"reservations awaiting KV; {num_blocks} more exceed its cap of "
-                f"{self.max_caller_blocks} (--max-pending-kv-share {self.max_caller_share:g} of "
-                f"the pool) and none of its hand-offs resolved within {wait_s:g} s",
+                f"{over_cap} and none of its hand-offs resolved within {wait_s:g} s",
                 self.max_timeout_s / 4,
             ) from None
         except BaseException:
             self.num_pending -= 1
             raise
+        finally:
+            self.num_waiting -= 1
         self._blocks_by_caller[caller] += num_blocks
         return PendingHold(self, caller, num_blocks)
 

@@ -94,7 +94,7 @@ def test_the_issue_attack_cannot_pin_the_pool_and_expires_at_the_clamp() -> None
 def test_caps_unit() -> None:
     async def main() -> None:
         caps = TransferCaps(num_pool_blocks=10, max_timeout_s=5.0, max_caller_share=0.5,
-                            max_pending=3)  # fmt: skip
+                            max_pending=4, max_waiting=1)  # fmt: skip
         assert caps.timeout_s(1e9, 30.0) == 5.0
         assert caps.timeout_s(0.0, 2.0) == 2.0  # the node's default, under the clamp
         assert caps.timeout_s(0.0, 30.0) == 5.0
@@ -105,14 +105,17 @@ def test_caps_unit() -> None:
         waiting = asyncio.ensure_future(caps.acquire("b", 1, 30.0))  # over b's cap of 5
         await asyncio.sleep(0.05)
         assert not waiting.done()
-        with pytest.raises(TransferCapExceeded, match="max-pending-transfers 3"):
-            await caps.acquire("d", 1, 1.0)  # 2 holds + 1 waiter
+        with pytest.raises(TransferCapExceeded, match="max-queued-requests 1"):
+            await caps.acquire("a", 1, 30.0)  # over a's cap, and one call already waits
+        await caps.acquire("c", 1, 1.0)
+        with pytest.raises(TransferCapExceeded, match="max-pending-transfers 4"):
+            await caps.acquire("d", 1, 1.0)  # 3 holds + 1 waiter
         b.release()  # b's own hand-off resolved: its waiter gets its hold
         assert (await asyncio.wait_for(waiting, 5.0)).num_blocks == 1
         big.release()
         big.release()  # idempotent
-        assert caps.blocks_held("a") == 0 and caps.num_pending == 1
-        unlimited = TransferCaps(10, 5.0, 1.0, 8)
+        assert caps.blocks_held("a") == 0 and caps.num_pending == 2
+        unlimited = TransferCaps(10, 5.0, 1.0, 8, 0)
         await unlimited.acquire("a", 9, 1.0)
         await unlimited.acquire("a", 9, 1.0)  # share 1: no per-caller cap
 
