@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.ttft_cluster import ServeCluster
+from benchmarks.serve_cluster import BenchCluster, ClusterSpec
 from router.client import GenerationClient, build_request
 
 REQUEST_TIMEOUT_S = 600.0
@@ -81,7 +81,7 @@ def run_all(addr: str, args: argparse.Namespace) -> dict[int, Samples]:
     }
 
 
-def timeline_rows(cluster: ServeCluster, sent_s: float) -> list[str]:
+def timeline_rows(cluster: BenchCluster, sent_s: float) -> list[str]:
     """The last 1P1D request's per-layer timeline, ms after it was sent."""
     prefill = cluster.node_stats("prefill-0").last_transfer
     decode = cluster.node_stats("decode-0").last_transfer
@@ -150,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.colocated_addr:
         colocated = run_all(args.colocated_addr, args)
     else:
-        with ServeCluster([*serve, "--prefill", "0"]) as cluster:
-            colocated = run_all(cluster.router, args)
+        with BenchCluster(ClusterSpec.parse("colocated"), serve) as cluster:
+            colocated = run_all(cluster.address, args)
     timeline = ["(timeline: only when pd-bench starts the 1P1D cluster)"]
     if args.pd_addr:
         pd = run_all(args.pd_addr, args)
     else:
-        with ServeCluster(serve) as cluster:
-            pd = run_all(cluster.router, args)
+        with BenchCluster(ClusterSpec.parse("1P1D"), serve) as cluster:
+            pd = run_all(cluster.address, args)
             timeline = timeline_rows(cluster, pd[args.prompt_tokens[-1]].last_sent_s)
     print_table(colocated, pd)
     print(f"\nper-layer timeline of the last 1P1D request ({args.prompt_tokens[-1]} tokens):")

@@ -1,17 +1,24 @@
-"""`BenchCluster`: a `pd-serve` cluster that `pd-bench serve` / `compare` start and stop.
+"""`BenchCluster`: the one launcher of a local `pd-serve` cluster, for `pd-bench serve` /
+`compare` / `ttft` and the end-to-end tests (`tests/e2e/cluster.py`).
 
 ```
 ClusterSpec.parse("1P1D") / ("2P4D") / ("colocated:2")   -> prefill and decode node counts
-start: pd-serve --prefill P --decode D --port 0 FLAGS  (own session; its log to a file)
-       -> "pd-serve: router listening on ADDR" -> GetModelInfo answers -> ready (or timeout)
-stop:  SIGTERM to pd-serve (it stops its nodes), SIGKILL to its session after a grace period
+start: pd-serve [--prefill P --decode D] --port 0 --http-port 0 FLAGS  (own session)
+       -> "[decode-0] pd-decode listening on ADDR" ...  -> `nodes`
+       -> "pd-serve: router listening on ADDR"          -> `address`
+       -> GetModelInfo answers -> ready (or RuntimeError with the log's last lines)
+node_stats("prefill-0"): a node's NodeStats over gRPC
+stop:  SIGINT to pd-serve, as Ctrl-C (it stops its nodes), SIGKILL to its session after a grace period;
+       returns the pids pd-serve had started that outlived it
 ```
-Torch-free: pd-serve's nodes load the model in their own processes.
+pd-serve's output goes to `log` (its last lines) and, when given, to a log file. Torch-free:
+pd-serve's nodes load the model in their own processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -19,17 +26,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 
 _ROUTER_LINE = re.compile(r"pd-serve: router listening on (\S+)")
+_NODE_LINE = re.compile(r"\[(prefill|decode)-(\d+)\] pd-\w+ listening on (\S+)")
 _SPEC = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
 _COLOCATED = re.compile(r"^colocated(?::(\d+))?$", re.IGNORECASE)
+START_TIMEOUT_S = 900.0  # a first start may convert the model; a large one loads for minutes
 STOP_GRACE_S = 30.0
+RPC_TIMEOUT_S = 10.0
+LOG_LINES_KEPT = 400  # `BenchCluster.log`: the last lines of pd-serve's output
+LOG_LINES_SHOWN = 40  # in the error when it does not start
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,9 @@ class ClusterSpec:
             raise ValueError(f"cluster {text!r} needs at least one decode node")
         return spec
 
+    def flags(self) -> list[str]:
+        return ["--prefill", str(self.num_prefill), "--decode", str(self.num_decode)]
+
 
 async def wait_ready(addr: str, timeout_s: float) -> None:
     """Until the router at `addr` answers GetModelInfo (it knows its nodes), or TimeoutError."""
@@ -72,47 +89,93 @@ async def wait_ready(addr: str, timeout_s: float) -> None:
     raise TimeoutError(f"router {addr} not ready after {timeout_s:g} s ({last})")
 
 
-class BenchCluster:
-    """One pd-serve process tree; `start()` returns the router's address."""
+def _children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc; empty where there is none)."""
+    children = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(entry))
+    return children
 
-    def __init__(self, spec: ClusterSpec, serve_flags: list[str], log_path: Path,
-                 timeout_s: float) -> None:  # fmt: skip
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _given(flags: list[str], name: str) -> bool:
+    return any(f == name or f.startswith(name + "=") for f in flags)
+
+
+class BenchCluster:
+    """One pd-serve process tree; `start()` returns the router's address.
+
+    `spec`: the node counts (None: `serve_flags` say them, or pd-serve's default 1P1D).
+    `--port 0` and `--http-port 0` (a free gRPC port, no HTTP API) unless `serve_flags` set them.
+    """
+
+    def __init__(self, spec: ClusterSpec | None, serve_flags: list[str],
+                 log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S) -> None:  # fmt: skip
         self.spec = spec
         self.serve_flags = list(serve_flags)
         self.log_path = log_path
         self.timeout_s = timeout_s
         self.process: subprocess.Popen | None = None
-        self.address: str | None = None
+        self.address: str | None = None  # the router's host:port
+        self.nodes: dict[str, str] = {}  # "prefill-0" -> host:port
+        self.log: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         self._found = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec is not None else "pd-serve"
 
     def argv(self) -> list[str]:
         flags = self.serve_flags
-        port = (
-            [] if any(f == "--port" or f.startswith("--port=") for f in flags) else ["--port", "0"]
-        )
-        return [sys.executable, "-m", "pdserve.local_cluster", "--prefill", str(self.spec.num_prefill),
-                "--decode", str(self.spec.num_decode), *port, *flags]  # fmt: skip
+        counts = self.spec.flags() if self.spec is not None else []
+        ports = [] if _given(flags, "--port") else ["--port", "0"]
+        ports += [] if _given(flags, "--http-port") else ["--http-port", "0"]
+        return [sys.executable, "-m", "pdserve.local_cluster", *counts, *ports, *flags]
 
-    def _watch(self, log) -> None:
+    def _watch(self, log_file) -> None:
         for line in self.process.stdout:
-            log.write(line)
-            log.flush()
+            self.log.append(line)
+            if log_file is not None:
+                log_file.write(line)
+                log_file.flush()
+            if match := _NODE_LINE.search(line):
+                self.nodes[f"{match.group(1)}-{match.group(2)}"] = match.group(3)
             if self.address is None and (match := _ROUTER_LINE.search(line)):
                 self.address = match.group(1)
                 self._found.set()
         self._found.set()  # pd-serve exited
+        if log_file is not None:
+            log_file.close()
 
     def start(self) -> str:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("w", encoding="utf-8")
+        log_file = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = self.log_path.open("w", encoding="utf-8")
         self.process = subprocess.Popen(
             self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-        threading.Thread(target=self._watch, args=(log,), daemon=True).start()
+        threading.Thread(target=self._watch, args=(log_file,), daemon=True).start()
         if not self._found.wait(self.timeout_s) or self.address is None:
             self.stop()
-            raise RuntimeError(f"pd-serve ({self.spec.name}) did not start: {self._log_tail()}")
+            raise RuntimeError(f"pd-serve ({self.name}) did not start: {self._log_tail()}")
         try:
             asyncio.run(wait_ready(self.address, self.timeout_s))
         except TimeoutError as error:
@@ -120,23 +183,37 @@ class BenchCluster:
             raise RuntimeError(f"{error}; {self._log_tail()}") from None
         return self.address
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the session this object started
-            self.process.wait(10)
+    def node_stats(self, name: str, timeout_s: float = RPC_TIMEOUT_S) -> node_pb2.NodeStats:
+        """Node `name` ("decode-0")'s stats over gRPC."""
+        with grpc.insecure_channel(self.nodes[name]) as channel:
+            stub = node_pb2_grpc.NodeStub(channel)
+            return stub.GetStats(node_pb2.GetStatsRequest(), timeout=timeout_s)
 
-    def _log_tail(self, num_lines: int = 20) -> str:
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = STOP_GRACE_S) -> list[int]:
+        """Stop pd-serve with `sig` (it stops its nodes); return the pids it had started that
+        outlived it (then killed with the rest of its session)."""
+        if self.process is None or self.process.poll() is not None:
+            return []
+        children = _children_of(self.process.pid)
+        self.process.send_signal(sig)
         try:
-            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            lines = []
-        tail = "\n".join(lines[-num_lines:])
-        return f"last lines of {self.log_path}:\n{tail}"
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill_session()
+            self.process.wait(10)
+        leftover = [pid for pid in children if _alive(pid)]
+        if leftover:
+            self._kill_session()
+        return leftover
+
+    def _kill_session(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the session this object started
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def _log_tail(self) -> str:
+        tail = "".join(list(self.log)[-LOG_LINES_SHOWN:])
+        where = f" (all of it in {self.log_path})" if self.log_path is not None else ""
+        return f"last lines of its output{where}:\n{tail}"
 
     def __enter__(self) -> BenchCluster:
         self.start()

@@ -2,7 +2,8 @@
 
     created from the ticket ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
     send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order),
-    or send_packed(i, payload) for a layer the caller packed itself
+    or send_packed(i, payload) for a layer the caller packed itself, or
+    send_packed_layers([(i, payload), (j, payload)...]) for several at once (one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
     refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
 
@@ -103,20 +104,35 @@ class KVSender(TransferSession):
         uint8. Sent in place when it lives where the transport sends from
         (`buffer_device`), else copied once into staging; leave it unchanged until this
         returns. A CUDA payload must be written on the current stream. No-op once finished."""
+        await self.send_packed_layers([(layer_idx, payload)], token_end)
+
+    async def send_packed_layers(
+        self, layers: Sequence[tuple[int, torch.Tensor]], token_end: int | None = None
+    ) -> None:
+        """`send_packed` for several layers (distinct, same `token_end`) as one transport
+        message (`KVTransport.send_many`): fewer, larger messages. The receiver lands and
+        reports each layer as if sent alone. ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
-        block_offset, block_end = self._layer_span(layer_idx, token_end)
-        num_bytes = self.layout.layer_bytes(block_end - block_offset)
-        if check_payload(payload) != num_bytes:
-            raise ValueError(
-                f"layer {layer_idx}: a packed payload of {payload.numel()} bytes; blocks "
-                f"[{block_offset}, {block_end}) of tokens up to {token_end} take {num_bytes}"
-            )
-        self._layer_token_end[layer_idx] = token_end
-        manifest = self._manifest(layer_idx, block_offset, block_end, token_end)
-        if self._transport.buffer_device(payload.device) == payload.device:
-            await self._send_layer(manifest, payload, payload.device)
-        else:
-            await self._send_layer(manifest, lambda out: out.copy_(payload), payload.device)
+        if len({layer_idx for layer_idx, _ in layers}) != len(layers) or not layers:
+            raise ValueError(f"send_packed_layers needs distinct layers, got {len(layers)}")
+        manifests = []
+        for layer_idx, payload in layers:
+            block_offset, block_end = self._layer_span(layer_idx, token_end)
+            num_bytes = self.layout.layer_bytes(block_end - block_offset)
+            if check_payload(payload) != num_bytes:
+                raise ValueError(
+                    f"layer {layer_idx}: a packed payload of {payload.numel()} bytes; blocks "
+                    f"[{block_offset}, {block_end}) of tokens up to {token_end} take {num_bytes}"
+                )
+            manifests.append(self._manifest(layer_idx, block_offset, block_end, token_end))
+        sources: list[torch.Tensor | Callable[[torch.Tensor], object]] = []
+        for layer_idx, payload in layers:
+            self._layer_token_end[layer_idx] = token_end
+            if self._transport.buffer_device(payload.device) == payload.device:
+                sources.append(payload)
+            else:
+                sources.append(lambda out, payload=payload: out.copy_(payload))
+        await self._send_layers(manifests, sources, layers[0][1].device)
 
     async def send_first_token(
         self,
@@ -200,7 +216,16 @@ class KVSender(TransferSession):
         source: torch.Tensor | Callable[[torch.Tensor], object],
         device: torch.device,
     ) -> None:
-        """Once acked, send a layer: `source` is the payload itself, or fills staging with it."""
+        await self._send_layers([manifest], [source], device)
+
+    async def _send_layers(
+        self,
+        manifests: list[transfer_pb2.LayerManifest],
+        sources: list[torch.Tensor | Callable[[torch.Tensor], object]],
+        device: torch.device,
+    ) -> None:
+        """Once acked, send layers as one message: each source is the payload itself, or
+        fills staging with it."""
         if self.finished:
             return
         sending = self._loop.create_future()
@@ -208,31 +233,37 @@ class KVSender(TransferSession):
         try:
             if not await self._wait_acked():
                 return
-            if isinstance(source, torch.Tensor):
-                await self._send_payload(manifest, source)
-                return
             staging_device = self._transport.buffer_device(device)
-            packed = self._staging.take(manifest.num_bytes, staging_device)
+            staged: list[torch.Tensor] = []
             sent = False
             try:
-                source(packed)
-                sent = await self._send_payload(manifest, packed)
+                payloads = []
+                for manifest, source in zip(manifests, sources, strict=True):
+                    if isinstance(source, torch.Tensor):
+                        payloads.append(source)
+                        continue
+                    staged.append(self._staging.take(manifest.num_bytes, staging_device))
+                    source(staged[-1])
+                    payloads.append(staged[-1])
+                sent = await self._send_payloads(manifests, payloads)
             finally:
-                if sent:
-                    self._staging.give_back(packed)
-                else:  # the transport may still be reading it
-                    self._staging.discard(packed)
+                for packed in staged:
+                    if sent:
+                        self._staging.give_back(packed)
+                    else:  # the transport may still be reading it
+                        self._staging.discard(packed)
         finally:
             self._sending.discard(sending)
             sending.set_result(None)
 
-    async def _send_payload(
-        self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor
+    async def _send_payloads(
+        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[torch.Tensor]
     ) -> bool:
         self._advance(TransferState.TRANSFERRING)
-        sent = await self._send(payload, layer_manifest=manifest)
+        messages = [(p, {"layer_manifest": m}) for m, p in zip(manifests, payloads, strict=True)]
+        sent = await self._send_all(messages)
         if sent:
-            self.num_bytes_sent += manifest.num_bytes
+            self.num_bytes_sent += sum(m.num_bytes for m in manifests)
         return sent
 
     async def _handshake(self) -> None:

@@ -134,13 +134,24 @@ class TransferSession:
 
     async def _send(self, payload: torch.Tensor | None = None, **kind: object) -> bool:
         """Send one message to the peer within the deadline; on failure fail the session."""
+        return await self._send_all([(payload, kind)])
+
+    async def _send_all(
+        self, messages: list[tuple[torch.Tensor | None, dict[str, object]]]
+    ) -> bool:
+        """Send (payload, kind) messages to the peer as one transport message (`send_many`)
+        within the deadline; on failure fail the session."""
         assert self._peer_address is not None
-        header = protocol.encode(self.transfer_id, self._send_seq, **kind)
-        self._send_seq += 1
+        encoded = []
+        for payload, kind in messages:
+            encoded.append((protocol.encode(self.transfer_id, self._send_seq, **kind), payload))
+            self._send_seq += 1
+        if len(encoded) == 1:
+            sending = self._transport.send(self._peer_address, *encoded[0])
+        else:
+            sending = self._transport.send_many(self._peer_address, encoded)
         try:
-            await asyncio.wait_for(
-                self._transport.send(self._peer_address, header, payload), self.remaining_s
-            )
+            await asyncio.wait_for(sending, self.remaining_s)
         except TimeoutError:
             self.fail(f"send to {self._peer_address} timed out", notify_peer=False)
             return False

@@ -7,8 +7,11 @@
                              for it and pack (one kernel, K and V); record `packed`. Nothing
                              waits on the host: the forward is never stalled.
                        CPU:  pack (one index_select) into a new buffer
-                       loop.call_soon_threadsafe(send it)       the next layers compute meanwhile
-    event loop     await the `packed` event (polled), KVSender.send_packed(layer_idx, packed)
+                       loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
+    event loop     the request's drain task: await the first queued layer's `packed` event
+                   (polled), take it and every queued layer packed by then, and send them as
+                   one message (KVSender.send_packed_layers: fewer, larger messages; the
+                   decode node still lands and reports each layer); any number in flight
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
@@ -25,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,12 +59,28 @@ class TransferTrace:
 
 
 @dataclass
+class _PackedLayer:
+    """One layer of one request, packed (or queued to be) for sending."""
+
+    layer_idx: int
+    packed: torch.Tensor  # flat uint8: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+    ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
+
+    @property
+    def is_packed(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+
+@dataclass
 class _Outgoing:
-    """One request's sends. `broken` is the engine thread's."""
+    """One request's sends. `broken` and `src_ids` are the engine thread's, the rest the
+    event loop's."""
 
     sender: KVSender
     trace: TransferTrace
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # the drain task and sends
+    queued: deque[_PackedLayer] = field(default_factory=deque)  # not yet handed to the sender
+    draining: bool = False  # a drain task runs
     broken: bool = False  # packing a layer failed: later layers are not sent
     src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
 
@@ -107,16 +127,16 @@ class LayerStreamer:
             if outgoing.broken or outgoing.sender.finished:
                 continue
             try:
-                packed, ready = self._pack(outgoing, chunk, layer_idx)
+                layer = self._pack(outgoing, chunk, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
                 logger.exception(
                     "request %s: could not pack layer %d", request.request_id, layer_idx
                 )
                 outgoing.broken = True
                 continue
-            if ready is None:
+            if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
-            self._loop.call_soon_threadsafe(self._start_send, outgoing, layer_idx, packed, ready)
+            self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
         if self._pack_stream is not None and layer_idx == len(self._kv_caches) - 1:
             # later work on the compute stream (the next step may reuse freed blocks) runs
             # after every pack queued so far: a GPU-side wait, the host goes on
@@ -133,7 +153,7 @@ class LayerStreamer:
         result (within the sender's deadline); the finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
-        if outgoing.tasks:
+        while outgoing.tasks and sender.remaining_s > 0:  # a drain task may start more sends
             await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
         try:
             await sender.send_first_token(token_id, logprob, finish_reason)
@@ -157,13 +177,10 @@ class LayerStreamer:
         if outgoing is not None and not outgoing.sender.finished:
             outgoing.sender.abort(reason)
 
-    def _pack(
-        self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int
-    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The request's blocks of one layer packed into a new buffer on the cache's device:
-        `[2, num_blocks, block_size, num_kv_heads, head_dim]` as flat uint8; on CUDA queued
-        on the pack stream behind the compute stream's KV write, with the event that marks
-        it packed (None on CPU: packed already)."""
+    def _pack(self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int) -> _PackedLayer:
+        """The request's blocks of one layer packed into a new buffer on the cache's device;
+        on CUDA queued on the pack stream behind the compute stream's KV write, with the
+        event that marks it packed."""
         k_cache, v_cache = self._kv_caches[layer_idx]
         sender = outgoing.sender
         if outgoing.src_ids is None:
@@ -172,7 +189,9 @@ class LayerStreamer:
         num_bytes = sender.layout.layer_bytes(sender.num_blocks)
         if self._pack_stream is None:
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            return pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
+            return _PackedLayer(
+                layer_idx, pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
+            )
         computed = torch.cuda.Event()
         computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
         with torch.cuda.stream(self._pack_stream):
@@ -181,43 +200,64 @@ class LayerStreamer:
             pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
             ready = torch.cuda.Event()
             ready.record(self._pack_stream)
-        return packed, ready
+        return _PackedLayer(layer_idx, packed, ready)
 
-    def _start_send(
-        self,
-        outgoing: _Outgoing,
-        layer_idx: int,
-        packed: torch.Tensor,
-        ready: torch.cuda.Event | None,
-    ) -> None:
+    def _queue(self, outgoing: _Outgoing, layer: _PackedLayer) -> None:
+        """(event loop) Queue a packed layer; start the request's drain task if none runs."""
         if self._pack_stream is not None and not self._loop_stream_bound:
             # the transport orders its reads after this thread's current stream: make that the
             # pack stream, never the compute stream (a send would wait for later layers)
             torch.cuda.set_stream(self._pack_stream)
             self._loop_stream_bound = True
-        task = self._loop.create_task(self._send(outgoing, layer_idx, packed, ready))
+        outgoing.queued.append(layer)
+        if not outgoing.draining:
+            outgoing.draining = True
+            self._track(outgoing, self._drain(outgoing))
+
+    def _track(self, outgoing: _Outgoing, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coro)
         outgoing.tasks.add(task)
         task.add_done_callback(outgoing.tasks.discard)
 
-    async def _send(
-        self,
-        outgoing: _Outgoing,
-        layer_idx: int,
-        packed: torch.Tensor,
-        ready: torch.cuda.Event | None,
-    ) -> None:
+    async def _drain(self, outgoing: _Outgoing) -> None:
+        """Hand queued layers to the sender: whatever is packed when the first one is, as one
+        message (layers in the order they were computed); each send runs on its own."""
         sender = outgoing.sender
         try:
-            if ready is not None:
-                await _wait_event(ready, sender.remaining_s)
-                outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
-            await sender.send_packed(layer_idx, packed)
+            while outgoing.queued:
+                await asyncio.sleep(0)  # layers the engine thread queued meanwhile join in
+                first = outgoing.queued[0]
+                if first.ready is not None:
+                    try:
+                        await _wait_event(first.ready, sender.remaining_s)
+                    except Exception as error:  # the deadline, or a CUDA error
+                        sender.abort(f"layer {first.layer_idx} was not packed: {error!r}")
+                        outgoing.queued.clear()
+                        return
+                batch = [outgoing.queued.popleft()]
+                while outgoing.queued and outgoing.queued[0].is_packed:
+                    batch.append(outgoing.queued.popleft())
+                now = time.monotonic()
+                for layer in batch:
+                    if layer.ready is not None:  # CUDA: computed when seen packed
+                        outgoing.trace.layer_computed_s[layer.layer_idx] = now
+                self._track(outgoing, self._send(outgoing, batch))
+        finally:
+            outgoing.draining = False
+
+    async def _send(self, outgoing: _Outgoing, batch: list[_PackedLayer]) -> None:
+        sender = outgoing.sender
+        layers = [layer.layer_idx for layer in batch]
+        try:
+            await sender.send_packed_layers([(layer.layer_idx, layer.packed) for layer in batch])
         except Exception as error:  # a bug, not the peer: fail this transfer only
-            logger.exception("transfer %s: sending layer %d failed", sender.transfer_id, layer_idx)
-            sender.abort(f"sending layer {layer_idx} failed: {error!r}")
+            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
+            sender.abort(f"sending layers {layers} failed: {error!r}")
             return
         if sender.state != TransferState.FAILED:
-            outgoing.trace.layer_sent_s[layer_idx] = time.monotonic()
+            now = time.monotonic()
+            for layer_idx in layers:
+                outgoing.trace.layer_sent_s[layer_idx] = now
 
 
 async def _wait_event(event: torch.cuda.Event, timeout_s: float) -> None:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+Message = tuple[bytes, "torch.Tensor | None"]  # (header, payload)
 
 
 class TransportError(ConnectionError):
@@ -61,13 +64,20 @@ class KVTransport(abc.ABC):
         """Deliver incoming messages to `handler`. Call from the event loop that will use the
         transport; once only."""
 
-    @abc.abstractmethod
     async def send(
         self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
     ) -> None:
         """Send one message; return once `payload` may be reused or freed. Messages to one
         peer arrive in order. Raises TransportError when the peer cannot be reached; a dead
         peer may leave this pending, so bound it with the caller's deadline."""
+        await self.send_many(peer_address, [(header, payload)])
+
+    @abc.abstractmethod
+    async def send_many(self, peer_address: str, messages: Sequence[Message]) -> None:
+        """Send several messages to one peer as one transport message (one zmq multipart
+        message, one UCX head): fewer, larger messages. The receiver's handler still sees each
+        as its own message, in order; otherwise as `send` (all payloads may be reused once it
+        returns). ValueError when `messages` is empty."""
 
     def limit_inbound(self, max_frame_bytes: int) -> None:
         """Refuse, before buffering it, any incoming frame (header or payload) larger than
@@ -94,6 +104,13 @@ def check_payload(payload: torch.Tensor | None) -> int:
             f"{payload.dtype} {list(payload.shape)}"
         )
     return payload.numel()
+
+
+def check_messages(messages: Sequence[Message]) -> list[int]:
+    """Each message's payload size (`check_payload`); ValueError when there is none."""
+    if not messages:
+        raise ValueError("send_many needs at least one message")
+    return [check_payload(payload) for _, payload in messages]
 
 
 def dispatch_message(

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from cache_transfer.transports.base import (
     KVTransport,
+    Message,
     TransportError,
     TransportHandler,
-    check_payload,
+    check_messages,
     dispatch_message,
 )
 
@@ -40,21 +42,20 @@ class LocalTransport(KVTransport):
             raise RuntimeError(f"transport {self._address} was already started")
         self._handler = handler
 
-    async def send(
-        self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
-    ) -> None:
-        payload_bytes = check_payload(payload)
+    async def send_many(self, peer_address: str, messages: Sequence[Message]) -> None:
+        sizes = check_messages(messages)
         await asyncio.sleep(0)  # interleave with other tasks, as a real transport does
         if self._closed:
             raise TransportError(f"transport {self._address} is closed")
         peer = self._endpoints.get(peer_address)
         if peer is None or peer._handler is None:
             raise TransportError(f"no local endpoint listening at {peer_address!r}")
+        for (header, payload), payload_bytes in zip(messages, sizes):
 
-        def fill(dst: torch.Tensor) -> None:
-            dst.copy_(payload)
+            def fill(dst: torch.Tensor, src: torch.Tensor | None = payload) -> None:
+                dst.copy_(src)
 
-        dispatch_message(peer._handler, self._address, bytes(header), payload_bytes, fill)
+            dispatch_message(peer._handler, self._address, bytes(header), payload_bytes, fill)
 
     def buffer_device(self, cache_device: torch.device) -> torch.device:
         return cache_device

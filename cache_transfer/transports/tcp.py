@@ -1,12 +1,14 @@
 """`TcpTransport`: host-memory transport on pyzmq (asyncio).
 
-    peer DEALER ──[header, payload?]──► our ROUTER (bound at `address`) ──► handler
+    peer DEALER ──[header]──────────────────────────► our ROUTER (bound at `address`) ──► handler
+               ──[header, payload, header, payload...]─┘  (send_many: one zmq message; an
+                                                          empty payload frame: none)
     our DEALER per peer address (created on first send, reused) ──► peer ROUTER
 
 The ROUTER prefixes each message with the sending DEALER's routing id, which becomes the
 `peer_id` handlers see. zmq multipart messages are atomic: all frames arrive or none do.
-Payloads of at least `ZERO_COPY_MIN_BYTES` are sent without a copy (`copy=False`) and `send`
-waits on zmq's tracker until libzmq has released the buffer.
+Payloads of at least `ZERO_COPY_MIN_BYTES` in all are sent without a copy (zmq frames over the
+tensors' memory) and the send waits on zmq's trackers until libzmq has released the buffers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,10 +27,11 @@ import zmq.asyncio
 
 from cache_transfer.transports.base import (
     KVTransport,
+    Message,
     TransportBindError,
     TransportError,
     TransportHandler,
-    check_payload,
+    check_messages,
     dispatch_message,
 )
 from pdserve.net import bracket, dial_host
@@ -78,24 +82,21 @@ class TcpTransport(KVTransport):
         self._handler = handler
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
-    async def send(
-        self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
-    ) -> None:
-        payload_bytes = check_payload(payload)
-        if payload is not None and payload.device.type != "cpu":
-            raise ValueError(f"tcp carries host memory; payload is on {payload.device}")
+    async def send_many(self, peer_address: str, messages: Sequence[Message]) -> None:
+        sizes = check_messages(messages)
+        for _, payload in messages:
+            if payload is not None and payload.device.type != "cpu":
+                raise ValueError(f"tcp carries host memory; a payload is on {payload.device}")
         if self._closed:
             raise TransportError(f"transport {self._address} is closed")
         sock = self._peer_socket(peer_address)
-        frames: list[object] = [header]
-        if payload is not None:
-            frames.append(payload.numpy())  # zero-copy view of the tensor
+        zero_copy = sum(sizes) >= ZERO_COPY_MIN_BYTES
+        frames, trackers = _frames(messages, zero_copy)
         try:
-            if payload_bytes < ZERO_COPY_MIN_BYTES:
-                await sock.send_multipart(frames, copy=True)
-                return
-            tracker = await sock.send_multipart(frames, copy=False, track=True)
-            await self._wait_released(tracker)
+            await sock.send_multipart(frames, copy=not zero_copy)
+            del frames  # a zmq.Frame holds its buffer too: only libzmq may, from here on
+            for tracker in trackers:
+                await self._wait_released(tracker)
         except zmq.ZMQError as e:
             raise TransportError(f"send to {peer_address} failed: {e}") from e
         except asyncio.CancelledError:
@@ -173,16 +174,41 @@ class TcpTransport(KVTransport):
                     return
                 logger.exception("tcp transport %s: receive failed", self._address)
                 continue
-            if len(frames) not in (2, 3):
+            if len(frames) < 2 or (len(frames) > 2 and len(frames) % 2 == 0):
                 logger.warning(
                     "tcp transport %s: dropped a %d-frame message", self._address, len(frames)
                 )
                 continue
             peer_id = frames[0].bytes.decode(errors="replace")
-            payload = frames[2].buffer if len(frames) == 3 else None
+            for i in range(1, len(frames), 2):  # [header] or [header, payload]...
+                self._dispatch(peer_id, frames[i], frames[i + 1] if i + 1 < len(frames) else None)
 
-            def fill(dst: torch.Tensor, src: memoryview | None = payload) -> None:
-                np.copyto(dst.numpy(), np.frombuffer(src, dtype=np.uint8))
+    def _dispatch(self, peer_id: str, header: zmq.Frame, payload_frame: zmq.Frame | None) -> None:
+        assert self._handler is not None
+        payload = None if payload_frame is None else payload_frame.buffer
 
-            num_bytes = 0 if payload is None else payload.nbytes
-            dispatch_message(self._handler, peer_id, frames[1].bytes, num_bytes, fill)
+        def fill(dst: torch.Tensor) -> None:
+            np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
+
+        num_bytes = 0 if payload is None else payload.nbytes
+        dispatch_message(self._handler, peer_id, header.bytes, num_bytes, fill)
+
+
+def _frames(
+    messages: Sequence[Message], zero_copy: bool
+) -> tuple[list[object], list[zmq.MessageTracker]]:
+    """The zmq frames of `messages` ([header] alone, else [header, payload or b""]...) and,
+    when `zero_copy`, the trackers of the frames over the payloads' memory."""
+    frames: list[object] = []
+    trackers: list[zmq.MessageTracker] = []
+    for header, payload in messages:
+        frames.append(header)
+        if payload is None:
+            if len(messages) > 1:
+                frames.append(b"")  # no payload
+        elif zero_copy:  # a frame over the tensor's memory, released when libzmq is done
+            frames.append(zmq.Frame(payload.numpy(), copy=False, track=True))
+            trackers.append(frames[-1].tracker)
+        else:
+            frames.append(payload.numpy())
+    return frames, trackers

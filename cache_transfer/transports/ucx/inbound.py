@@ -1,7 +1,7 @@
 """`UcxInbound`: one connection a peer opened to our listener (framing in wire.py).
 
     hello (message 0) ──► peer_id = "<peer address>#<n>"
-    per message, in sequence order:
+    per head (one or several messages, numbered on), per message, in sequence order:
         head ──► header-only: handler.complete(peer_id, header, None)
              └─► payload: dst = handler.prepare(...) ──► receive into dst (a scratch byte when
                  refused: UCX truncates and drops the rest) ──► handler.complete(..., dst)
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -66,9 +65,10 @@ class UcxInbound:
     async def run(self) -> None:
         """Read messages until the connection ends, then settle what was landing."""
         try:
-            header, payload_bytes = await self._recv_head(0)
-            if payload_bytes:
-                raise ValueError("the hello carries a payload")
+            hello = await self._recv_head(0)
+            if len(hello) != 1 or hello[0][1]:
+                raise ValueError("the hello is not one header-only message")
+            header = hello[0][0]
             self.peer_id = self._name_peer(header.decode(errors="replace")[:256])
             await self._read()
         except UCXError as error:  # the peer closed or died, or we closed
@@ -89,19 +89,26 @@ class UcxInbound:
         self._endpoint.abort()
 
     async def _read(self) -> None:
-        for seq in itertools.count(1):
-            header, payload_bytes = await self._recv_head(seq)
-            if payload_bytes == 0 and (self._last is None or self._last.done()):
-                self._deliver(header, None)
-                continue
-            await self._window.acquire()
-            dst = self._prepare(header, payload_bytes) if payload_bytes else None
-            receive = None
-            if payload_bytes:
-                receive = asyncio.ensure_future(self._recv_payload(seq, dst))
-            self._last = asyncio.ensure_future(self._land(header, dst, receive, self._last))
+        seq = 1
+        while True:
+            entries = await self._recv_head(seq)
+            for header, payload_bytes in entries:
+                await self._take(seq, header, payload_bytes)
+                seq += 1
 
-    async def _recv_head(self, seq: int) -> tuple[bytes, int]:
+    async def _take(self, seq: int, header: bytes, payload_bytes: int) -> None:
+        """Message `seq`: deliver it, or post its payload's receive and land it in order."""
+        if payload_bytes == 0 and (self._last is None or self._last.done()):
+            self._deliver(header, None)
+            return
+        await self._window.acquire()
+        dst = self._prepare(header, payload_bytes) if payload_bytes else None
+        receive = None
+        if payload_bytes:
+            receive = asyncio.ensure_future(self._recv_payload(seq, dst))
+        self._last = asyncio.ensure_future(self._land(header, dst, receive, self._last))
+
+    async def _recv_head(self, seq: int) -> list[tuple[bytes, int]]:
         try:
             await self._recv(self._head, message_tag(seq, HEAD))
         except UCXMessageTruncatedError:

@@ -1,9 +1,9 @@
 """`UcxOutbound`: this node's connection to one peer's listener (framing in wire.py).
 
     UcxOutbound(peer)          connects in the background; its hello is message 0
-    submit(header, payload)    numbers the message at once (call order = arrival order) and
-                               sends it once connected: any number of messages in flight, so
-                               layers of several transfers to one peer share the link
+    submit(messages)           numbers the messages at once (call order = arrival order) and
+                               sends them (one head, a payload each) once connected: any
+                               number in flight, so layers of several transfers share the link
     a UCX error (peer died, refused, endpoint error) ──► failed: the endpoint is aborted and
                                every message in flight raises TransportError
     close()                    flushes briefly, then aborts: UCX cancels what is in flight
@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
-from cache_transfer.transports.base import TransportError
+from cache_transfer.transports.base import Message, TransportError
 from cache_transfer.transports.ucx.runtime import UCXError, ucxx
 from cache_transfer.transports.ucx.wire import (
     HEAD,
@@ -50,15 +51,20 @@ class UcxOutbound:
         self._endpoint: ucxx.Endpoint | None = None
         self._connecting = self._loop.create_task(self._connect(host, port))
         self._connecting.add_done_callback(_retrieve)
-        self.submit(local_address.encode())  # the hello
+        self.submit([(local_address.encode(), None)])  # the hello
 
     @property
     def failed(self) -> bool:
         return self.error is not None
 
-    def submit(self, header: bytes, payload: torch.Tensor | None = None) -> asyncio.Task[None]:
-        """Send one message in the background; the task raises TransportError on failure."""
-        task = self._loop.create_task(self._deliver(next(self._seq), header, payload))
+    def submit(self, messages: Sequence[Message]) -> asyncio.Task[None]:
+        """Send messages (one head) in the background; the task raises TransportError on
+        failure. ValueError at once, nothing numbered, when their head is too large."""
+        head = encode_head([(header, _num_bytes(payload)) for header, payload in messages])
+        first = next(self._seq)
+        for _ in range(len(messages) - 1):  # the numbers first .. first + len - 1
+            next(self._seq)
+        task = self._loop.create_task(self._deliver(first, head, list(messages)))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         task.add_done_callback(_retrieve)
@@ -87,17 +93,19 @@ class UcxOutbound:
         self._endpoint = endpoint
         return endpoint
 
-    async def _deliver(self, seq: int, header: bytes, payload: torch.Tensor | None) -> None:
+    async def _deliver(self, seq: int, head: bytearray, messages: list[Message]) -> None:
         await asyncio.wait({self._connecting})
-        if payload is not None:
+        by_device = {p.device: p for _, p in messages if p is not None}
+        for payload in by_device.values():  # one wait per device covers all its payloads
             await wait_for_stream(payload)
         if self.failed or self._endpoint is None or self._endpoint.closed:
             raise self._fail("not connected")
-        head = encode_head(header, _num_bytes(payload))
         sends = [self._endpoint.send(head, tag=message_tag(seq, HEAD))]
-        if payload is not None:
-            sends.append(self._endpoint.send(as_ucx_buffer(payload), tag=message_tag(seq, PAYLOAD)))
-        # Both sends run to the end, even when one fails, so no buffer is freed under UCX.
+        for i, (_, payload) in enumerate(messages):
+            if payload is not None and payload.numel():
+                buffer = as_ucx_buffer(payload)
+                sends.append(self._endpoint.send(buffer, tag=message_tag(seq + i, PAYLOAD)))
+        # Every send runs to the end, even when one fails, so no buffer is freed under UCX.
         results = await asyncio.gather(*sends, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:  # UCXError, or ucxx tripping over an endpoint aborted under it

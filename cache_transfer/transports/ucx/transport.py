@@ -26,20 +26,21 @@ import asyncio
 import inspect
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from cache_transfer.transports.base import (
     KVTransport,
+    Message,
     TransportBindError,
     TransportError,
     TransportHandler,
-    check_payload,
+    check_messages,
 )
 from cache_transfer.transports.ucx.inbound import UcxInbound
 from cache_transfer.transports.ucx.outbound import UcxOutbound
 from cache_transfer.transports.ucx.runtime import RUNTIME, ucxx
-from cache_transfer.transports.ucx.wire import MAX_HEADER_BYTES
 from pdserve.net import WILDCARD_HOSTS, bracket, dial_host
 
 logger = logging.getLogger(__name__)
@@ -84,18 +85,12 @@ class UcxTransport(KVTransport):
             raise RuntimeError(f"transport {self._address} was already started")
         self._handler = handler
 
-    async def send(
-        self, peer_address: str, header: bytes, payload: torch.Tensor | None = None
-    ) -> None:
-        check_payload(payload)
-        if len(header) > MAX_HEADER_BYTES:
-            raise ValueError(
-                f"a {len(header)}-byte header exceeds the ucx transport's {MAX_HEADER_BYTES} "
-                "bytes; headers are control messages, put bulk data in the payload"
-            )
+    async def send_many(self, peer_address: str, messages: Sequence[Message]) -> None:
+        check_messages(messages)
         if self._closed:
             raise TransportError(f"transport {self._address} is closed")
-        task = self._connection(peer_address).submit(bytes(header), payload)
+        messages = [(bytes(header), payload) for header, payload in messages]
+        task = self._connection(peer_address).submit(messages)  # ValueError: head too large
         await asyncio.shield(task)  # the send goes on (owning its buffers) if our caller leaves
 
     def buffer_device(self, cache_device: torch.device) -> torch.device:

@@ -1,13 +1,15 @@
 """How `UcxTransport` frames messages on a UCX endpoint (both directions).
 
-One transport message is one or two tag-matched UCX messages, tagged with the message's
-sequence number on its connection, so any number of them can be in flight at once and the
-receiver still takes them in the order the sender numbered them:
+Every transport message has a sequence number on its connection, and its parts are
+tag-matched UCX messages tagged with it, so any number of them can be in flight at once and
+the receiver still takes them in the order the sender numbered them. One head carries one or
+several messages (`send_many`: numbers seq .. seq + count - 1):
 
-    tag(seq, HEAD)      preamble (header_len, payload_len: little-endian u64) + header bytes,
-                        at most MAX_HEAD_BYTES; received into one reused host buffer
-    tag(seq, PAYLOAD)   the payload, only when payload_len > 0: received straight into the
-                        tensor the handler prepared (host or CUDA memory alike)
+    tag(seq, HEAD)         count (little-endian u64), then per message a preamble
+                           (header_len, payload_len: u64) + header bytes; at most
+                           MAX_HEAD_BYTES, received into one reused host buffer
+    tag(seq + i, PAYLOAD)  message i's payload, only when its payload_len > 0: received
+                           straight into the tensor the handler prepared (host or CUDA memory)
 
 Message 0 of every connection is the hello: its header is the sender's transport address.
 UCX reads and writes CUDA memory outside torch's stream order, so both ends first wait for
@@ -23,9 +25,9 @@ import time
 import numpy as np
 import torch
 
+COUNT = struct.Struct("<Q")  # messages in one head
 PREAMBLE = struct.Struct("<QQ")  # header_len, payload_len
 MAX_HEAD_BYTES = 64 << 10
-MAX_HEADER_BYTES = MAX_HEAD_BYTES - PREAMBLE.size
 HEAD, PAYLOAD = 0, 1
 _STREAM_SPIN_S = 0.002
 _STREAM_POLL_S = 0.001
@@ -36,21 +38,37 @@ def message_tag(seq: int, part: int) -> int:
     return 2 * seq + part
 
 
-def encode_head(header: bytes, payload_bytes: int) -> bytearray:
-    if len(header) > MAX_HEADER_BYTES:
+def encode_head(entries: list[tuple[bytes, int]]) -> bytearray:
+    """One head for `entries` of (header, payload_len); ValueError when it exceeds
+    MAX_HEAD_BYTES."""
+    head = bytearray(COUNT.pack(len(entries)))
+    for header, payload_bytes in entries:
+        head += PREAMBLE.pack(len(header), payload_bytes) + header
+    if len(head) > MAX_HEAD_BYTES:
         raise ValueError(
-            f"a {len(header)}-byte header exceeds the ucx transport's {MAX_HEADER_BYTES} bytes; "
-            "headers are control messages, put bulk data in the payload"
+            f"a {len(head)}-byte message head exceeds the ucx transport's {MAX_HEAD_BYTES} "
+            "bytes; headers are control messages, put bulk data in the payload (or send fewer "
+            "messages at once)"
         )
-    return bytearray(PREAMBLE.pack(len(header), payload_bytes) + header)
+    return head
 
 
-def decode_head(head: bytearray) -> tuple[bytes, int]:
-    """(header, payload_len) of a received head; ValueError when the preamble is impossible."""
-    header_len, payload_bytes = PREAMBLE.unpack_from(head)
-    if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"a head announces a {header_len}-byte header (max {MAX_HEADER_BYTES})")
-    return bytes(head[PREAMBLE.size : PREAMBLE.size + header_len]), payload_bytes
+def decode_head(head: bytearray) -> list[tuple[bytes, int]]:
+    """The (header, payload_len) entries of a received head; ValueError when it is impossible."""
+    (count,) = COUNT.unpack_from(head)
+    if not 0 < count <= (MAX_HEAD_BYTES - COUNT.size) // PREAMBLE.size:
+        raise ValueError(f"a head announces {count} messages")
+    entries, offset = [], COUNT.size
+    for _ in range(count):
+        if offset + PREAMBLE.size > MAX_HEAD_BYTES:
+            raise ValueError("a head's messages overrun it")
+        header_len, payload_bytes = PREAMBLE.unpack_from(head, offset)
+        offset += PREAMBLE.size
+        if header_len > MAX_HEAD_BYTES - offset:
+            raise ValueError(f"a head announces a {header_len}-byte header past its end")
+        entries.append((bytes(head[offset : offset + header_len]), payload_bytes))
+        offset += header_len
+    return entries
 
 
 def as_ucx_buffer(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:

@@ -39,11 +39,11 @@ def test_cluster_forwards_flags_and_picks_a_free_port(tmp_path) -> None:
     cluster = BenchCluster(ClusterSpec.parse("colocated:2"), ["--model", "m"], tmp_path / "l", 1)
     argv = cluster.argv()
     assert argv[1:] == ["-m", "pdserve.local_cluster", "--prefill", "0", "--decode", "2",
-                        "--port", "0", "--model", "m"]  # fmt: skip
-    assert (
-        "--port"
-        not in BenchCluster(ClusterSpec.parse("1P1D"), ["--port=5"], tmp_path, 1).argv()[:-1]
-    )
+                        "--port", "0", "--http-port", "0", "--model", "m"]  # fmt: skip
+    given = BenchCluster(ClusterSpec.parse("1P1D"), ["--port=5", "--http-port", "8"], tmp_path, 1)
+    assert given.argv()[-7:] == ["--prefill", "1", "--decode", "1", "--port=5", "--http-port", "8"]
+    assert BenchCluster(None, ["--prefill", "0"]).argv()[3:] == [
+        "--port", "0", "--http-port", "0", "--prefill", "0"]  # fmt: skip
 
 
 def test_serve_flags_and_pd_serve_passthrough() -> None:

@@ -278,6 +278,48 @@ def test_send_packed_lands_like_send_layer_and_calls_layer_callbacks(backend: st
     run(scenario())
 
 
+def test_send_packed_layers_coalesces_and_every_layer_lands_and_is_reported(
+    backend: str,
+) -> None:
+    """Several layers in one message: byte-exact in the reserved blocks, each layer's landed
+    callback called (the decode side's timeline); a bad batch is refused whole."""
+
+    async def scenario() -> None:
+        pair = await make_pair(backend, make_layout(block_size=4))
+        receiver = pair.decode.create_receiver([5, 6, 7, 8], num_tokens=14, timeout_s=10)
+        landed: list[tuple[int, int]] = []
+        receiver.add_layer_callback(lambda i, token_end: landed.append((i, token_end)))
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        sent_by = pair.prefill._transport.send_many
+        batches: list[int] = []
+
+        async def counting_send_many(peer_address, messages):
+            batches.append(sum(payload is not None for _, payload in messages))
+            await sent_by(peer_address, messages)
+
+        pair.prefill._transport.send_many = counting_send_many
+        src_ids = [3, 1, 2, 0]
+        packed = []
+        for k_cache, v_cache in pair.src_caches:
+            packed.append(torch.empty(pair.layout.layer_bytes(4), dtype=torch.uint8))
+            pack_layer(k_cache, v_cache, src_ids, packed[-1])
+        with pytest.raises(ValueError, match="distinct layers"):
+            await sender.send_packed_layers([(0, packed[0]), (0, packed[0])])
+        with pytest.raises(ValueError, match="take"):  # nothing of the batch is consumed
+            await sender.send_packed_layers([(0, packed[0]), (1, packed[1][:-1])])
+        await sender.send_packed_layers(list(enumerate(packed)))
+        await sender.send_first_token(9)
+
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert await sender.wait() == TransferState.SUCCESS
+        assert [n for n in batches if n] == [pair.layout.num_layers]  # one message: all layers
+        _assert_landed(pair, src_ids, [5, 6, 7, 8])
+        assert sorted(landed) == [(i, 14) for i in range(pair.layout.num_layers)]
+        await pair.close()
+
+    run(scenario())
+
+
 def test_send_packed_refuses_a_payload_of_the_wrong_size(backend: str) -> None:
     async def scenario() -> None:
         pair = await make_pair(backend, make_layout(block_size=4))

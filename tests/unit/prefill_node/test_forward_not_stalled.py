@@ -32,16 +32,17 @@ def test_slow_sends_do_not_stall_the_forward(transport: str) -> None:
             gate = asyncio.Event()
             sends_started = 0
             kv_transport = nodes.prefill.manager._transport
-            real_send = kv_transport.send
+            real_send_many = kv_transport.send_many  # every send goes through it
 
-            async def slow_send(peer_address, header, payload=None):
+            async def slow_send_many(peer_address, messages):
                 nonlocal sends_started
-                if payload is not None:  # a layer's KV: held until the gate opens
-                    sends_started += 1
+                num_layers = sum(payload is not None for _, payload in messages)
+                if num_layers:  # layers' KV (one or several): held until the gate opens
+                    sends_started += num_layers
                     await gate.wait()
-                await real_send(peer_address, header, payload)
+                await real_send_many(peer_address, messages)
 
-            kv_transport.send = slow_send
+            kv_transport.send_many = slow_send_many
             decode_call = nodes.decode_stub.Decode(
                 decode_request("p", prompt_ids), timeout=RPC_TIMEOUT_S
             )

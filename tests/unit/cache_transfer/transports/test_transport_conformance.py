@@ -102,6 +102,33 @@ def test_messages_to_one_peer_arrive_in_call_order_on_one_connection(backend: st
     run(scenario())
 
 
+def test_send_many_is_one_send_delivered_as_its_messages_byte_exact(backend: str) -> None:
+    """Coalesced messages (one zmq message / one UCX head) reach the handler one by one, in
+    order and byte-exact, interleaved correctly with single sends on the same connection."""
+    sizes = [200_000, 0, 7, 1 << 20, 64]  # header-only inside, both sides of tcp's cutoff
+    payloads = [_random_bytes(n, seed=10 + i) if n else None for i, n in enumerate(sizes)]
+    small = [(f"s{i}".encode(), p) for i, p in enumerate(payloads[2:])]  # under the cutoff
+
+    async def scenario() -> None:
+        src, dst, recorder = await _endpoints(backend)
+        batch = [(f"b{i}".encode(), p) for i, p in enumerate(payloads)]
+        sends = [src.send(dst.address, b"before", payloads[2]), src.send_many(dst.address, batch),
+                 src.send_many(dst.address, small), src.send(dst.address, b"after")]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*sends), 20)
+        expected = [(b"before", payloads[2]), *batch, *small, (b"after", None)]
+        await wait_until(lambda: len(recorder.completed) == len(expected), timeout_s=20)
+        assert [h for _, h, _ in recorder.completed] == [h for h, _ in expected]
+        for (_, _, got), (_, sent) in zip(recorder.completed, expected):
+            assert (got is None) if sent is None else torch.equal(got, sent)
+        assert len({peer_id for peer_id, _, _ in recorder.completed}) == 1
+        with pytest.raises(ValueError, match="at least one message"):
+            await src.send_many(dst.address, [])
+        await src.close()
+        await dst.close()
+
+    run(scenario())
+
+
 def test_distinct_senders_have_distinct_peer_ids_and_replies_flow_back(backend: str) -> None:
     async def scenario() -> None:
         a, dst, recorder = await _endpoints(backend)

@@ -1,0 +1,71 @@
+"""Fewer, larger messages: layers that are all packed by the time the prefill node's sender
+runs go to the decode node as one transport message, and the decode node still lands and
+reports every layer; the hand-off stays byte-exact (greedy tokens equal local prefill's)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cache_transfer.transports import ucx_available
+from tests.unit.decode_node import node_harness as harness
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLD_S = 30.0  # the longest the test holds the event loop while the forward runs
+
+
+TRANSPORTS = [
+    "tcp",
+    "local",
+    pytest.param(
+        "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx does not import here")
+    ),
+]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) -> None:
+    prompt_ids = harness.prompt(41, seed=7)
+
+    async def main() -> None:
+        async with harness.running_nodes(transport) as nodes:
+            loop = asyncio.get_running_loop()
+            streamer = nodes.prefill.streamer
+            num_layers = nodes.prefill.layout.num_layers
+            last_layer_done = threading.Event()
+            real_hook = streamer.on_layer_done
+
+            def hook(layer_idx, chunks):  # engine thread
+                if layer_idx == 0:  # hold the event loop until every layer is queued
+                    loop.call_soon_threadsafe(last_layer_done.wait, HOLD_S)
+                real_hook(layer_idx, chunks)
+                if layer_idx == num_layers - 1:
+                    last_layer_done.set()
+
+            nodes.prefill.core.on_layer_done = hook
+            batches: list[int] = []
+            kv_transport = nodes.prefill.manager._transport
+            real_send_many = kv_transport.send_many
+
+            async def counting_send_many(peer_address, messages):
+                if num := sum(payload is not None for _, payload in messages):
+                    batches.append(num)
+                await real_send_many(peer_address, messages)
+
+            kv_transport.send_many = counting_send_many
+            handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
+            assert handoff.transfer_result.ok, handoff.transfer_result.error
+            assert batches == [num_layers]  # every layer in one message
+            local = await harness.run_local(nodes, "local", prompt_ids)
+            assert handoff.token_ids == local  # the KV arrived byte-exact
+            _, decode_stats = await nodes.stats()
+            landed = decode_stats.last_transfer
+            assert landed.transfer_id == handoff.ticket.transfer_id
+            assert len(landed.landed_s) == num_layers and all(t > 0 for t in landed.landed_s)
+            (trace,) = nodes.prefill.traces.values()
+            assert all(t is not None for t in trace.layer_sent_s)
+
+    harness.run(main())
