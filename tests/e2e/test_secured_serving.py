@@ -74,7 +74,8 @@ async def _requests(cluster: Cluster) -> tuple[list, grpc.StatusCode, grpc.Statu
     return results, no_key, plaintext
 
 
-def test_pd_serve_secured_end_to_end(tmp_path: Path) -> None:
+def test_pd_serve_secured_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_API_KEY", API_KEY)  # what pd-client and the start-up probe send
     ca = make_ca(tmp_path, "ca")
     cluster_files = issue(tmp_path, "cluster", ca, "ca")
     secret, keys = tmp_path / "secret", tmp_path / "api-keys"
