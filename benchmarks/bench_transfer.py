@@ -185,13 +185,39 @@ def print_report(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-bench transfer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transport", default="ucx", choices=["ucx", "tcp", "local"])
-    parser.add_argument("--model", default="llama3-8b", help="shape: llama3-8b, qwen3-8b:layers=4")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--transport",
+        default="ucx",
+        choices=["ucx", "tcp", "local"],
+        help="KV transport between the two processes (local: one process)",
+    )
+    parser.add_argument(
+        "--model",
+        default="llama3-8b",
+        help="KV shape of a named model, e.g. llama3-8b, qwen3-8b:layers=4",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=2048,
+        help="tokens of the one synthetic request whose KV moves",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where both caches live (cuda: GPU0 -> GPU1, or GPU0 -> GPU0 on one)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="KV cache dtype",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--iters", type=int, default=3, help="timed transfers per mode; the best is reported"
+    )
     return parser
 
 

@@ -119,14 +119,29 @@ def print_table(colocated: dict[int, Samples], pd: dict[int, Samples]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-bench ttft", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="synthetic:llama3-8b")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument(
+        "--model",
+        default="synthetic:llama3-8b",
+        help="model both clusters serve (a synthetic: shape needs no weights)",
+    )
+    parser.add_argument("--dtype", default="auto", help="weights and KV dtype (pd-serve --dtype)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (pd-serve --device)")
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "ucx", "tcp"],
+        help="the 1P1D cluster's KV transport",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs="+",
+        default=[2048, 8192],
+        help="prompt lengths to measure (random token ids)",
+    )
     parser.add_argument("--requests", type=int, default=5, help="measured per prompt length")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests per length")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--pd-addr", help="a running 1P1D router (skip starting one)")
     parser.add_argument("--colocated-addr", help="a running colocated router")
     parser.add_argument(

@@ -9,6 +9,7 @@ against.
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
+    pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -27,9 +28,10 @@ COMMANDS = {
     "compare": "benchmarks.bench_compare",
     "dataset": "benchmarks.bench_dataset",
     "engine": "benchmarks.bench_engine",
+    "profile": "benchmarks.profile_step",
 }
 # These take main(argv); the others parse sys.argv themselves.
-ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine")
+ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine", "profile")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,10 @@ SchedulerOutput.chunks (any order)
      otherwise: model.forward (one call, eager), recording a CUDA event per layer for the
      prefill hook
   -> logits of each chunk that samples (its last token) -> Sampler -> ModelRunnerOutput
+     (on the device for the whole batch; one copy brings the ids back: the step's only sync)
+
+execute() = prepare() -> forward() -> sample(): the phases are public so that
+benchmarks/profile_step.py can time each one.
 """
 
 from __future__ import annotations
@@ -67,18 +71,33 @@ class ModelRunner:
         that layer's KV. None on CPU, where the hook runs after the write has happened."""
         return self._layer_events[layer_idx] if self._layer_events else None
 
-    @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, on_layer_done: LayerHook | None = None
     ) -> ModelRunnerOutput:
-        batch = self._build(scheduler_output.chunks)
+        """One step: `prepare` (inputs), `forward` (graph replay or eager), `sample`."""
+        batch = self.prepare(scheduler_output)
+        hidden = self.forward(batch, on_layer_done)
+        return self.sample(batch, hidden)
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> FlatBatch:
+        """The step's device inputs (host numpy, one copy); no sync."""
+        return self._build(scheduler_output.chunks)
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
+        """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
+        one eager model call (with the per-layer hook for prefill chunks). Queued, not waited."""
         if batch.is_decode_only and self.decode_graphs is not None:
-            hidden = self.decode_graphs.run(batch)
-        else:
-            hidden = self.model(
-                batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-                self._layer_hook(batch, on_layer_done),
-            )  # fmt: skip
+            return self.decode_graphs.run(batch)
+        return self.model(
+            batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+            self._layer_hook(batch, on_layer_done),
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def sample(self, batch: FlatBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Logits of the sampling rows, the sampler on the device for the whole batch, and one
+        copy of the sampled ids (with any logprobs) to the host: the step's only sync."""
         output = ModelRunnerOutput()
         if not batch.sampling_chunks:
             return output

@@ -10,7 +10,11 @@ logits [num_reqs, vocab] (raw)
   │               noise: one batched draw for unseeded rows; a seeded row's noise for output
   │               index n comes from a generator seeded with (seed, n)
   └─ rows that asked for logprobs: log_softmax of the RAW logits -> logprob, rank, top-n
+  -> one device-to-host copy: the ids (and the logprobs, packed with them)
 ```
+
+Everything runs on the logits' device for the whole batch; host lists enter through pinned,
+non-blocking copies, so the only sync of a step is the copy of its results.
 
 Seeded draws depend only on (seed, n, vocab size, device type), so a seeded request gets the
 same tokens alone, in any batch, after preemption, or after a hand-off to another engine.
@@ -46,6 +50,17 @@ def seeded_generator_seed(seed: int, output_index: int) -> int:
     return x ^ (x >> 31)
 
 
+def _on_device(
+    values: list, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host list as a device tensor without a sync: on CUDA built in pinned memory and copied
+    non-blocking (the same values and dtype `torch.tensor(values, device=device)` gives)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -59,11 +74,14 @@ def _token_counts(
 ) -> torch.Tensor:
     """How often each token occurs in each list: [len(token_lists), vocab_size] float32."""
     num_rows = len(token_lists)
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)  # [num_rows]
-    flat_ids = torch.tensor(
-        list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device
+    lengths = _on_device([len(t) for t in token_lists], device)  # [num_rows]
+    flat_ids = _on_device(
+        list(itertools.chain.from_iterable(token_lists)), device, torch.long
     )  # [total_tokens]
-    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    # output_size known on the host: no sync to size the result
+    rows = torch.repeat_interleave(
+        torch.arange(num_rows, device=device), lengths, output_size=flat_ids.numel()
+    )
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     counts.scatter_add_(
         0, rows * vocab_size + flat_ids, torch.ones_like(flat_ids, dtype=torch.float32)
@@ -80,7 +98,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         return logits
     device, vocab_size = logits.device, logits.shape[1]
     params = [requests[i].sampling_params for i in rows]
-    row_idx = torch.tensor(rows, device=device)
+    row_idx = _on_device(rows, device)
     penalized = logits[row_idx]  # [num_rows, vocab]
     output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
     output_seen = output_counts > 0  # [num_rows, vocab]
@@ -89,12 +107,12 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         prompt_counts = _token_counts(
             [requests[i].prompt_token_ids for i in rows], vocab_size, device
         )
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+        repetition = _on_device([p.repetition_penalty for p in params], device)
         repetition = torch.where(output_seen | (prompt_counts > 0), repetition.unsqueeze(1), 1.0)
         penalized = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
 
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)
+    frequency = _on_device([p.frequency_penalty for p in params], device)
+    presence = _on_device([p.presence_penalty for p in params], device)
     penalized = penalized - frequency.unsqueeze(1) * output_counts
     penalized = penalized - presence.unsqueeze(1) * output_seen
     return logits.index_copy(0, row_idx, penalized)
@@ -118,11 +136,8 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
         token_ids += banned_ids
     if not rows:
         return logits
-    index = (
-        torch.tensor(rows, device=logits.device),
-        torch.tensor(token_ids, device=logits.device),
-    )
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    index = (_on_device(rows, logits.device), _on_device(token_ids, logits.device))
+    return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
 def apply_top_k_top_p(
@@ -173,10 +188,10 @@ class Sampler:
             token_ids = self._sample_random_rows(logits, requests, random_rows)
         else:
             token_ids = logits.argmax(dim=-1)  # [num_reqs]
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=_compute_logprobs(raw_logits, token_ids, requests),
-        )
+        logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not logprob_rows:
+            return SamplerOutput(to_host_list(token_ids), [None] * len(requests))  # the one copy
+        return _with_logprobs(raw_logits, token_ids, requests, logprob_rows)
 
     def _sample_random_rows(
         self, logits: torch.Tensor, requests: Sequence[Request], random_rows: list[int]
@@ -184,7 +199,7 @@ class Sampler:
         """Token ids for all rows: argmax for greedy rows, a random draw for `random_rows`."""
         if len(random_rows) == len(requests):
             return self._sample(logits, requests)
-        row_idx = torch.tensor(random_rows, device=logits.device)
+        row_idx = _on_device(random_rows, logits.device)
         sampled = self._sample(logits[row_idx], [requests[i] for i in random_rows])
         return logits.argmax(dim=-1).index_copy(0, row_idx, sampled)  # [num_reqs]
 
@@ -192,21 +207,21 @@ class Sampler:
         """Temperature, top-k, top-p, min-p, then the exponential race. All rows random."""
         device, vocab_size = logits.device, logits.shape[1]
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = _on_device([p.temperature for p in params], device)
         # Clamped so that a vanishing temperature cannot overflow the scaled logits.
         temperature = temperature.clamp_min(_MIN_TEMPERATURE)
         logits = logits / temperature.unsqueeze(1)  # [num_rows, vocab]
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
             k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-            top_k = torch.tensor(k, device=device)
+            top_k = _on_device(k, device)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device)
+            top_p = _on_device([p.top_p for p in params], device)
         if top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         if any(p.min_p > 0.0 for p in params):
-            probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], device=device))
+            probs = apply_min_p(probs, _on_device([p.min_p for p in params], device))
         noise = self._exponential_noise(probs, requests)  # [num_rows, vocab]
         return (probs / noise).argmax(dim=-1)
 
@@ -239,33 +254,62 @@ class Sampler:
         return generator
 
 
-def _compute_logprobs(
-    raw_logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
-) -> list[TokenLogprobs | None]:
-    """For rows that asked: the sampled token's logprob and rank under the raw logits, and the
-    top-n alternatives. Other rows get None."""
-    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(requests)
-    if not rows:
-        return result
+def to_host_list(tensor: torch.Tensor) -> list:
+    """`tensor.tolist()`, waiting for a CUDA tensor with the GIL released: one non-blocking copy
+    into pinned memory, then an event wait. tolist's own wait holds the GIL for the step's whole
+    GPU time, which would starve the node's event loop (KV sends, token streaming, heartbeats)
+    on every step."""
+    if not tensor.is_cuda:
+        return tensor.tolist()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(tensor.device))
+    copied.synchronize()  # releases the GIL while it waits
+    return host.tolist()
+
+
+def _with_logprobs(
+    raw_logits: torch.Tensor,
+    token_ids: torch.Tensor,  # [num_reqs] on the device
+    requests: Sequence[Request],
+    rows: list[int],  # the rows that asked for logprobs
+) -> SamplerOutput:
+    """The token ids, and for `rows` the sampled token's logprob and rank under the raw logits
+    and the top-n alternatives; everything comes back to the host in one copy."""
     device, vocab_size = raw_logits.device, raw_logits.shape[1]
-    row_idx = torch.tensor(rows, device=device)
+    row_idx = _on_device(rows, device)
     logprobs = torch.log_softmax(raw_logits[row_idx].float(), dim=-1)  # [num_rows, vocab]
     sampled = token_ids[row_idx].unsqueeze(1)  # [num_rows, 1]
     sampled_logprobs = logprobs.gather(1, sampled)  # [num_rows, 1]
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [num_rows]
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1  # [num_rows, 1]
     num_top = min(max(requests[i].sampling_params.logprobs for i in rows), vocab_size)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
-
-    sampled_list, ranks_list = sampled_logprobs.squeeze(1).tolist(), ranks.tolist()
-    top_ids_list, top_logprobs_list = top_ids.tolist(), top_logprobs.tolist()
-    token_list = sampled.squeeze(1).tolist()
+    # float64 holds the ids, ranks and float32 logprobs exactly: one tensor, one copy.
+    packed = to_host_list(torch.cat(
+        [token_ids.double(), sampled_logprobs.double().view(-1), ranks.double().view(-1),
+         top_ids.double().view(-1), top_logprobs.double().view(-1)]
+    ))  # fmt: skip
+    num_reqs, num_rows = len(requests), len(rows)
+    ids = [int(t) for t in packed[:num_reqs]]
+    sampled_list = packed[num_reqs : num_reqs + num_rows]
+    ranks_list = packed[num_reqs + num_rows : num_reqs + 2 * num_rows]
+    tops_start = num_reqs + 2 * num_rows
+    top_ids_flat = packed[tops_start : tops_start + num_rows * num_top]
+    top_lp_flat = packed[tops_start + num_rows * num_top :]
+    result: list[TokenLogprobs | None] = [None] * num_reqs
     for j, i in enumerate(rows):
         num = requests[i].sampling_params.logprobs
+        first = j * num_top
         result[i] = TokenLogprobs(
-            token_id=token_list[j],
+            token_id=ids[i],
             logprob=sampled_list[j],
-            rank=ranks_list[j],
-            top=tuple(zip(top_ids_list[j][:num], top_logprobs_list[j][:num])),
+            rank=int(ranks_list[j]),
+            top=tuple(
+                (int(t), lp)
+                for t, lp in zip(
+                    top_ids_flat[first : first + num], top_lp_flat[first : first + num]
+                )
+            ),
         )
-    return result
+    return SamplerOutput(ids, result)

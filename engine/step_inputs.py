@@ -115,8 +115,8 @@ class StepInputBuilder:
         """One host buffer, one copy; flat device views of each field, in order."""
         sizes = [a.size for a in fields]
         total = sum(sizes)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy out of _host has finished
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the previous copy out of _host must finish first
         if self._host.numel() < total:
             capacity = max(total, 2 * self._host.numel(), 4096)
             self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if cluster.router.http_url:
             print(f"pd-serve: OpenAI-compatible API on {cluster.router.http_url}/v1 "
                   f"(metrics: {cluster.router.http_url}/metrics)", flush=True)  # fmt: skip
-        print(f"pd-serve: try  pd-client --addr {address} \"Hello\"", flush=True)
+        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

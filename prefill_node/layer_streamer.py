@@ -43,6 +43,12 @@ from pdserve.v1 import generation_pb2
 logger = logging.getLogger(__name__)
 
 MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
+# CUDA: while a step streams KV, the engine thread runs at most this many layers ahead of the
+# GPU. Left alone it would queue the whole forward at once and then block (inside a kernel
+# launch, on a full launch queue, or in the step's final copy) holding the GIL, so the event
+# loop could not send a single layer until the forward ended. Waiting on an event releases the
+# GIL; two layers of queued work keep the GPU busy while the host queues the next.
+RUN_AHEAD_LAYERS = 2
 
 
 @dataclass
@@ -101,6 +107,7 @@ class LayerStreamer:
         device = kv_caches[0][0].device
         self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loop_stream_bound = False
+        self._layers_queued: deque[torch.cuda.Event] = deque()  # engine thread: this step's
 
     def open(self, request_id: str, sender: KVSender) -> TransferTrace:
         """Send `request_id`'s KV through `sender` as the engine computes it."""
@@ -119,6 +126,7 @@ class LayerStreamer:
     def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
         whose prompt ends in this step."""
+        streaming = False  # some layer of this step is being sent
         for chunk in chunks:
             request = chunk.request
             outgoing = self._outgoing.get(request.request_id)
@@ -137,10 +145,27 @@ class LayerStreamer:
             if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
-        if self._pack_stream is not None and layer_idx == len(self._kv_caches) - 1:
+            streaming = True
+        if self._pack_stream is None:
+            return
+        self._bound_run_ahead(layer_idx, streaming)
+        if layer_idx == len(self._kv_caches) - 1:
             # later work on the compute stream (the next step may reuse freed blocks) runs
             # after every pack queued so far: a GPU-side wait, the host goes on
             torch.cuda.current_stream(self._pack_stream.device).wait_stream(self._pack_stream)
+
+    def _bound_run_ahead(self, layer_idx: int, streaming: bool) -> None:
+        """(engine thread, CUDA) Keep the host at most RUN_AHEAD_LAYERS layers ahead of the GPU
+        while this step streams KV (see RUN_AHEAD_LAYERS); the GPU itself never waits."""
+        if layer_idx == 0:
+            self._layers_queued.clear()  # a new step
+        if not streaming:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._pack_stream.device))
+        self._layers_queued.append(done)
+        while len(self._layers_queued) > RUN_AHEAD_LAYERS:
+            self._layers_queued.popleft().synchronize()  # releases the GIL while it waits
 
     async def finish(
         self,

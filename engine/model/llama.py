@@ -2,31 +2,41 @@
 
 ```
 input_ids [T], positions [T]           all tokens of the step, requests concatenated
-  embed_tokens -> hidden [T, hidden]
-  per layer:  h = h + o_proj(attn(rope(qk_norm?(qkv_proj(norm(h))))))   KV written to the paged
-              on_layer_done(layer_idx)                                 cache, then the hook
-              h = h + down_proj(silu(gate) * up)   (gate|up fused in gate_up_proj)
-  norm -> hidden [T, hidden]            compute_logits(hidden[rows]) -> [rows, vocab] float32
+  embed_tokens -> residual [T, hidden]; x = norm(residual)
+  per layer:  q, k, v = qk_norm?(qkv_proj(x))
+              rotary_qk_write_kv: q, k rotated; k, v stored in the paged KV cache (one op)
+              x = o_proj(attn(q))                  (the backend attends; it does not write)
+              on_layer_done(layer_idx)             (the layer's KV is in the cache)
+              x, residual = add_rms_norm(x, residual)      (residual += x; x = norm(residual))
+              x = down_proj(silu_and_mul(gate_up_proj(x)))
+              x, residual = add_rms_norm(x, residual)      (the next layer's input norm)
+  the last add_rms_norm uses the final norm -> hidden [T, hidden]
+  compute_logits(hidden[rows]) -> [rows, vocab] float32
 ```
 
 q/k/v and gate/up are fused Linear layers; `load_weights` stacks Hugging Face's separate tensors
-into them. Attention itself is the injected `AttentionBackend`.
+into them. Attention itself is the injected `AttentionBackend`; the residual add + RMSNorm,
+rotary on q and k with the KV-cache write, and SwiGLU are `LayerOps` (kernels/fused: one
+Triton launch each on CUDA; the torch reference, bit-identical to the unfused code, on CPU and
+with the "torch" backend).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.arch_config import ModelArchConfig
-from engine.model.layers import RMSNorm, silu_and_mul
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.layers import RMSNorm
+from engine.model.rope import RotaryEmbedding
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
+from kernels.fused import REFERENCE_OPS, LayerOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, D]
 
@@ -57,6 +67,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.attn_backend = attn_backend
+        self.ops = REFERENCE_OPS
 
     def forward(
         self,
@@ -72,12 +83,14 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q = self.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         k_cache, v_cache = kv_cache
-        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        # Rotary on q and k and the KV-cache write in one op; the backend only attends.
+        q, k = self.ops.rotary_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        out = self.attn_backend.forward(
+            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True
+        )  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -86,9 +99,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.ops = REFERENCE_OPS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,20 +112,24 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, attn_backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
+        self.ops = REFERENCE_OPS
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        hidden: torch.Tensor,  # [num_tokens, hidden]: normed input of this layer
+        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream before this layer
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         on_kv_written: Callable[[], None] | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual before the MLP's add)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
         if on_kv_written is not None:
             on_kv_written()
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        norm = self.post_attention_layernorm
+        hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -123,6 +141,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
+        self.ops = REFERENCE_OPS
 
     def forward(
         self,
@@ -136,12 +155,21 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
             )
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, 1, head_dim // 2] each
-        for layer_idx, layer in enumerate(self.layers):
+        residual = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, residual.dtype)  # [T, 1, head_dim // 2] each
+        ops = self.ops
+        first_norm = self.layers[0].input_layernorm
+        hidden = ops.rms_norm(residual, first_norm.weight, first_norm.eps)
+        # Each layer's MLP output is added to the residual by the next norm (the final norm
+        # after the last layer): one fused add + RMSNorm per norm.
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer_idx, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             on_kv_written = None if on_layer_done is None else partial(on_layer_done, layer_idx)
-            hidden = layer(hidden, cos, sin, kv_caches[layer_idx], meta, on_kv_written)
-        return self.norm(hidden)
+            hidden, residual = layer(
+                hidden, residual, cos, sin, kv_caches[layer_idx], meta, on_kv_written
+            )
+            hidden, residual = ops.add_rms_norm(hidden, residual, next_norm.weight, next_norm.eps)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,6 +195,16 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": (q_size, kv_size, kv_size),
             "gate_up_proj": (arch.intermediate_size, arch.intermediate_size),
         }
+
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Use `ops` (kernels/fused: the Triton kernels or the torch reference) everywhere."""
+        for module in self.modules():
+            if isinstance(module, _USES_OPS):
+                module.ops = ops
+
+    @property
+    def layer_ops(self) -> LayerOps:
+        return self.model.ops
 
     def forward(
         self,
@@ -238,3 +276,6 @@ class LlamaForCausalLM(nn.Module):
                 slots[f"{parent}.{hf_leaf}.{param_kind}"] = (param, first_row, num_rows)
                 first_row += num_rows
         return slots
+
+
+_USES_OPS: tuple[type[Any], ...] = (LlamaAttention, LlamaMLP, LlamaDecoderLayer, LlamaModel)

@@ -3,6 +3,8 @@
 ```
 ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
   -> LlamaForCausalLM built directly on device, in dtype
+  -> layer ops (kernels/fused): Triton kernels with the triton/flash_attn backends on CUDA,
+     else the torch reference
   -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic)
   -> LoadedModel(model, arch, name, tokenizer_dir)
 ```
@@ -26,6 +28,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
+from kernels.fused import get_layer_ops
 from pdserve.config import ModelConfig
 from pdserve.progress import track
 
@@ -97,14 +100,16 @@ def load_model(
                         count_safetensors(source.hf_dir), "tensors", logger)  # fmt: skip
         model.load_weights(weights)
     model.requires_grad_(False).eval()
+    model.set_layer_ops(get_layer_ops(attn_backend.name, device))
     logger.info(
-        "loaded %s (%s, %d layers) on %s in %s in %.2f s",
+        "loaded %s (%s, %d layers) on %s in %s in %.2f s, layer ops: %s",
         source.name,
         arch.architecture,
         arch.num_layers,
         device,
         dtype,
         time.perf_counter() - start_s,
+        model.layer_ops.name,
     )
     return LoadedModel(model, arch, source.name, source.tokenizer_dir)
 

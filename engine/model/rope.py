@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.model.arch_config import RopeConfig
+from kernels.fused import reference
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -85,5 +86,6 @@ def apply_rotary(
     cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
     sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half rotary of one tensor (the model rotates q and k together through
+    `LayerOps.rotary_qk`, kernels/fused)."""
+    return reference.rotary(x, cos, sin)

@@ -13,7 +13,8 @@ from kernels.attention.metadata import AttentionMetadata
 class AttentionBackend(ABC):
     """Paged attention over a flat varlen batch.
 
-    `forward` first writes this step's K/V into the paged cache at `meta.slot_mapping`, then
+    `forward` first writes this step's K/V into the paged cache at `meta.slot_mapping` (unless
+    `kv_written`: the caller's fused rotary kernel stored them already), then
     computes causal attention of every query token over its request's whole context (cached
     prefix + this step's tokens), with grouped-query heads (num_heads % num_kv_heads == 0).
     """
@@ -37,5 +38,6 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

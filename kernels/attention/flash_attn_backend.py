@@ -39,8 +39,10 @@ class FlashAttnBackend(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:

@@ -45,12 +45,14 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if q.shape[1] % k.shape[1] != 0:
             raise ValueError(
                 f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})"
             )
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:

@@ -31,8 +31,11 @@ def test_client_gets_first_token_before_decode_produces_second() -> None:
         ) as nodes:
             router = RouterServer(
                 RouterConfig(
-                    host="127.0.0.1", port=0, http_port=0,
-                    prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
+                    host="127.0.0.1",
+                    port=0,
+                    http_port=0,
+                    prefill_addrs=(nodes.prefill.address,),
+                    decode_addrs=(nodes.decode.address,),
                 )
             )
             await router.start()
@@ -55,8 +58,10 @@ def test_client_gets_first_token_before_decode_produces_second() -> None:
             return timings
 
     for first_at, second_produced_at, first_len in run(main(), timeout_s=240):
-        print(f"token 0 at the client {1e3 * (second_produced_at - first_at):.1f} ms before "
-              "the decode node produced token 1")
+        print(
+            f"token 0 at the client {1e3 * (second_produced_at - first_at):.1f} ms before "
+            "the decode node produced token 1"
+        )
         assert first_len == 1, "the first chunk should carry the first token alone"
         assert first_at < second_produced_at, (
             f"client got token 0 {1e3 * (first_at - second_produced_at):.1f} ms after the decode "

@@ -86,14 +86,20 @@ def test_streaming_chunks_text_and_stop_string(cluster_1p1d, offline_reference):
         async with GenerationClient(cluster_1p1d.router) as client:
             arrivals, chunks = [], []
             async for chunk in client.generate(
-                "Count: one, two, three, four,", temperature=0.0, max_tokens=40, ignore_eos=True,
+                "Count: one, two, three, four,",
+                temperature=0.0,
+                max_tokens=40,
+                ignore_eos=True,
                 timeout_s=120,
             ):
                 arrivals.append(time.monotonic())
                 chunks.append(chunk)
             stopped = await client.generate_all(
-                "Count: one, two, three, four,", temperature=0.0, max_tokens=40,
-                stop=[" seven"], timeout_s=120,
+                "Count: one, two, three, four,",
+                temperature=0.0,
+                max_tokens=40,
+                stop=[" seven"],
+                timeout_s=120,
             )
             return arrivals, chunks, stopped
 
@@ -140,7 +146,10 @@ def test_cancel_mid_stream_frees_decode_blocks_within_a_second(cluster_1p1d):
         async with GenerationClient(cluster_1p1d.router) as client:
             seen = 0
             async for chunk in client.generate(
-                "Write a very long story.", temperature=0.0, max_tokens=1000, ignore_eos=True,
+                "Write a very long story.",
+                temperature=0.0,
+                max_tokens=1000,
+                ignore_eos=True,
                 timeout_s=120,
             ):
                 seen += len(chunk.token_ids)

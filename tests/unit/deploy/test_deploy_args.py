@@ -34,6 +34,8 @@ PARSERS = {
     "pd-prefill": lambda: build_node_parser(PrefillServer),
     "pd-decode": lambda: build_node_parser(DecodeServer),
 }
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argparse.Namespace:
     errors = io.StringIO()
     try:
@@ -73,7 +75,9 @@ def _check_ports(
     assert args.port == ports["grpc"], f"{what}: listens on {args.port}, declares {ports}"
     assert args.host == "0.0.0.0", f"{what}: must listen on every interface of the pod"
     if container["command"][0] == "pd-router":
-        assert args.http_port == ports["http"], f"{what}: HTTP on {args.http_port}, declares {ports}"
+        assert args.http_port == ports["http"], (
+            f"{what}: HTTP on {args.http_port}, declares {ports}"
+        )
         metrics_port = args.http_port  # /metrics is on the router's HTTP port
     else:
         assert args.kv_port == ports["kv"], f"{what}: KV port {args.kv_port} is not declared"

@@ -61,7 +61,9 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {arch: build_tiny_checkpoint(arch, root / arch) for arch in ARCHS}
 
 
-def random_prompts(num_prompts: int, vocab_size: int, seed: int = 0, min_len: int = 3, max_len: int = 40):
+def random_prompts(
+    num_prompts: int, vocab_size: int, seed: int = 0, min_len: int = 3, max_len: int = 40
+):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=gen).tolist()
     # Avoid special ids 0..2 so no prompt contains EOS.

@@ -27,7 +27,7 @@ def hf_greedy(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[lis
                 eos_token_id=eos,
                 pad_token_id=eos,
             )
-        outputs.append(ids[0, len(prompt):].tolist())
+        outputs.append(ids[0, len(prompt) :].tolist())
     return outputs
 
 

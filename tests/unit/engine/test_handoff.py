@@ -49,7 +49,9 @@ def test_prefill_decode_handoff(tiny_checkpoints, params):
 
     layers_done: list[int] = []
     prefill = make_engine(
-        checkpoint, num_blocks=40, prefill_only=True,
+        checkpoint,
+        num_blocks=40,
+        prefill_only=True,
         hook=lambda layer, chunks: layers_done.append(layer),
     )
     decode = make_engine(checkpoint, num_blocks=80)

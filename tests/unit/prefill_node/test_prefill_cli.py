@@ -23,7 +23,9 @@ def test_console_script_is_declared() -> None:
 
 
 def test_parser_has_the_shared_node_flags() -> None:
-    args = build_node_parser(PrefillServer).parse_args(["--kv-transport", "tcp", "--kv-port", "5600"])
+    args = build_node_parser(PrefillServer).parse_args(
+        ["--kv-transport", "tcp", "--kv-port", "5600"]
+    )
     assert (args.port, args.kv_transport, args.kv_port, args.host) == (0, "tcp", 5600, "127.0.0.1")
 
 

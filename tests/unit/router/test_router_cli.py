@@ -36,7 +36,13 @@ def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokeni
         node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel(output_ids), tokenizer_files)
         await node.start()
         router = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "--port", "0", "--http-port", "0",  # fmt: skip
+            sys.executable,
+            "-m",
+            "router.cli",
+            "--port",
+            "0",
+            "--http-port",
+            "0",  # fmt: skip
             "--decode",
             node.address,
             "--log-level",

@@ -1,0 +1,76 @@
+"""`LayerOps`: the fused per-layer ops a model calls, and which implementation runs.
+
+```
+attention backend "triton" or "flash_attn", on CUDA, triton installed -> the Triton kernels
+anything else (CPU, the "torch" reference backend)                    -> the torch reference
+```
+
+Both compute the same values (the kernels round where the reference rounds); the reference on
+CPU is bit-identical to the unfused module code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fused import reference
+
+# Backends that already run Triton/CUDA kernels; "torch" stays the all-reference path.
+_FUSED_BACKENDS = ("triton", "flash_attn")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str  # "reference" | "triton"
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    # (q, k, cos, sin) -> (q, k) rotated (the Triton kernel rotates in place)
+    rotary_qk: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> (q, k) rotated, with the rotated
+    # k and v stored at their cache slots (the attention backend is then told kv_written)
+    rotary_qk_write_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+REFERENCE_OPS = LayerOps(
+    name="reference",
+    rms_norm=reference.rms_norm,
+    add_rms_norm=reference.add_rms_norm,
+    rotary_qk=reference.rotary_qk,
+    silu_and_mul=reference.silu_and_mul,
+    rotary_qk_write_kv=reference.rotary_qk_write_kv,
+)
+
+
+def triton_ops() -> LayerOps:
+    """The Triton kernels (imported on first use: triton is optional)."""
+    module = importlib.import_module("kernels.fused.triton_ops")
+    return LayerOps(
+        name="triton",
+        rms_norm=module.rms_norm,
+        add_rms_norm=module.add_rms_norm,
+        rotary_qk=module.rotary_qk,
+        silu_and_mul=module.silu_and_mul,
+        rotary_qk_write_kv=module.rotary_qk_write_kv,
+    )
+
+
+def get_layer_ops(attention_backend: str, device: torch.device) -> LayerOps:
+    """The ops for a model on `device` with the named (resolved) attention backend."""
+    if (
+        torch.device(device).type == "cuda"
+        and attention_backend in _FUSED_BACKENDS
+        and importlib.util.find_spec("triton") is not None
+    ):
+        return triton_ops()
+    return REFERENCE_OPS
