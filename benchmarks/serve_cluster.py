@@ -32,6 +32,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve import envs
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 
@@ -75,10 +76,11 @@ class ClusterSpec:
 
 
 async def wait_ready(addr: str, timeout_s: float) -> None:
-    """Until the router at `addr` answers GetModelInfo (it knows its nodes), or TimeoutError."""
+    """Until the router at `addr` answers GetModelInfo (it knows its nodes), or TimeoutError.
+    A router with --api-key-file gets the key PDSERVE_API_KEY names."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with GenerationClient(addr) as client:
+    async with GenerationClient(addr, envs.api_key()) as client:
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 await client.model_info(timeout_s=min(remaining, 5.0))

@@ -1,11 +1,13 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
-Decode(DISAGGREGATED) ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
+    ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
         the prefill node's handshake within transfer_timeout_s (it handshakes when its
         prefill starts), then transfer_timeout_s from the handshake
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
+                    (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
 Abort (Node service) / the router cancels the call ──► fail the receiver, free the
@@ -24,6 +26,7 @@ import grpc
 from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
+from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_messages import to_engine_request, token_logprob
@@ -51,6 +54,7 @@ class _DecodeJob:
     request_id: str
     trace: DecodeTrace
     receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason
 
@@ -64,6 +68,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
         )
+        self._block_size = node.layout.block_size
+        self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
+        self.caps = TransferCaps(
+            node.core.pool.num_blocks, config.max_transfer_timeout_s,
+            config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
+        )  # fmt: skip
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -80,7 +90,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         )
         try:
             if request.mode == node_pb2.DECODE_MODE_DISAGGREGATED:
-                timeout_s = request.transfer_timeout_s or self._transfer_timeout_s
+                timeout_s = self.caps.timeout_s(
+                    request.transfer_timeout_s, self._transfer_timeout_s
+                )
                 receiver = await self._reserve(job, engine_request, timeout_s, context)
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
                 chunks = await self._after_transfer(job, engine_request, receiver)
@@ -146,9 +158,13 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     ) -> KVReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
+        num_blocks = -(-num_tokens // self._block_size)
         try:
+            job.hold = await self.caps.acquire(
+                context.peer(), num_blocks, self.admission.queue_timeout_s
+            )
             block_ids = await self.admission.reserve(request_id, num_tokens)
-        except AdmissionRefused as error:
+        except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
@@ -167,6 +183,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
         job.receiver = None
+        if job.hold is not None:
+            job.hold.release()  # the blocks are no longer awaiting KV
         if state == TransferState.SUCCESS and not job.aborted:
             return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
         request_id = request.request_id
@@ -189,6 +207,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if job.aborted:  # checked right before the engine sees the request
             yield self._abort_chunk(job, 0)
             return
+        # Received KV enters the prefix cache only when its sender proved the cluster secret
+        # (every layer landed, or the receiver would not have succeeded).
+        request.cache_kv = self._kv_authenticated
         job.trace.token_times_s.append(time.monotonic())
         first = node_pb2.TokenChunk(output_index=0, token_ids=[first_token.token_id])
         if first_token.HasField("logprob"):
@@ -260,6 +281,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     def _close(self, job: _DecodeJob) -> None:
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
+        if job.hold is not None:
+            job.hold.release()
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         if job.receiver is not None:
             job.receiver.abort("the decode call ended")
@@ -276,7 +299,9 @@ class _Refused(Exception):
         self.error = error
 
 
-async def _refuse(context: grpc.aio.ServicerContext, error: AdmissionRefused) -> None:
+async def _refuse(
+    context: grpc.aio.ServicerContext, error: AdmissionRefused | TransferCapExceeded
+) -> None:
     """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
     context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

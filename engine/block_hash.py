@@ -1,27 +1,33 @@
-"""The hash chain over a request's full KV blocks, and cheap slices of its token stream.
+"""A request's block hashes (the chain itself is `pdserve.block_hash`, shared with the
+router's prefix-aware policy), and cheap slices of its token stream.
 
-Block i's hash covers its own tokens and, through its parent (block i - 1's hash), every token
-before it, so one dict lookup per block finds the longest cached prefix. Only ints and tuples
-of ints are hashed: CPython hashes those identically in every process (no PYTHONHASHSEED salt),
-so every node computes the same hashes for the same tokens.
+Block i's digest covers its own tokens and, through its parent (block i - 1's digest), every
+token before it, so one dict lookup per block finds the longest cached prefix. A request keeps
+the digests of its full blocks (`Request.block_hashes`): each block is hashed once, however often
+the scheduler looks the request up (waiting for blocks, preempted and readmitted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from engine.request import Request
-
-BlockHash = int
-
-# Parent of a request's first block. An int, not None: before Python 3.12 hash(None) depends
-# on None's address and so differs between processes.
-ROOT_BLOCK_HASH: BlockHash = 0
+from pdserve.block_hash import BlockHash, hash_block_tokens
 
 
-def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block, chained to the hash of the block before it."""
-    return hash((parent_hash, tuple(token_ids)))
+def request_block_hashes(
+    request: Request, num_blocks: int, block_size: int, root: BlockHash
+) -> list[BlockHash]:
+    """`request.block_hashes`, grown to hold at least its first `num_blocks` full blocks'
+    digests (only the missing ones are computed; it may hold more). The tokens of a full block
+    never change, so the list stays valid for the request's life."""
+    hashes = request.block_hashes
+    if len(hashes) < num_blocks:
+        start = len(hashes)
+        token_ids = request_token_ids(request, start * block_size, num_blocks * block_size)
+        parent = hashes[-1] if hashes else root
+        for i in range(num_blocks - start):
+            parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+            hashes.append(parent)
+    return hashes
 
 
 def request_token_ids(request: Request, start: int, end: int) -> list[int]:

@@ -77,8 +77,9 @@ class EngineCore:
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
         )  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
-            self.pool.num_blocks, block_size, config.cache.enable_prefix_caching
-        )
+            self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_cache_salt,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),

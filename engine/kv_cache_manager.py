@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
-from engine.block_hash import ROOT_BLOCK_HASH, BlockHash, hash_block_tokens, request_token_ids
+from engine.block_hash import request_block_hashes
 from engine.request import Request
+from pdserve.block_hash import BlockHash, root_hash
 
 
 @dataclass
@@ -32,7 +34,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        prefix_cache_salt: str | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
@@ -40,6 +48,7 @@ class KVCacheManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash(prefix_cache_salt)  # parent of every first block's digest
         self.prefix_cache_stats = PrefixCacheStats()
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[BlockHash | None] = [None] * num_blocks
@@ -62,13 +71,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         block_size = self.block_size
-        max_hit_len = (request.num_tokens - 1) // block_size * block_size
-        token_ids = request_token_ids(request, 0, max_hit_len)
+        num_hit_blocks = (request.num_tokens - 1) // block_size
+        hashes = request_block_hashes(request, num_hit_blocks, block_size, self.root_hash)
         block_ids: list[int] = []
-        parent_hash = ROOT_BLOCK_HASH
-        for start in range(0, max_hit_len, block_size):
-            parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
-            block_id = self._cached.get(parent_hash)
+        for block_hash in islice(hashes, num_hit_blocks):
+            block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -110,26 +117,24 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Hash and register `request`'s blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
+        """Hash and register `request`'s blocks that are now full of computed tokens (none
+        for a request whose KV may not be shared: `request.cache_kv` False)."""
+        if not self.enable_prefix_caching or not request.cache_kv:
             return
         block_size = self.block_size
         num_full_blocks = request.num_computed_tokens // block_size
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_hashed:
             return
-        parent_hash = (
-            self._block_hashes[request.block_ids[num_hashed - 1]] if num_hashed else ROOT_BLOCK_HASH
-        )
-        token_ids = request_token_ids(
-            request, num_hashed * block_size, num_full_blocks * block_size
-        )
-        for i, block_id in enumerate(request.block_ids[num_hashed:num_full_blocks]):
-            block_token_ids = token_ids[i * block_size : (i + 1) * block_size]
-            parent_hash = hash_block_tokens(parent_hash, block_token_ids)
-            self._block_hashes[block_id] = parent_hash
+        hashes = request_block_hashes(request, num_full_blocks, block_size, self.root_hash)
+        for block_id, block_hash in zip(
+            request.block_ids[num_hashed:num_full_blocks],
+            hashes[num_hashed:num_full_blocks],
+            strict=True,
+        ):
+            self._block_hashes[block_id] = block_hash
             # An equal block computed concurrently by another request keeps the entry.
-            self._cached.setdefault(parent_hash, block_id)
+            self._cached.setdefault(block_hash, block_id)
         self._num_hashed_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:

@@ -61,6 +61,10 @@ class Request:
     num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' digests, cached
+    # Whether its KV may enter the prefix cache: False for KV received from a peer that proved
+    # nothing (an open cluster), so a forged hand-off never serves another request.
+    cache_kv: bool = True
 
     @property
     def prompt_len(self) -> int:

@@ -72,11 +72,11 @@ class NodeRegistrar:
             async with asyncio.timeout(2 * self.config.timeout_s):
                 await self._redis.delete(self.key)
                 await self._redis.publish(EVENTS_CHANNEL, event_message("leave", self.node_id))
-            logger.info("deregistered node %s from %s", self.node_id, self.config.url)
+            logger.info("deregistered node %s from %s", self.node_id, self.config.redacted_url)
         except REGISTRY_ERRORS as error:
             logger.warning(
                 "could not deregister node %s from %s (%s): its record expires in %s s",
-                self.node_id, self.config.url, _describe(error), self.config.ttl_s,
+                self.node_id, self.config.redacted_url, _describe(error), self.config.ttl_s,
             )  # fmt: skip
         finally:
             self.registered = False
@@ -98,7 +98,7 @@ class NodeRegistrar:
             again = " again" if self._failing else ""
             logger.info(
                 "registered %s node %s (%s) in %s%s",
-                record.role, self.node_id, record.address, self.config.url, again,
+                record.role, self.node_id, record.address, self.config.redacted_url, again,
             )  # fmt: skip
         self.registered = True
         self._failing = False
@@ -115,7 +115,7 @@ class NodeRegistrar:
         if not self._failing:
             logger.warning(
                 "registry %s unreachable (%s): node %s serves on and retries every %s s",
-                self.config.url, _describe(error), self.node_id, self.config.heartbeat_s,
+                self.config.redacted_url, _describe(error), self.node_id, self.config.heartbeat_s,
             )  # fmt: skip
         self._failing = True
 

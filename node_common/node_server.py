@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from node_common.node_registrar import NodeRegistrar
 from node_common.node_service import NodeBackend, NodeServicer
 from pdserve.config import RegistryConfig, SecurityConfig
-from pdserve.grpc_security import RequestGuard, bind, cluster_check
+from pdserve.grpc_security import SERVER_OPTIONS, RequestGuard, bind, cluster_check
 from pdserve.net import dial_host, host_port
 from pdserve.registry import NodeRecord, node_record, sign_record
 from pdserve.security import ClusterAuth
@@ -72,7 +72,7 @@ class NodeServer:
         self._services = ("", NODE_SERVICE, role_service)
         self._health = health.aio.HealthServicer()
         guard = RequestGuard(cluster_check(auth) if auth is not None else None)
-        self._server = grpc.aio.server(interceptors=[guard])
+        self._server = grpc.aio.server(interceptors=[guard], options=SERVER_OPTIONS)
         node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(backend), self._server)
         add_role_servicer(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

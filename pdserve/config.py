@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.net import redact_url
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
@@ -81,6 +83,15 @@ class ModelConfig:
     )
 
 
+def prefix_cache_salt_knob() -> Any:
+    """The prefix cache's salt (pdserve.block_hash), one knob for the engine and the router."""
+    return knob(
+        None,
+        "salt of the prefix cache's sha256 block hashes: deployments that must not share cached "
+        "prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT); the same on router and nodes",
+    )
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block geometry and how much memory the pool takes.
@@ -104,6 +115,7 @@ class CacheConfig:
     enable_prefix_caching: bool = knob(
         True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
     )
+    prefix_cache_salt: str | None = prefix_cache_salt_knob()
 
 
 @dataclass(frozen=True)
@@ -158,7 +170,9 @@ REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 @dataclass(frozen=True)
 class RegistryConfig:
     """Where the registry is, and the heartbeat that keeps a node's record alive
-    (pdserve.registry)."""
+    (pdserve.registry). The URL may carry Redis ACL credentials and TLS files, as redis-py
+    reads them: rediss://USER:PASSWORD@HOST:PORT/DB?ssl_ca_certs=CA.pem&ssl_certfile=C.pem
+    &ssl_keyfile=K.pem (logs show `redacted_url`)."""
 
     url: str  # redis://HOST:PORT/DB
     heartbeat_s: float = 1.0  # nodes refresh their record; routers resync their view
@@ -169,7 +183,7 @@ class RegistryConfig:
         if not self.url.startswith(REGISTRY_URL_SCHEMES):
             raise ValueError(
                 f"registry URL must look like redis://HOST:PORT/DB (or rediss://, unix://), "
-                f"got {self.url!r}"
+                f"got {self.redacted_url!r}"
             )
         for name in ("heartbeat_s", "ttl_s", "timeout_s"):
             if not getattr(self, name) > 0:
@@ -179,6 +193,10 @@ class RegistryConfig:
                 f"registry ttl_s ({self.ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
                 "or records expire between heartbeats (use about 3 heartbeats)"
             )
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)  # what logs and errors show
 
 
 @dataclass(frozen=True)
@@ -265,8 +283,26 @@ class NodeConfig:
         "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a killed "
         "node) before exiting with an error",
     )
+    max_transfer_timeout_s: float = knob(
+        120.0, "decode: a Decode's transfer_timeout_s is clamped to this (reservations expire)"
+    )
+    max_pending_kv_share: float = knob(
+        0.75,
+        "decode: the fraction of the KV pool one caller (one gRPC connection) may hold in "
+        "reservations awaiting KV; beyond it, its next Decode waits (--queue-timeout-s, then "
+        "RESOURCE_EXHAUSTED) for its own earlier hand-offs to resolve (1: no per-caller cap)",
+    )
+    max_pending_transfers: int = knob(
+        256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
+    )
 
     def __post_init__(self) -> None:
+        caps = (self.max_transfer_timeout_s, self.max_pending_kv_share, self.max_pending_transfers)
+        if not (caps[0] > 0 and 0 < caps[1] <= 1 and caps[2] >= 1):
+            raise ValueError(
+                "max_transfer_timeout_s must be > 0, max_pending_kv_share in (0, 1] and "
+                f"max_pending_transfers >= 1, got {caps[0]}, {caps[1]} and {caps[2]}"
+            )
         if self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
             raise ValueError(
                 f"max_queued_requests must be >= 0 and queue_timeout_s > 0, got "
@@ -336,6 +372,7 @@ class RouterConfig:
         DEFAULT_MAX_REQUEST_BYTES,
         "HTTP request bodies larger than N bytes are refused (413) before being read whole",
     )
+    prefix_cache_salt: str | None = prefix_cache_salt_knob()
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:

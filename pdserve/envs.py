@@ -31,3 +31,15 @@ def cluster_secret_file() -> str | None:
     """PDSERVE_CLUSTER_SECRET_FILE: the cluster secret's file when --cluster-secret-file is not
     given (pdserve.security)."""
     return os.environ.get("PDSERVE_CLUSTER_SECRET_FILE") or None
+
+
+def prefix_cache_salt() -> str | None:
+    """PDSERVE_PREFIX_CACHE_SALT: the prefix cache's salt when --prefix-cache-salt is not given
+    (pdserve.block_hash)."""
+    return os.environ.get("PDSERVE_PREFIX_CACHE_SALT") or None
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: the key pd-client sends (`authorization: Bearer KEY`) to a router
+    started with --api-key-file."""
+    return os.environ.get("PDSERVE_API_KEY") or None

@@ -8,6 +8,7 @@ RequestGuard(check, code)   server interceptor: a method outside `open_prefixes`
                             UTF-8 ends INVALID_ARGUMENT (gRPC's own answer is UNKNOWN)
 cluster_check(auth)         the nodes' check: a valid, fresh, unreplayed cluster proof
 client_interceptors(auth)   add a fresh cluster proof to every call (router -> node)
+SERVER_OPTIONS              every server's options: no SO_REUSEPORT (no port sharing)
 server_credentials(config)  mutual TLS for a server (None: no TLS)
 channel_credentials(config) mutual TLS for a client channel (None: no TLS)
 ```
@@ -26,6 +27,11 @@ from pdserve.config import SecurityConfig
 from pdserve.security import AUTH_METADATA_KEY, ClusterAuth
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Every pdserve gRPC server's options. gRPC sets SO_REUSEPORT by default on Linux: a second
+# process (a stray duplicate, or any process of the same user) could then bind a live node's
+# port and take a share of its connections. Off: a held port fails to bind (the launchers retry
+# for --bind-retry-s); SO_REUSEADDR stays, so a port in TIME_WAIT binds at once.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 Check = Callable[[str, dict[str, str]], str | None]  # (method, metadata) -> why refused, or None
 
 
@@ -108,7 +114,7 @@ def _parsing(handler: Any) -> Any:
     return handler._replace(unary_unary=unary, request_deserializer=None)
 
 
-class _ProofAdder(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _ProofAdder:
     """Adds a fresh cluster proof to each call."""
 
     def __init__(self, auth: ClusterAuth) -> None:
@@ -124,15 +130,22 @@ class _ProofAdder(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClie
             details.wait_for_ready,
         )  # fmt: skip
 
+
+class _UnaryProofAdder(_ProofAdder, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamProofAdder(_ProofAdder, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 def client_interceptors(auth: ClusterAuth | None) -> list[Any]:
-    return [] if auth is None else [_ProofAdder(auth)]
+    """One interceptor per call shape: grpc.aio files an interceptor under the first shape it
+    implements only, so one object serving both would leave streaming calls (Prefill,
+    Decode) without a proof."""
+    return [] if auth is None else [_UnaryProofAdder(auth), _StreamProofAdder(auth)]
 
 
 def _read(path: str | None) -> bytes | None:

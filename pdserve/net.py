@@ -3,6 +3,7 @@
 bracket("::1") -> "[::1]"                 an IPv6 host as it appears in HOST:PORT
 host_port("::1", 80) -> "[::1]:80"
 dial_host("0.0.0.0") -> this machine's address (peers cannot dial a wildcard)
+redact_url(url)      "redis://user:pw@host/0" -> "redis://user:***@host/0" (for logs)
 """
 
 from __future__ import annotations
@@ -28,3 +29,12 @@ def dial_host(host: str) -> str:
     if host in WILDCARD_HOSTS:
         return socket.gethostbyname(socket.gethostname())
     return host
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"

@@ -93,8 +93,13 @@ _CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTE
 class GenerationClient:
     """Async client of one router. Construct it inside the event loop that uses it."""
 
-    def __init__(self, addr: str = f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}") -> None:
+    def __init__(
+        self, addr: str = f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}", api_key: str | None = None
+    ) -> None:
+        """`api_key`: sent as `authorization: Bearer KEY` on every call (routers started with
+        --api-key-file need one)."""
         self.addr = addr
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
@@ -111,7 +116,7 @@ class GenerationClient:
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The response chunks of `request`; leaving the loop early cancels the call."""
-        call = self._stub.Generate(request, timeout=timeout_s)
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for chunk in call:
                 yield chunk
@@ -135,13 +140,13 @@ class GenerationClient:
 
     async def model_info(self, timeout_s: float | None = None) -> generation_pb2.ModelInfo:
         return await self._stub.GetModelInfo(
-            generation_pb2.GetModelInfoRequest(), timeout=timeout_s
+            generation_pb2.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata
         )
 
     async def tokenizer(self, timeout_s: float | None = None) -> Tokenizer | None:
         """The served model's tokenizer (None: the model has none and takes token ids)."""
         files = await self._stub.GetTokenizer(
-            generation_pb2.GetModelTokenizerRequest(), timeout=timeout_s
+            generation_pb2.GetModelTokenizerRequest(), timeout=timeout_s, metadata=self._metadata
         )
         if not files.tokenizer_json:
             return None

@@ -3,7 +3,8 @@
     pd-client "The capital of France is" --max-tokens 16 --temperature 0
     pd-client --chat --system "Be brief." "What is KV caching?" --json
 
-A gRPC error prints "pd-client: STATUS: details" to stderr and exits 1.
+A gRPC error prints "pd-client: STATUS: details" to stderr and exits 1. A router started with
+--api-key-file needs a key: set PDSERVE_API_KEY.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import grpc
 
+from pdserve import envs
 from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
 from router.client import GenerationClient, GenerationResult
 
@@ -102,7 +104,7 @@ async def _generate(args: argparse.Namespace) -> GenerationResult:
         inputs = {"messages": [*messages, {"role": "user", "content": args.prompt}]}
     sampling = {name: getattr(args, name) for name in _SAMPLING_FIELDS}
     result = GenerationResult()
-    async with GenerationClient(args.addr) as client:
+    async with GenerationClient(args.addr, envs.api_key()) as client:
         chunks = client.generate(
             **inputs, request_id=args.request_id, timeout_s=args.timeout_s, **sampling
         )

@@ -160,7 +160,7 @@ class RedisNodeSource(NodeSource):
             logger.warning(
                 "registry %s unreachable (%s: %s): routing on the last view of %d nodes; "
                 "retrying every %s s",
-                self.config.url, type(error).__name__, error, len(self._records),
+                self.config.redacted_url, type(error).__name__, error, len(self._records),
                 self.config.heartbeat_s,
             )  # fmt: skip
         self._reachable = False
@@ -171,7 +171,7 @@ class RedisNodeSource(NodeSource):
             self._keep_missing_until_s = time.monotonic() + self.config.ttl_s
             logger.warning(
                 "registry %s reachable again%s: nodes have %s s to re-register",
-                self.config.url, " (it restarted)" if restarted else "", self.config.ttl_s,
+                self.config.redacted_url, " (it restarted)" if restarted else "", self.config.ttl_s,
             )  # fmt: skip
         self._reachable = True
         self._run_id = run_id

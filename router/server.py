@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import RouterConfig
-from pdserve.grpc_security import RequestGuard
+from pdserve.grpc_security import SERVER_OPTIONS, RequestGuard
 from pdserve.net import host_port
 from pdserve.security import load_cluster_auth, open_cluster_warning
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -63,10 +63,11 @@ class RouterServer:
         self.api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
         install(self.api_keys)
         check = self.api_keys.grpc_check if self.api_keys is not None else None
-        self._server = grpc.aio.server(interceptors=[RequestGuard(check)])
+        self._server = grpc.aio.server(interceptors=[RequestGuard(check)], options=SERVER_OPTIONS)
         self.policy = make_policy(
-            config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens
-        )
+            config.policy, config.local_prefill_max_tokens, config.prefill_saturation_tokens,
+            config.prefix_cache_salt,
+        )  # fmt: skip
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
         self.handler = RequestHandler(
             self.registry, dispatcher, self.stats, config.max_prompt_chars
@@ -141,7 +142,7 @@ class RouterServer:
         await asyncio.gather(*joining, return_exceptions=True)
         logger.info(
             "registry %s: %d prefill and %d decode nodes ready",
-            source.config.url,
+            source.config.redacted_url,
             len(self.registry.prefill_nodes),
             len(self.registry.decode_nodes),
         )

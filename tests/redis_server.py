@@ -27,7 +27,15 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process (restartable on the same port)."""
 
-    def __init__(self, folder: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        port: int | None = None,
+        args: tuple[str, ...] = (),
+        client_kwargs: dict | None = None,
+    ) -> None:
+        """`args`: more redis-server flags (ACL users, TLS); `client_kwargs`: what the
+        readiness probe's client needs to get in (credentials, TLS files)."""
         executable = shutil.which("redis-server")
         if executable is None:
             raise RuntimeError(
@@ -38,6 +46,8 @@ class RedisServer:
         self.folder = folder
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
+        self.args = args
+        self.client_kwargs = client_kwargs or {}
 
     @property
     def url(self) -> str:
@@ -47,7 +57,7 @@ class RedisServer:
         """Starts it and waits until it answers PING."""
         self.folder.mkdir(parents=True, exist_ok=True)
         argv = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.folder)]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.folder), *self.args]
         log = (self.folder / "redis.log").open("ab")
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -65,7 +75,9 @@ class RedisServer:
                 time.sleep(0.02)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=2.0, socket_connect_timeout=2.0)
+        return redis.Redis(
+            port=self.port, socket_timeout=2.0, socket_connect_timeout=2.0, **self.client_kwargs
+        )
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

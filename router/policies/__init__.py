@@ -36,9 +36,17 @@ __all__ = [
 
 
 def make_policy(
-    name: str, local_prefill_max_tokens: int = 0, prefill_saturation_tokens: int = 0
+    name: str,
+    local_prefill_max_tokens: int = 0,
+    prefill_saturation_tokens: int = 0,
+    prefix_cache_salt: str | None = None,
 ) -> RoutingPolicy:
-    """The policy called `name` (one of pdserve.cli.POLICIES)."""
+    """The policy called `name` (one of pdserve.cli.POLICIES); `prefix_cache_salt` salts the
+    prefix-aware policy's block hashes (pdserve.block_hash), as the nodes' engines do."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; available: {', '.join(POLICIES)}")
+    if POLICIES[name] is PrefixAwarePolicy:
+        return PrefixAwarePolicy(
+            local_prefill_max_tokens, prefill_saturation_tokens, prefix_cache_salt
+        )
     return POLICIES[name](local_prefill_max_tokens, prefill_saturation_tokens)

@@ -2,7 +2,8 @@
 them (its prefix cache then hits), unless that node is much busier than the least loaded one.
 
 ```
-block_hashes(prompt)     chained hashes of the prompt's full blocks (hash i covers blocks 0..i)
+block_hashes(prompt)     chained sha256 digests of the prompt's full blocks (digest i covers
+                         blocks 0..i): pdserve.block_hash, the chain the nodes' engines use
 PrefixIndex.match        the node owning the longest run of them (an LRU-bounded copy of where
                          the router sent each prefix: the nodes' caches, approximately)
   none, or much busier   -> the least loaded node (LeastLoadedPolicy)
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from pdserve.block_hash import BlockHash, block_hashes, root_hash
 from router.input_processor import ProcessedRequest
 from router.node_client import NodeClient
 from router.policies.least_loaded import LeastLoadedPolicy
@@ -31,27 +33,17 @@ PREFIX_BALANCE_REL = 1.5
 MAX_PREFIX_ENTRIES = 1 << 16  # block hashes remembered per pool
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per full block of `token_ids`; hash i depends on blocks 0..i."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
-
-
 class PrefixIndex:
     """Which node each block hash was last sent to, for the most recent `max_entries` hashes."""
 
     def __init__(self, max_entries: int = MAX_PREFIX_ENTRIES) -> None:
         self.max_entries = max_entries
-        self._owners: OrderedDict[int, str] = OrderedDict()
+        self._owners: OrderedDict[BlockHash, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._owners)
 
-    def match(self, hashes: Sequence[int], addresses: Iterable[str]) -> str | None:
+    def match(self, hashes: Sequence[BlockHash], addresses: Iterable[str]) -> str | None:
         """The node among `addresses` owning the longest run of leading `hashes`, or None."""
         candidates = set(addresses)
         best = None
@@ -63,7 +55,7 @@ class PrefixIndex:
                 best = owner
         return best
 
-    def insert(self, hashes: Sequence[int], address: str) -> None:
+    def insert(self, hashes: Sequence[BlockHash], address: str) -> None:
         """`address` now holds every block of `hashes`; the leading blocks are kept longest."""
         for block_hash in reversed(hashes):
             self._owners[block_hash] = address
@@ -75,8 +67,14 @@ class PrefixIndex:
 class PrefixAwarePolicy(LeastLoadedPolicy):
     """Prefix affinity for the node that prefills, balanced against load."""
 
-    def __init__(self, local_prefill_max_tokens: int = 0, prefill_saturation_tokens: int = 0):
+    def __init__(
+        self,
+        local_prefill_max_tokens: int = 0,
+        prefill_saturation_tokens: int = 0,
+        prefix_cache_salt: str | None = None,
+    ):
         super().__init__(local_prefill_max_tokens, prefill_saturation_tokens)
+        self.root_hash = root_hash(prefix_cache_salt)
         self.prefill_index = PrefixIndex()
         self.decode_index = PrefixIndex()
 
@@ -114,7 +112,9 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
     ) -> NodeClient:
         """The node holding the request's longest prefix unless it is much busier than the
         least loaded one (then, or with no such node, `pick_least()`); remembers the choice."""
-        hashes = block_hashes(request.prompt_token_ids, max(nodes[0].info.block_size, 1))
+        hashes = block_hashes(
+            request.prompt_token_ids, max(nodes[0].info.block_size, 1), self.root_hash
+        )
         by_address = {node.address: node for node in nodes}
         preferred = by_address.get(index.match(hashes, by_address))
         least_load = min(load_of(node) for node in nodes)

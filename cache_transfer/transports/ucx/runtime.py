@@ -28,6 +28,11 @@ _UCX_ENV_DEFAULTS = {
     # 1 MiB tcp segments instead of 8 KiB: 2-4x the throughput for MiB-sized layers.
     "UCX_TCP_TX_SEG_SIZE": "1m",
     "UCX_TCP_RX_SEG_SIZE": "1m",
+    # SO_REUSEADDR on the listener (as gRPC and zmq set it): a node restarted on its old port
+    # right after kill -9 binds at once instead of failing "Address already in use" for the
+    # minute the dead node's connections spend in TIME_WAIT. Linux still refuses the port
+    # while another socket listens on it.
+    "UCX_CM_REUSEADDR": "y",
 }
 for _name, _value in _UCX_ENV_DEFAULTS.items():
     os.environ.setdefault(_name, _value)

@@ -12,14 +12,20 @@ them in call order. A broken connection fails the messages in flight on both end
 TransportError, payloads half received are abandoned, and the sessions they belong to fail
 (or time out, for those with nothing in flight).
 
-ucxx listens on every interface (it has no bind address); `host` only chooses the address
-advertised to peers.
+The listener binds `host` when ucxx's `create_listener` takes a `host` (UCXX's C++
+ListenerBuilder has one); ucxx 0.52's Python API has none and listens on every interface, so
+then a specific `host` gets a warning at start (the port is reachable on every interface: only
+KV handshakes proving the cluster secret are heard, and an unauthenticated peer allocates
+nothing; firewall it, or use the tcp transport, which binds `host`). `host` also chooses the
+address advertised to peers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +41,9 @@ from cache_transfer.transports.base import (
 from cache_transfer.transports.ucx.inbound import UcxInbound
 from cache_transfer.transports.ucx.outbound import UcxOutbound
 from cache_transfer.transports.ucx.runtime import RUNTIME, ucxx
-from pdserve.net import bracket, dial_host
+from pdserve.net import WILDCARD_HOSTS, bracket, dial_host
+
+logger = logging.getLogger(__name__)
 
 SCHEME = "ucx://"
 
@@ -53,7 +61,7 @@ class UcxTransport(KVTransport):
             ) from None
         RUNTIME.acquire(self)
         try:
-            self._listener = ucxx.create_listener(self._on_connect, port)
+            self._listener = _listen(self._on_connect, host, port)
         except Exception as error:  # e.g. "Device is busy": the port is still held
             RUNTIME.forget(self)
             raise TransportBindError(
@@ -129,6 +137,24 @@ class UcxTransport(KVTransport):
 
     def _name_peer(self, peer_address: str) -> str:
         return f"{peer_address}#{next(self._peer_numbers)}"
+
+
+def _listen(callback: object, host: str, port: int) -> ucxx.Listener:
+    """A ucxx listener on `host`:`port` where ucxx can bind an address; else on every
+    interface, with a warning when `host` is a specific address."""
+    if host in WILDCARD_HOSTS:
+        return ucxx.create_listener(callback, port)
+    if "host" in inspect.signature(ucxx.create_listener).parameters:
+        return ucxx.create_listener(callback, port, host=host)
+    listener = ucxx.create_listener(callback, port)
+    logger.warning(
+        "ucx KV listener: ucxx %s cannot bind an address, so port %d listens on every "
+        "interface, not only %s. With a cluster secret only KV handshakes proving it are heard "
+        "(an unauthenticated peer allocates nothing); firewall the port, or use --kv-transport "
+        "tcp to listen on %s only",
+        getattr(ucxx, "__version__", "?"), listener.port, host, host,
+    )  # fmt: skip
+    return listener
 
 
 def _parse_address(address: str) -> tuple[str, int]:

@@ -152,7 +152,8 @@ def test_out_of_blocks_the_reservation_waits_for_blocks_then_gets_them() -> None
     small = engine_config(prefill_only=False, num_blocks=16)
 
     async def main() -> None:
-        async with running_nodes("local", decode_engine=small) as nodes:
+        # One caller holding 11 of 16 blocks would exceed a per-caller cap: off here.
+        async with running_nodes("local", decode_engine=small, max_pending_kv_share=1.0) as nodes:
             sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
             first = nodes.decode_stub.Decode(
                 decode_request("first", prompt_ids, sampling, transfer_timeout_s=60.0),
@@ -179,8 +180,9 @@ def test_out_of_blocks_with_the_queue_full_is_resource_exhausted_at_once() -> No
 
     async def main() -> None:
         async with running_nodes(
-            "local", decode_engine=small, max_queued_requests=1, queue_timeout_s=30.0
-        ) as nodes:
+            "local", decode_engine=small, max_queued_requests=1, queue_timeout_s=30.0,
+            max_pending_kv_share=1.0,  # one caller: no per-caller cap here
+        ) as nodes:  # fmt: skip
             sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
             calls = []
             for name in ("first", "second"):  # the first gets blocks, the second waits

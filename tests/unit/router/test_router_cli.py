@@ -29,6 +29,12 @@ async def _run_client(*args: str) -> tuple[int, str, str]:
     return process.returncode, stdout.decode(), stderr.decode()
 
 
+ROUTER_ARGV = (sys.executable, "-m", "router.cli", "--port", "0", "--http-port", "0",
+               "--log-level", "warning")  # fmt: skip
+CHAT_JSON_ARGS = ("--chat", "--system", "Be brief.", "hi", "--json", "--max-tokens", "2",
+                  "--logprobs", "0")  # fmt: skip
+
+
 def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokenizer) -> None:
     output_ids = tokenizer.encode("héllo wörld 🙂", add_special_tokens=False)
 
@@ -36,37 +42,14 @@ def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokeni
         node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel(output_ids), tokenizer_files)
         await node.start()
         router = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "router.cli",
-            "--port",
-            "0",
-            "--http-port",
-            "0",  # fmt: skip
-            "--decode",
-            node.address,
-            "--log-level",
-            "warning",
-            stdout=asyncio.subprocess.PIPE,
+            *ROUTER_ARGV, "--decode", node.address, stdout=asyncio.subprocess.PIPE
         )
         try:
             line = (await asyncio.wait_for(router.stdout.readline(), CLI_TIMEOUT_S)).decode()
             addr = line.rsplit(" ", 1)[-1].strip()
             results = (
                 await _run_client("--addr", addr, "hi", "--max-tokens", str(len(output_ids))),
-                await _run_client(
-                    "--addr",
-                    addr,
-                    "--chat",
-                    "--system",
-                    "Be brief.",
-                    "hi",
-                    "--json",
-                    "--max-tokens",
-                    "2",
-                    "--logprobs",
-                    "0",
-                ),
+                await _run_client("--addr", addr, *CHAT_JSON_ARGS),
                 await _run_client("--addr", addr, "hi", "--top-p", "2"),
             )
             router.send_signal(signal.SIGTERM)
