@@ -11,7 +11,8 @@ Headers that do not decode, or name no live session, are refused and logged; no 
 touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
 finished already (e.g. it was not started in time, or cancelled) is answered with a refused
 ack, so its sender fails at once instead of at its deadline (only for the last
-`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer).
+`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer; with a
+cluster secret, only a handshake that proves it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
+from cache_transfer.ticket_auth import check_handshake
 from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -75,7 +77,8 @@ class KVTransferManager:
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
         self._senders: dict[str, KVSender] = {}
-        self._finished: OrderedDict[str, str] = OrderedDict()  # receiver transfer id -> error
+        # receiver transfer id -> (why it ended, its ticket)
+        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
         self._refusals: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -242,13 +245,20 @@ class KVTransferManager:
         table.pop(session.transfer_id, None)
         self._count(session)
         if isinstance(session, KVReceiver):
-            self._finished[session.transfer_id] = session.error or session.state.name
+            why = session.error or session.state.name
+            self._finished[session.transfer_id] = (why, session.ticket())
             while len(self._finished) > MAX_FINISHED_REMEMBERED:
                 self._finished.popitem(last=False)
 
     def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """Tell a sender whose receiver finished before its handshake (best effort)."""
-        reason = f"the receiver already ended: {self._finished[msg.transfer_id]}"
+        why, ticket = self._finished[msg.transfer_id]
+        forged = check_handshake(self.auth, ticket, msg.handshake) if self.auth else None
+        if forged is not None:  # with a secret, only a sender that proves it is answered
+            logger.warning("ignored a late handshake from %s for transfer %s: %s",
+                           peer_id, msg.transfer_id, forged)  # fmt: skip
+            return
+        reason = f"the receiver already ended: {why}"
         logger.warning("refused a handshake from %s for transfer %s: %s",
                        peer_id, msg.transfer_id, reason)  # fmt: skip
         address = msg.handshake.src_address

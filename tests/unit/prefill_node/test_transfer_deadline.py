@@ -15,7 +15,10 @@ import grpc
 import pytest
 
 from cache_transfer import TransferState
-from pdserve.v1 import node_pb2
+from pdserve.config import SecurityConfig
+from pdserve.grpc_security import open_channel
+from pdserve.security import load_cluster_auth
+from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.unit.decode_node.node_harness import (
     GREEDY,
     RPC_TIMEOUT_S,
@@ -121,11 +124,21 @@ def test_a_prefill_queued_past_the_transfer_timeout_is_aborted_and_decode_falls_
     run(main())
 
 
-def test_a_handshake_after_the_receiver_ended_is_refused_at_once() -> None:
+@pytest.mark.parametrize("secret", [False, True], ids=["open", "cluster-secret"])
+def test_a_handshake_after_the_receiver_ended_is_refused_at_once(tmp_path, secret) -> None:
+    """With a cluster secret the refusal goes only to a sender that proves it (this one)."""
     prompt_ids = prompt(13, seed=6)
+    security = SecurityConfig()
+    if secret:
+        (tmp_path / "secret").write_text("a-cluster-secret-0123456789abcdef\n")
+        security = SecurityConfig(cluster_secret_file=str(tmp_path / "secret"))
 
     async def main() -> None:
-        async with running_nodes("tcp", transfer_timeout_s=30.0) as nodes:
+        async with running_nodes(
+            "tcp", transfer_timeout_s=30.0, security=security, check_free=not secret
+        ) as nodes:
+            if secret:
+                authenticate(nodes, security)
             release = hold_prefills(nodes.prefill)
             decode = nodes.decode_stub.Decode(
                 decode_request("q3", prompt_ids, transfer_timeout_s=30.0), timeout=RPC_TIMEOUT_S
@@ -143,10 +156,19 @@ def test_a_handshake_after_the_receiver_ended_is_refused_at_once() -> None:
             failure = await prefill_failure(prefill)
             assert time.monotonic() - started_s < 10.0  # not its 30 s transfer deadline
             assert "receiver already ended" in failure
+            for server in (nodes.prefill, nodes.decode):
+                await wait_until(lambda s=server: s.manager.num_pending == 0)
 
     run(main())
 
-    run(main())
+
+def authenticate(nodes, security: SecurityConfig) -> None:
+    """The test's stubs prove the cluster secret."""
+    auth = load_cluster_auth(security)
+    channels = [open_channel(n.address, security, auth) for n in (nodes.prefill, nodes.decode)]
+    nodes.channels.extend(channels)
+    nodes.prefill_stub = node_pb2_grpc.PrefillNodeStub(channels[0])
+    nodes.decode_stub = node_pb2_grpc.DecodeNodeStub(channels[1])
 
 
 async def prefill_failure(call) -> str:
