@@ -235,11 +235,8 @@ class SecurityConfig:
 
 
 def transfer_timeout_knob() -> Any:
-    """The one KV hand-off timeout, the same on every role: the router sends it with each
-    disaggregated request (and waits for the Prefill call twice as long); the prefill node's
-    queue may delay the prefill's start by at most this, and the hand-off must end this long
-    after the prefill started (the prefill node's handshake, on the decode side); past
-    either, the decode node prefills the prompt itself and the prefill node stops."""
+    """The one KV hand-off timeout: the prefill must start within it and the hand-off end
+    within it of that start (router, prefill and decode alike; see router/README.md)."""
     return knob(
         30.0,
         "how long a KV hand-off may wait for its prefill to start, and then take, before the "
