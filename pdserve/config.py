@@ -240,8 +240,7 @@ def transfer_timeout_knob() -> Any:
     return knob(
         30.0,
         "how long a KV hand-off may wait for its prefill to start, and then take, before the "
-        "decode node prefills the prompt itself (the router's goes with each request; a "
-        "prefill node caps it at its own)",
+        "decode node prefills the prompt itself (prefill nodes cap the router's at theirs)",
     )
 
 
