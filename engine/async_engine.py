@@ -118,7 +118,7 @@ class AsyncEngine:
         except BaseException as error:
             self._streams.pop(request.request_id, None)
             if isinstance(error, (asyncio.CancelledError, TimeoutError)):
-                self._commands.put((lambda: _abort_if_added(self.core, request), None))
+                self.post(lambda core: _abort_if_added(core, request))
             raise
 
     def _open_stream(self, request_id: str) -> asyncio.Queue:
