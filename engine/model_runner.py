@@ -15,8 +15,6 @@ benchmarks/profile_step.py can time each one.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,8 +25,6 @@ from engine.request import TokenLogprobs
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.step_inputs import FlatBatch, StepInputBuilder
-
-logger = logging.getLogger(__name__)
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -115,17 +111,15 @@ class ModelRunner:
         return output
 
     def _build(self, chunks: Sequence[ScheduledChunk]) -> FlatBatch:
-        """The step's inputs; `is_decode_only` (graph-routed) only for a batch of plain decodes
-        (no 1-token prompt chunk, whose KV the prefill hook must see) that fits a graph."""
+        """The step's inputs, padded (and `is_decode_only`: graph-routed) only for a batch of
+        plain decodes (no 1-token prompt chunk, whose KV the prefill hook must see) that fits
+        a graph."""
         pad_to = None
         if self.decode_graphs is not None and all(
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
-        batch = self.inputs.build(chunks, pad_to)
-        if batch.is_decode_only and (pad_to is None or self.decode_graphs is None):
-            batch = dataclasses.replace(batch, is_decode_only=False)
-        return batch
+        return self.inputs.build(chunks, pad_to)
 
     def _layer_hook(
         self, batch: FlatBatch, on_layer_done: LayerHook | None

@@ -33,7 +33,7 @@ class FlatBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling] rows of the last token of sampling chunks
     sampling_chunks: list[ScheduledChunk]
-    is_decode_only: bool
+    is_decode_only: bool  # built with pad_to: plain decodes routed to a decode graph
 
     @property
     def num_rows(self) -> int:  # padded rows included
@@ -96,7 +96,7 @@ class StepInputBuilder:
             meta=meta,
             logits_indices=rows_d,
             sampling_chunks=[ordered[i] for i in sampling_rows],
-            is_decode_only=num_decodes == num_rows,
+            is_decode_only=pad_to is not None and num_decodes == num_rows,
         )
 
     def _block_tables(
