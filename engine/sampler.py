@@ -228,7 +228,7 @@ class Sampler:
     def _exponential_noise(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """Exp(1) noise shaped like probs: argmax(probs / noise) samples from probs. Seeded
         rows draw their own row from (seed, output index); the rest share one batched draw."""
-        device, vocab_size = probs.device, probs.shape[1]
+        device = probs.device
         noise = torch.empty_like(probs)
         seeded_rows = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
         if len(seeded_rows) < len(requests):
@@ -240,8 +240,7 @@ class Sampler:
                 request.sampling_params.seed, len(request.output_token_ids)
             )
             generator.manual_seed(seed)
-            row = torch.empty(vocab_size, dtype=probs.dtype, device=device)
-            noise[i] = row.exponential_(generator=generator)
+            noise[i].exponential_(generator=generator)  # in place: the row is contiguous
         # exponential_ may return exactly 0; keep the division finite.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
