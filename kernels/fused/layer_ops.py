@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -42,27 +43,24 @@ class LayerOps:
     rotary_qk_write_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-REFERENCE_OPS = LayerOps(
-    name="reference",
-    rms_norm=reference.rms_norm,
-    add_rms_norm=reference.add_rms_norm,
-    rotary_qk=reference.rotary_qk,
-    silu_and_mul=reference.silu_and_mul,
-    rotary_qk_write_kv=reference.rotary_qk_write_kv,
-)
-
-
-def triton_ops() -> LayerOps:
-    """The Triton kernels (imported on first use: triton is optional)."""
-    module = importlib.import_module("kernels.fused.triton_ops")
+def _ops_of(name: str, module: ModuleType) -> LayerOps:
+    """The LayerOps whose functions are `module`'s functions of the same names."""
     return LayerOps(
-        name="triton",
+        name=name,
         rms_norm=module.rms_norm,
         add_rms_norm=module.add_rms_norm,
         rotary_qk=module.rotary_qk,
         silu_and_mul=module.silu_and_mul,
         rotary_qk_write_kv=module.rotary_qk_write_kv,
     )
+
+
+REFERENCE_OPS = _ops_of("reference", reference)
+
+
+def triton_ops() -> LayerOps:
+    """The Triton kernels (imported on first use: triton is optional)."""
+    return _ops_of("triton", importlib.import_module("kernels.fused.triton_ops"))
 
 
 def get_layer_ops(attention_backend: str, device: torch.device) -> LayerOps:

@@ -61,15 +61,7 @@ def _norm_block(n_cols: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of any [..., d] tensor (a new contiguous tensor)."""
     rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=torch.result_type(x, weight), device=x.device)
-    n_rows, n_cols = rows.shape
-    if n_rows:
-        block = _norm_block(n_cols)
-        _rms_norm_kernel[(n_rows,)](
-            out, rows, rows, weight, eps, n_cols, out.stride(0), rows.stride(0), rows.stride(0),
-            HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block),
-        )  # fmt: skip
-    return out.view(x.shape)
+    return _launch_norm(rows, None, weight, eps).view(x.shape)
 
 
 def add_rms_norm(
@@ -82,16 +74,25 @@ def add_rms_norm(
             f"add_rms_norm needs x and residual of one [T, d] shape with a contiguous last dim; "
             f"got {tuple(x.shape)} and {tuple(residual.shape)}"
         )
-    x = _rows(x)
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
-    n_rows, n_cols = x.shape
+    return _launch_norm(_rows(x), residual, weight, eps), residual
+
+
+def _launch_norm(
+    rows: torch.Tensor,  # [T, d], contiguous last dim
+    residual: torch.Tensor | None,  # [T, d]: rows are added into it first, in place
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:  # [T, d] normed, a new tensor
+    out = torch.empty(rows.shape, dtype=torch.result_type(rows, weight), device=rows.device)
+    n_rows, n_cols = rows.shape
     if n_rows:
         block = _norm_block(n_cols)
+        res = rows if residual is None else residual
         _rms_norm_kernel[(n_rows,)](
-            out, x, residual, weight, eps, n_cols, out.stride(0), x.stride(0),
-            residual.stride(0), HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block),
+            out, rows, res, weight, eps, n_cols, out.stride(0), rows.stride(0), res.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
         )  # fmt: skip
-    return out, residual
+    return out
 
 
 def _norm_warps(block: int) -> int:
