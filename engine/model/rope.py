@@ -4,7 +4,7 @@
 inv_freq [head_dim / 2]            default, linear (inv_freq / factor) or llama3 (smoothed bands)
 cos_sin_cache [max_pos, head_dim]  cos | sin of positions x inv_freq, float32, built once
 forward(positions [T])             gather the step's rows once (shared by all layers)
-apply_rotary(x, cos, sin)          x1, x2 = halves of each head:
+rotation (kernels/fused)           x1, x2 = halves of each head:
                                    (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 ```
 
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from engine.model.arch_config import RopeConfig
-from kernels.fused import reference
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -79,13 +78,3 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin_cache[positions].to(dtype)  # [num_tokens, head_dim]
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
-
-
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Rotate-half rotary of one tensor (the model rotates q and k together through
-    `LayerOps.rotary_qk`, kernels/fused)."""
-    return reference.rotary(x, cos, sin)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.model.arch_config import RopeConfig
-from engine.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from engine.model.rope import RotaryEmbedding, rope_inv_freq
+from kernels.fused.reference import rotary as apply_rotary
 
 
 def hf_inv_freq(rope_parameters: dict, head_dim: int = 128) -> torch.Tensor:
