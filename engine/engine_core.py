@@ -28,7 +28,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from kernels.attention import get_attention_backend
-from kernels.attention.selector import resolve_backend_name
+from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -253,9 +253,6 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
 
 
-FLASH_ATTN_BLOCK_SIZE = 256  # FA2's paged KV needs a multiple of 256
-
-
 def _with_backend_block_size(
     config: EngineConfig, device: torch.device, dtype: torch.dtype
 ) -> EngineConfig:
@@ -267,7 +264,7 @@ def _with_backend_block_size(
     ):
         return config
     resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
-    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of 256)",
+    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
                 FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
     new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
     return dataclasses.replace(config, cache=new_cache)

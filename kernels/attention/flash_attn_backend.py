@@ -14,6 +14,7 @@ from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE
 from kernels.attention.torch_backend import write_kv_cache
 
 
@@ -27,7 +28,7 @@ class FlashAttnBackend(AttentionBackend):
         return (
             device.type == "cuda"
             and dtype in (torch.float16, torch.bfloat16)
-            and block_size % 256 == 0
+            and block_size % FLASH_ATTN_BLOCK_SIZE == 0
         )
 
     def forward(

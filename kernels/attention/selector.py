@@ -19,6 +19,7 @@ import torch
 from kernels.attention.backend import AttentionBackend
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+FLASH_ATTN_BLOCK_SIZE = 256  # FA2's paged KV needs a block size that is a multiple of it
 
 # name -> (module of the backend class, class name, the package it needs or None)
 _BACKENDS: dict[str, tuple[str, str, str | None]] = {
@@ -67,8 +68,11 @@ def unavailable_reason(
         return f"it needs a CUDA device (got {device})"
     if name == "flash_attn" and dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn needs float16 or bfloat16 (got {dtype})"
-    if name == "flash_attn" and block_size % 256 != 0:
-        return f"flash-attn paged KV needs block_size % 256 == 0 (got {block_size})"
+    if name == "flash_attn" and block_size % FLASH_ATTN_BLOCK_SIZE != 0:
+        return (
+            f"flash-attn paged KV needs block_size % {FLASH_ATTN_BLOCK_SIZE} == 0 "
+            f"(got {block_size})"
+        )
     if name == "triton" and dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the triton kernels support float16, bfloat16 and float32 (got {dtype})"
     if not is_installed(package):
