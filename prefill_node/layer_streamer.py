@@ -52,6 +52,9 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # loop could not send a single layer until the forward ended. Waiting on an event releases the
 # GIL; two layers of queued work keep the GPU busy while the host queues the next.
 RUN_AHEAD_LAYERS = 2
+# Polling a pack's event from the event loop: plain yields first, then sleeps of EVENT_POLL_S.
+EVENT_POLL_YIELDS = 200
+EVENT_POLL_S = 1e-4
 
 
 @dataclass
@@ -296,11 +299,11 @@ class LayerStreamer:
 
 
 async def _wait_event(event: torch.cuda.Event, timeout_s: float) -> None:
-    """Poll a CUDA event from the event loop (yield at first, then every 0.1 ms)."""
+    """Poll a CUDA event from the event loop (yield at first, then every EVENT_POLL_S)."""
     deadline = time.monotonic() + timeout_s
     spins = 0
     while not event.query():
         if time.monotonic() > deadline:
             raise TimeoutError("a layer's pack did not finish before the transfer's deadline")
         spins += 1
-        await asyncio.sleep(0 if spins < 200 else 1e-4)
+        await asyncio.sleep(0 if spins < EVENT_POLL_YIELDS else EVENT_POLL_S)
