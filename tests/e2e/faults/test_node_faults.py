@@ -11,23 +11,12 @@ import grpc
 import pytest
 
 from tests.e2e.faults.fault_cluster import TRANSFER_TIMEOUT_S
-from tests.e2e.faults.fault_tools import burst, prompts
-from tests.e2e.registry_cluster import eventually
+from tests.e2e.faults.fault_tools import burst, prompts, wait_registered
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DEADLINE_S = 40.0  # each client's deadline
 ALL = ["prefill-0", "decode-0", "decode-1"]
-
-
-async def ready(router, num_prefill: int = 1, num_decode: int = 2) -> None:
-    registry = router.registry
-    await eventually(
-        lambda: (
-            len(registry.prefill_nodes) == num_prefill and len(registry.decode_nodes) == num_decode
-        ),
-        30,
-    )
 
 
 def strike_at_first_token(action) -> callable:
@@ -48,7 +37,7 @@ def test_decode_killed_mid_transfer(fault_cluster):
 
     async def main():
         async with cluster.router(policy="round_robin") as (router, client):
-            await ready(router)
+            await wait_registered(router)
             kill = strike_at_first_token(lambda: cluster.kill("decode-1"))
             outcomes = await burst(client, prompts(8, seed=1, min_len=40, max_len=60),
                                    DEADLINE_S, max_tokens=24, on_chunk=kill)  # fmt: skip
@@ -68,7 +57,7 @@ def test_prefill_killed_mid_transfer(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             kill = strike_at_first_token(lambda: cluster.kill("prefill-0"))
             outcomes = await burst(client, prompts(8, seed=2, min_len=40, max_len=60),
                                    DEADLINE_S, max_tokens=16, on_chunk=kill)  # fmt: skip
@@ -91,7 +80,7 @@ def test_prefill_frozen_mid_transfer_times_out(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             freeze = strike_at_first_token(lambda: cluster.freeze("prefill-0"))
             try:
                 outcomes = await burst(client, prompts(8, seed=3, min_len=40, max_len=60),
@@ -114,7 +103,7 @@ def test_hung_decode_node(fault_cluster):
 
     async def main():
         async with cluster.router(policy="round_robin") as (router, client):
-            await ready(router)
+            await wait_registered(router)
             loop = asyncio.get_running_loop()
 
             def freeze() -> None:
@@ -143,7 +132,7 @@ def test_cancel_storm(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             return await burst(client, prompts(50, seed=5, min_len=8, max_len=40),
                                DEADLINE_S, max_tokens=64, cancel_after_s=cancels)  # fmt: skip
 
