@@ -32,44 +32,39 @@ def strike_at_first_token(action) -> callable:
     return on_chunk
 
 
-def test_decode_killed_mid_transfer(fault_cluster):
-    cluster = fault_cluster
+def kill_mid_transfer(cluster, victim: str, seed: int, max_tokens: int, notes, **router_config):
+    """SIGKILL `victim` when the burst's first token arrives; every client still completes
+    (re-routed); the survivors free every block. `notes(router)` is the table row's note."""
 
     async def main():
-        async with cluster.router(policy="round_robin") as (router, client):
+        async with cluster.router(**router_config) as (router, client):
             await wait_registered(router)
-            kill = strike_at_first_token(lambda: cluster.kill("decode-1"))
-            outcomes = await burst(client, prompts(8, seed=1, min_len=40, max_len=60),
-                                   DEADLINE_S, max_tokens=24, on_chunk=kill)  # fmt: skip
-            return outcomes, router.stats.num_retries + router.stats.num_migrations
+            kill = strike_at_first_token(lambda: cluster.kill(victim))
+            outcomes = await burst(client, prompts(8, seed=seed, min_len=40, max_len=60),
+                                   DEADLINE_S, max_tokens=max_tokens, on_chunk=kill)  # fmt: skip
+            return outcomes, notes(router)
 
-    outcomes, num_rerouted = asyncio.run(main())
+    outcomes, note = asyncio.run(main())
     try:
-        cluster.check("decode killed mid-transfer (SIGKILL)", outcomes,
-                      ["prefill-0", "decode-0"], DEADLINE_S,
-                      notes=f"rerouted={num_rerouted}", min_completed=len(outcomes))  # fmt: skip
+        cluster.check(f"{victim.split('-')[0]} killed mid-transfer (SIGKILL)", outcomes,
+                      [n for n in ALL if n != victim], DEADLINE_S,
+                      notes=note, min_completed=len(outcomes))  # fmt: skip
     finally:
-        cluster.restart("decode-1")
+        cluster.restart(victim)
+
+
+def test_decode_killed_mid_transfer(fault_cluster):
+    kill_mid_transfer(
+        fault_cluster, "decode-1", seed=1, max_tokens=24, policy="round_robin",
+        notes=lambda router: f"rerouted={router.stats.num_retries + router.stats.num_migrations}",
+    )  # fmt: skip
 
 
 def test_prefill_killed_mid_transfer(fault_cluster):
-    cluster = fault_cluster
-
-    async def main():
-        async with cluster.router() as (router, client):
-            await wait_registered(router)
-            kill = strike_at_first_token(lambda: cluster.kill("prefill-0"))
-            outcomes = await burst(client, prompts(8, seed=2, min_len=40, max_len=60),
-                                   DEADLINE_S, max_tokens=16, on_chunk=kill)  # fmt: skip
-            return outcomes, router.stats.num_prefill_failures
-
-    outcomes, num_failures = asyncio.run(main())
-    try:
-        cluster.check("prefill killed mid-transfer (SIGKILL)", outcomes,
-                      ["decode-0", "decode-1"], DEADLINE_S,
-                      notes=f"prefill failures={num_failures}", min_completed=len(outcomes))  # fmt: skip
-    finally:
-        cluster.restart("prefill-0")
+    kill_mid_transfer(
+        fault_cluster, "prefill-0", seed=2, max_tokens=16,
+        notes=lambda router: f"prefill failures={router.stats.num_prefill_failures}",
+    )  # fmt: skip
 
 
 def test_prefill_frozen_mid_transfer_times_out(fault_cluster):
