@@ -125,7 +125,7 @@ async def _generate(
         parsed = parse(body)
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
-    prepared = serving.prepare(parsed, start_s)
+    prepared = await serving.prepare(parsed, start_s)
     if parsed.stream:
         return StreamingResponse(
             serving.stream(prepared),

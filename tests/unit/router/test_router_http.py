@@ -162,16 +162,19 @@ def test_health_metrics_and_chat_without_max_tokens(tokenizer_files, output_ids)
             async with httpx.AsyncClient(base_url=h.router.http.url) as http:
                 health = await http.get("/health")
                 chat = await http.post("/v1/chat/completions", json={
-                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                    "min_tokens": 2})  # fmt: skip
                 await h.client.generate_all("hello", max_tokens=3)
                 metrics = (await http.get("/metrics")).text
             return health, chat, metrics, h
 
     health, chat, metrics, h = run(body())
     assert health.status_code == 200
-    # No max_tokens: the rest of the context, so the fake model's whole output, "stop".
+    # No max_tokens: the rest of the context, so the fake model's whole output, "stop"
+    # (min_tokens above 1 is no conflict: max_tokens is not 1).
     assert chat.json()["choices"][0]["finish_reason"] == "stop"
     assert h.decode[0].requests[0].sampling.max_tokens > len(output_ids)
+    assert h.decode[0].requests[0].sampling.min_tokens == 2
     assert 'pdserve_requests_total{api="http",finish_reason="stop",status="OK"} 1.0' in metrics
     assert 'pdserve_requests_total{api="grpc",finish_reason="length",status="OK"} 1.0' in metrics
     assert "pdserve_time_to_first_token_seconds_count 2.0" in metrics
