@@ -28,7 +28,7 @@ from router.http.openai_errors import OpenAIError
 from router.http.openai_protocol import OpenAIRequest
 from router.http.openai_responses import ChoiceState, ResponseBuilder
 from router.input_processor import ProcessedRequest
-from router.request_handler import RequestHandler
+from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class OpenAIServing:
         try:
             served = self.model_name()
             if served is None:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no node is ready yet")
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
             if parsed.model != served:
                 raise OpenAIError(
                     f"the model {parsed.model!r} does not exist; this server serves {served!r}",
