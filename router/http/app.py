@@ -11,7 +11,8 @@ errors                       {"error": {"message", "type", "param", "code"}} (Op
 
 With `--api-key-file`, every /v1/ route needs `Authorization: Bearer KEY` (401 otherwise), as
 the gRPC API does; /health and /metrics stay open (probes, Prometheus). A body larger than
-`--max-request-bytes` is refused (413) before it is read whole.
+`--max-request-bytes` is refused (413) before it is read whole. A client that disconnects
+before its response cancels the request (its node calls end), streamed or not.
 """
 
 from __future__ import annotations
