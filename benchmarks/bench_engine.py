@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks import engine_ceilings as ceil
+from benchmarks.serve_report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
 from pdserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, info = run(args)
     print(format_table(rows, info), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, {"info": info, "rows": [asdict(r) for r in rows]})
     return 0
 
 

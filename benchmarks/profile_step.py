@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import _ints
+from benchmarks.serve_report import write_json
 from engine.engine_core import EngineCore
 from pdserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from pdserve.detokenizer import IncrementalDetokenizer
@@ -273,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     results, info = run(args)
     print(format_report(results, info), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "batches": [asdict(r) for r in results]}, f, indent=1)
+        write_json(args.json, {"info": info, "batches": [asdict(r) for r in results]})
     return 0
 
 

@@ -111,7 +111,8 @@ class LayerStreamer:
         device = kv_caches[0][0].device
         self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loop_stream_bound = False
-        self._layers_queued: deque[torch.cuda.Event] = deque()  # engine thread: this step's
+        # engine thread, CUDA: this step's newest pack event per layer streamed so far
+        self._layers_queued: deque[torch.cuda.Event] = deque()
 
     def open(self, request_id: str, sender: KVSender) -> TransferTrace:
         """Send `request_id`'s KV through `sender` as the engine computes it."""
@@ -130,7 +131,7 @@ class LayerStreamer:
     def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
         whose prompt ends in this step."""
-        streaming = False  # some layer of this step is being sent
+        packed: torch.cuda.Event | None = None  # CUDA: this layer's last pack, if any
         for chunk in chunks:
             request = chunk.request
             outgoing = self._outgoing.get(request.request_id)
@@ -154,25 +155,24 @@ class LayerStreamer:
             if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
-            streaming = True
+            packed = layer.ready
         if self._pack_stream is None:
             return
-        self._bound_run_ahead(layer_idx, streaming)
+        self._bound_run_ahead(layer_idx, packed)
         if layer_idx == len(self._kv_caches) - 1:
             # later work on the compute stream (the next step may reuse freed blocks) runs
             # after every pack queued so far: a GPU-side wait, the host goes on
             torch.cuda.current_stream(self._pack_stream.device).wait_stream(self._pack_stream)
 
-    def _bound_run_ahead(self, layer_idx: int, streaming: bool) -> None:
+    def _bound_run_ahead(self, layer_idx: int, packed: torch.cuda.Event | None) -> None:
         """(engine thread, CUDA) Keep the host at most RUN_AHEAD_LAYERS layers ahead of the GPU
-        while this step streams KV (see RUN_AHEAD_LAYERS); the GPU itself never waits."""
+        while this step streams KV (see RUN_AHEAD_LAYERS), waiting on the pack events (a layer
+        is packed after it is computed); the GPU itself never waits."""
         if layer_idx == 0:
             self._layers_queued.clear()  # a new step
-        if not streaming:
+        if packed is None:  # nothing of this layer is sent
             return
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self._pack_stream.device))
-        self._layers_queued.append(done)
+        self._layers_queued.append(packed)
         while len(self._layers_queued) > RUN_AHEAD_LAYERS:
             self._layers_queued.popleft().synchronize()  # releases the GIL while it waits
 

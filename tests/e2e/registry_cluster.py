@@ -114,18 +114,11 @@ class RegistryCluster:
     @contextlib.asynccontextmanager
     async def router(self, **config: Any) -> AsyncIterator[tuple[RouterServer, GenerationClient]]:
         """An in-process router following the registry, and a client of it."""
-        router = RouterServer(
-            RouterConfig(
-                port=0, http_port=0, registry=self.registry, node_wait_s=10.0, grace_s=0.0, **config
-            )
+        config = RouterConfig(
+            port=0, http_port=0, registry=self.registry, node_wait_s=10.0, grace_s=0.0, **config
         )
-        await router.start()
-        client = GenerationClient(router.address)
-        try:
-            yield router, client
-        finally:
-            await client.close()
-            await router.stop()
+        async with serving_router(config) as pair:
+            yield pair
 
     def _spawn(self, role: str, flags: dict[str, Any]) -> NodeProc:
         name = f"{role}-{self._counts[role]}"
@@ -196,6 +189,21 @@ class LoadLoop:
             if len(result.token_ids) != self._max_tokens:
                 self.errors.append((started_s, f"{len(result.token_ids)} tokens: {result}"))
             self.num_ok += 1
+
+
+@contextlib.asynccontextmanager
+async def serving_router(
+    config: RouterConfig,
+) -> AsyncIterator[tuple[RouterServer, GenerationClient]]:
+    """An in-process router started with `config`, and a client of it; both closed at exit."""
+    router = RouterServer(config)
+    await router.start()
+    client = GenerationClient(router.address)
+    try:
+        yield router, client
+    finally:
+        await client.close()
+        await router.stop()
 
 
 async def eventually(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> None:

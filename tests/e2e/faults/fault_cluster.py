@@ -29,7 +29,12 @@ from router.client import GenerationClient
 from router.server import RouterServer
 from tests.e2e.faults.fault_tools import CLEAR_CODES, Outcome, free_blocks_settled
 from tests.e2e.faults.table import FaultRow, record
-from tests.e2e.registry_cluster import _LISTENING, LAUNCH_TIMEOUT_S, RegistryCluster
+from tests.e2e.registry_cluster import (
+    _LISTENING,
+    LAUNCH_TIMEOUT_S,
+    RegistryCluster,
+    serving_router,
+)
 
 NUM_KV_BLOCKS = 96  # of 4 tokens: a few requests fill a pool (overload is cheap to reach)
 TRANSFER_TIMEOUT_S = 3.0
@@ -125,20 +130,13 @@ class FaultCluster(RegistryCluster):
         self, decode: Sequence[str], **config: Any
     ) -> AsyncIterator[tuple[RouterServer, GenerationClient]]:
         """A router given only decode nodes (static addresses): every request prefills on D."""
-        router = RouterServer(
-            RouterConfig(
-                port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
-                decode_addrs=tuple(self.address(n) for n in decode),
-                **{**ROUTER_CONFIG, **config},
-            )
+        config = RouterConfig(
+            port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
+            decode_addrs=tuple(self.address(n) for n in decode),
+            **{**ROUTER_CONFIG, **config},
         )  # fmt: skip
-        await router.start()
-        client = GenerationClient(router.address)
-        try:
-            yield router, client
-        finally:
-            await client.close()
-            await router.stop()
+        async with serving_router(config) as pair:
+            yield pair
 
     def check(
         self,

@@ -15,6 +15,7 @@ import psutil
 
 from router.client import GenerationClient, build_request
 from tests.e2e.cluster import Cluster
+from tests.e2e.registry_cluster import eventually
 
 # Statuses a client may get under faults: each says what happened and what to do.
 CLEAR_CODES = frozenset(
@@ -25,6 +26,17 @@ CLEAR_CODES = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
     }
 )
+
+
+async def wait_registered(router, num_prefill: int = 1, num_decode: int = 2) -> None:
+    """Until the router's registry lists this many prefill and decode nodes (30 s at most)."""
+    registry = router.registry
+    await eventually(
+        lambda: (
+            len(registry.prefill_nodes) == num_prefill and len(registry.decode_nodes) == num_decode
+        ),
+        30,
+    )
 
 
 def node_process(cluster: Cluster, name: str) -> psutil.Process:

@@ -20,8 +20,7 @@ from cache_transfer import protocol
 from pdserve.registry import NODE_KEY_PATTERN, NodeRecord
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 from tests.e2e.faults.fault_cluster import TRANSFER_TIMEOUT_S
-from tests.e2e.faults.fault_tools import Outcome, burst, prompts, run_one
-from tests.e2e.registry_cluster import eventually
+from tests.e2e.faults.fault_tools import Outcome, burst, prompts, run_one, wait_registered
 from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -31,13 +30,6 @@ ALL = ["prefill-0", "decode-0", "decode-1"]
 OVERSIZED_BYTES = 256 << 20
 MAX_FRAME_RSS_GROWTH_MIB = 64.0
 REFERENCE = [7, 19, 23, 101, 57, 88, 200, 31, 64, 12, 5, 99]
-
-
-async def ready(router) -> None:
-    await eventually(
-        lambda: len(router.registry.prefill_nodes) == 1 and len(router.registry.decode_nodes) == 2,
-        30,
-    )
 
 
 async def reference_tokens(client) -> list[int]:
@@ -74,7 +66,7 @@ def test_forged_and_oversized_kv_frames(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             return await burst(client, prompts(6, seed=21), DEADLINE_S, max_tokens=8)
 
     outcomes = asyncio.run(main())
@@ -114,7 +106,7 @@ def test_forged_tickets(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             before = await reference_tokens(client)
             async with grpc.aio.insecure_channel(cluster.address("prefill-0")) as channel:
                 info = await node_pb2_grpc.NodeStub(channel).GetNodeInfo(
@@ -155,7 +147,7 @@ def test_forged_registry_records(fault_cluster):
     async def main():
         try:
             async with cluster.router() as (router, client):
-                await ready(router)
+                await wait_registered(router)
                 await asyncio.sleep(1.0)  # the router has seen (and judged) the forged records
                 outcomes = await burst(client, prompts(8, seed=23), DEADLINE_S, max_tokens=8)
                 return outcomes, len(router.registry.decode_nodes)
@@ -187,7 +179,7 @@ def test_malformed_requests(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             outcomes = await asyncio.gather(*(run_one(client, DEADLINE_S, **fields)
                                               for fields in MALFORMED))  # fmt: skip
             async with grpc.aio.insecure_channel(cluster.address("decode-0")) as channel:

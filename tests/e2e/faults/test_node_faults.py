@@ -11,23 +11,12 @@ import grpc
 import pytest
 
 from tests.e2e.faults.fault_cluster import TRANSFER_TIMEOUT_S
-from tests.e2e.faults.fault_tools import burst, prompts
-from tests.e2e.registry_cluster import eventually
+from tests.e2e.faults.fault_tools import burst, prompts, wait_registered
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DEADLINE_S = 40.0  # each client's deadline
 ALL = ["prefill-0", "decode-0", "decode-1"]
-
-
-async def ready(router, num_prefill: int = 1, num_decode: int = 2) -> None:
-    registry = router.registry
-    await eventually(
-        lambda: (
-            len(registry.prefill_nodes) == num_prefill and len(registry.decode_nodes) == num_decode
-        ),
-        30,
-    )
 
 
 def strike_at_first_token(action) -> callable:
@@ -43,44 +32,39 @@ def strike_at_first_token(action) -> callable:
     return on_chunk
 
 
-def test_decode_killed_mid_transfer(fault_cluster):
-    cluster = fault_cluster
+def kill_mid_transfer(cluster, victim: str, seed: int, max_tokens: int, notes, **router_config):
+    """SIGKILL `victim` when the burst's first token arrives; every client still completes
+    (re-routed); the survivors free every block. `notes(router)` is the table row's note."""
 
     async def main():
-        async with cluster.router(policy="round_robin") as (router, client):
-            await ready(router)
-            kill = strike_at_first_token(lambda: cluster.kill("decode-1"))
-            outcomes = await burst(client, prompts(8, seed=1, min_len=40, max_len=60),
-                                   DEADLINE_S, max_tokens=24, on_chunk=kill)  # fmt: skip
-            return outcomes, router.stats.num_retries + router.stats.num_migrations
+        async with cluster.router(**router_config) as (router, client):
+            await wait_registered(router)
+            kill = strike_at_first_token(lambda: cluster.kill(victim))
+            outcomes = await burst(client, prompts(8, seed=seed, min_len=40, max_len=60),
+                                   DEADLINE_S, max_tokens=max_tokens, on_chunk=kill)  # fmt: skip
+            return outcomes, notes(router)
 
-    outcomes, num_rerouted = asyncio.run(main())
+    outcomes, note = asyncio.run(main())
     try:
-        cluster.check("decode killed mid-transfer (SIGKILL)", outcomes,
-                      ["prefill-0", "decode-0"], DEADLINE_S,
-                      notes=f"rerouted={num_rerouted}", min_completed=len(outcomes))  # fmt: skip
+        cluster.check(f"{victim.split('-')[0]} killed mid-transfer (SIGKILL)", outcomes,
+                      [n for n in ALL if n != victim], DEADLINE_S,
+                      notes=note, min_completed=len(outcomes))  # fmt: skip
     finally:
-        cluster.restart("decode-1")
+        cluster.restart(victim)
+
+
+def test_decode_killed_mid_transfer(fault_cluster):
+    kill_mid_transfer(
+        fault_cluster, "decode-1", seed=1, max_tokens=24, policy="round_robin",
+        notes=lambda router: f"rerouted={router.stats.num_retries + router.stats.num_migrations}",
+    )  # fmt: skip
 
 
 def test_prefill_killed_mid_transfer(fault_cluster):
-    cluster = fault_cluster
-
-    async def main():
-        async with cluster.router() as (router, client):
-            await ready(router)
-            kill = strike_at_first_token(lambda: cluster.kill("prefill-0"))
-            outcomes = await burst(client, prompts(8, seed=2, min_len=40, max_len=60),
-                                   DEADLINE_S, max_tokens=16, on_chunk=kill)  # fmt: skip
-            return outcomes, router.stats.num_prefill_failures
-
-    outcomes, num_failures = asyncio.run(main())
-    try:
-        cluster.check("prefill killed mid-transfer (SIGKILL)", outcomes,
-                      ["decode-0", "decode-1"], DEADLINE_S,
-                      notes=f"prefill failures={num_failures}", min_completed=len(outcomes))  # fmt: skip
-    finally:
-        cluster.restart("prefill-0")
+    kill_mid_transfer(
+        fault_cluster, "prefill-0", seed=2, max_tokens=16,
+        notes=lambda router: f"prefill failures={router.stats.num_prefill_failures}",
+    )  # fmt: skip
 
 
 def test_prefill_frozen_mid_transfer_times_out(fault_cluster):
@@ -91,7 +75,7 @@ def test_prefill_frozen_mid_transfer_times_out(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             freeze = strike_at_first_token(lambda: cluster.freeze("prefill-0"))
             try:
                 outcomes = await burst(client, prompts(8, seed=3, min_len=40, max_len=60),
@@ -114,7 +98,7 @@ def test_hung_decode_node(fault_cluster):
 
     async def main():
         async with cluster.router(policy="round_robin") as (router, client):
-            await ready(router)
+            await wait_registered(router)
             loop = asyncio.get_running_loop()
 
             def freeze() -> None:
@@ -143,7 +127,7 @@ def test_cancel_storm(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             return await burst(client, prompts(50, seed=5, min_len=8, max_len=40),
                                DEADLINE_S, max_tokens=64, cancel_after_s=cancels)  # fmt: skip
 

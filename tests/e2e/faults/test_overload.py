@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from tests.e2e.faults.fault_cluster import NUM_KV_BLOCKS, QUEUE_TIMEOUT_S
-from tests.e2e.faults.fault_tools import Outcome, burst, prompts, run_one
+from tests.e2e.faults.fault_tools import Outcome, burst, prompts, run_one, wait_registered
 from tests.e2e.registry_cluster import BLOCK_SIZE, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,16 +35,6 @@ def capacity(num_decode: int) -> int:
     return num_decode * (NUM_KV_BLOCKS // blocks_each)
 
 
-async def ready(router, num_prefill: int = 1, num_decode: int = 2) -> None:
-    registry = router.registry
-    await eventually(
-        lambda: (
-            len(registry.prefill_nodes) == num_prefill and len(registry.decode_nodes) == num_decode
-        ),
-        30,
-    )
-
-
 def check_burst(cluster, fault: str, outcomes: list[Outcome], alive: list[str]) -> None:
     refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     slowest = max((o.elapsed_s for o in refused), default=0.0)
@@ -61,7 +51,7 @@ def test_burst_of_10x_kv_capacity(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             return await burst(client, prompts(num, 31, PROMPT_LEN, PROMPT_LEN), DEADLINE_S,
                                max_tokens=MAX_TOKENS)  # fmt: skip
 
@@ -98,7 +88,7 @@ def test_redis_restart_under_load(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             stop = asyncio.Event()
             workers = [asyncio.create_task(worker(client, s, stop)) for s in range(3)]
             await asyncio.sleep(1.0)
@@ -107,7 +97,7 @@ def test_redis_restart_under_load(fault_cluster):
             cluster.redis.start()
             await eventually(lambda: cluster.registered_roles() == ["decode", "decode", "prefill"],
                              30)  # fmt: skip
-            await ready(router)
+            await wait_registered(router)
             await asyncio.sleep(1.0)
             stop.set()
             await asyncio.gather(*workers)
@@ -142,7 +132,7 @@ def test_soak_with_random_cancels(fault_cluster):
 
     async def main():
         async with cluster.router() as (router, client):
-            await ready(router)
+            await wait_registered(router)
             until_s = time.monotonic() + SOAK_S
             await asyncio.gather(*(worker(client, rng.randrange(1 << 30), until_s)
                                    for _ in range(6)))  # fmt: skip

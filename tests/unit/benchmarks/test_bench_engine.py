@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
-from benchmarks.cli import main as pd_bench
+from tests.unit.benchmarks.bench_run import help_text, run_with_json
 
 SMALL = [
     "--device", "cpu", "--dtype", "float32", "--model", "synthetic:tiny-llama",
@@ -17,21 +13,17 @@ SMALL = [
 
 
 def test_engine_bench_small_cpu_run(tmp_path, capsys) -> None:
-    out = tmp_path / "engine.json"
-    assert pd_bench(["engine", *SMALL, "--json", str(out)]) == 0
-    table = capsys.readouterr().out
+    table, result = run_with_json("engine", SMALL, tmp_path, capsys)
     for case in ("decode batch 1 ctx 40", "decode batch 3 ctx 40", "prefill 64 tokens",
                  "floor decode batch 1 ctx 128"):  # fmt: skip
         assert case in table
-    rows = json.loads(out.read_text())["rows"]
+    rows = result["rows"]
     assert len(rows) == 4
     assert all(r["value"] > 0 and r["bound"] > 0 for r in rows)
 
 
 def test_engine_bench_help_documents_every_option(capsys) -> None:
-    with pytest.raises(SystemExit):
-        pd_bench(["engine", "--help"])
-    text = capsys.readouterr().out
+    text = help_text("engine", capsys)
     for flag in (
         "--model",
         "--floor-model",

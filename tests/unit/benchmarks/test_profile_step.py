@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
-from benchmarks.cli import main as pd_bench
 from benchmarks.profile_step import PHASES
+from tests.unit.benchmarks.bench_run import help_text, run_with_json
 
 SMALL = [
     "--device", "cpu", "--dtype", "float32", "--model", "synthetic:tiny-llama",
@@ -17,12 +13,9 @@ SMALL = [
 
 
 def test_profile_small_cpu_run(tmp_path, capsys) -> None:
-    out = tmp_path / "profile.json"
-    assert pd_bench(["profile", *SMALL, "--json", str(out)]) == 0
-    report = capsys.readouterr().out
+    report, result = run_with_json("profile", SMALL, tmp_path, capsys)
     assert "| batch | step ms | schedule | inputs | forward | sample | outputs | detok |" in report
     assert "batch 3: top 5" in report
-    result = json.loads(out.read_text())
     assert result["info"]["layer_ops"] == "reference"
     batches = result["batches"]
     assert [b["batch"] for b in batches] == [1, 3]
@@ -35,9 +28,7 @@ def test_profile_small_cpu_run(tmp_path, capsys) -> None:
 
 
 def test_profile_help_documents_every_option(capsys) -> None:
-    with pytest.raises(SystemExit):
-        pd_bench(["profile", "--help"])
-    text = capsys.readouterr().out
+    text = help_text("profile", capsys)
     for flag in ("--model", "--dtype", "--device", "--attention-backend", "--enforce-eager",
                  "--batch-sizes", "--context", "--steps", "--warmup-steps", "--profile-steps",
                  "--top", "--sync", "--trace", "--json"):  # fmt: skip

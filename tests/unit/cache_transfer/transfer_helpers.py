@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +11,7 @@ import torch
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
 from cache_transfer.transports import KVTransport, ucx_available
+from tests.waiting import wait_until as wait_until  # re-exported for the tests
 
 # The conformance suite runs against each of these (ucx where `ucxx` imports).
 BACKENDS = ("local", "tcp", "ucx") if ucx_available() else ("local", "tcp")
@@ -21,13 +22,6 @@ SENTINEL = -7.0  # what a receiver's cache holds wherever nothing may have been 
 def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
     """Run a test coroutine on a fresh event loop, bounded by `timeout_s`."""
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll until `predicate()` holds; raise TimeoutError after `timeout_s`."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.002)
 
 
 def make_layout(dtype: str = "float32", num_layers: int = 3, block_size: int = 4) -> KVLayout:

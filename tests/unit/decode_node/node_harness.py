@@ -11,7 +11,7 @@ import contextlib
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ from engine.engine_core import EngineCore
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, NodeConfig, SchedulerConfig
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 from prefill_node.prefill_server import PrefillServer
+from tests.waiting import wait_until as wait_until  # re-exported for the tests
 
 MODEL = "synthetic:tiny-llama"  # 2 layers, vocab 512, eos 2
 BLOCK_SIZE = 4
@@ -248,12 +249,6 @@ async def run_local(
         timeout=RPC_TIMEOUT_S,
     )
     return tokens_of(await read_chunks(call))
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 @dataclass

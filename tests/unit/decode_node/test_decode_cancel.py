@@ -38,6 +38,25 @@ async def blocks_in_use(nodes: Nodes) -> int:
     return decode_stats.num_kv_blocks - decode_stats.num_free_kv_blocks
 
 
+def start_decode(
+    nodes: Nodes, request_id: str, prompt_ids: list[int], sampling=LONG, *, disaggregated=True
+) -> grpc.aio.UnaryStreamCall:
+    """A Decode call, not yet read; a disaggregated one awaits its KV for up to 60 s."""
+    request = decode_request(request_id, prompt_ids, sampling, disaggregated=disaggregated,
+                             transfer_timeout_s=60.0 if disaggregated else 0.0)  # fmt: skip
+    return nodes.decode_stub.Decode(request, timeout=RPC_TIMEOUT_S)
+
+
+async def holding_blocks(
+    nodes: Nodes, request_id: str, prompt_ids: list[int], sampling=LONG
+) -> grpc.aio.UnaryStreamCall:
+    """A disaggregated Decode call that has its ticket: its blocks stay reserved (the KV never
+    comes) until the call is cancelled."""
+    call = start_decode(nodes, request_id, prompt_ids, sampling)
+    await read_ticket(call)
+    return call
+
+
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["local", "while-awaiting-kv"])
 def test_router_cancel_frees_everything(disaggregated: bool) -> None:
     """Cancel mid-stream (local prefill) or while the KV is awaited (disaggregated): the
@@ -155,15 +174,8 @@ def test_out_of_blocks_the_reservation_waits_for_blocks_then_gets_them() -> None
         # One caller holding 11 of 16 blocks would exceed a per-caller cap: off here.
         async with running_nodes("local", decode_engine=small, max_pending_kv_share=1.0) as nodes:
             sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
-            first = nodes.decode_stub.Decode(
-                decode_request("first", prompt_ids, sampling, transfer_timeout_s=60.0),
-                timeout=RPC_TIMEOUT_S,
-            )
-            await read_ticket(first)
-            second = nodes.decode_stub.Decode(
-                decode_request("second", prompt_ids, sampling, transfer_timeout_s=60.0),
-                timeout=RPC_TIMEOUT_S,
-            )
+            first = await holding_blocks(nodes, "first", prompt_ids, sampling)
+            second = start_decode(nodes, "second", prompt_ids, sampling)
             admission = nodes.decode.servicer.admission
             await wait_until(lambda: admission.num_queued == 1)
             first.cancel()
@@ -184,21 +196,11 @@ def test_out_of_blocks_with_the_queue_full_is_resource_exhausted_at_once() -> No
             max_pending_kv_share=1.0,  # one caller: no per-caller cap here
         ) as nodes:  # fmt: skip
             sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
-            calls = []
-            for name in ("first", "second"):  # the first gets blocks, the second waits
-                calls.append(
-                    nodes.decode_stub.Decode(
-                        decode_request(name, prompt_ids, sampling, transfer_timeout_s=60.0),
-                        timeout=RPC_TIMEOUT_S,
-                    )
-                )
-                if name == "first":
-                    await read_ticket(calls[0])
+            # The first gets blocks, the second waits for them.
+            calls = [await holding_blocks(nodes, "first", prompt_ids, sampling)]
+            calls.append(start_decode(nodes, "second", prompt_ids, sampling))
             await wait_until(lambda: nodes.decode.servicer.admission.num_queued == 1)
-            third = nodes.decode_stub.Decode(
-                decode_request("third", prompt_ids, sampling, disaggregated=False),
-                timeout=RPC_TIMEOUT_S,
-            )
+            third = start_decode(nodes, "third", prompt_ids, sampling, disaggregated=False)
             started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await asyncio.wait_for(third.read(), RPC_TIMEOUT_S)
@@ -220,15 +222,8 @@ def test_a_queued_local_prefill_times_out_resource_exhausted() -> None:
     async def main() -> None:
         async with running_nodes("local", decode_engine=small, queue_timeout_s=0.5) as nodes:
             sampling = node_pb2.NodeSamplingParams(max_tokens=8, temperature=0.0)
-            first = nodes.decode_stub.Decode(
-                decode_request("first", prompt_ids, sampling, transfer_timeout_s=60.0),
-                timeout=RPC_TIMEOUT_S,
-            )
-            await read_ticket(first)
-            second = nodes.decode_stub.Decode(
-                decode_request("second", prompt_ids, sampling, disaggregated=False),
-                timeout=RPC_TIMEOUT_S,
-            )
+            first = await holding_blocks(nodes, "first", prompt_ids, sampling)
+            second = start_decode(nodes, "second", prompt_ids, sampling, disaggregated=False)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await asyncio.wait_for(second.read(), RPC_TIMEOUT_S)
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -241,14 +236,8 @@ def test_a_queued_local_prefill_times_out_resource_exhausted() -> None:
 def test_duplicate_request_id_is_refused() -> None:
     async def main() -> None:
         async with running_nodes("local") as nodes:
-            first = nodes.decode_stub.Decode(
-                decode_request("dup", [5, 6, 7], LONG, transfer_timeout_s=60.0),
-                timeout=RPC_TIMEOUT_S,
-            )
-            await read_ticket(first)
-            second = nodes.decode_stub.Decode(
-                decode_request("dup", [5, 6, 7], LONG, disaggregated=False), timeout=RPC_TIMEOUT_S
-            )
+            first = await holding_blocks(nodes, "dup", [5, 6, 7])
+            second = start_decode(nodes, "dup", [5, 6, 7], disaggregated=False)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await asyncio.wait_for(second.read(), RPC_TIMEOUT_S)
             assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS

@@ -9,6 +9,9 @@ import pytest
 from router_fakes import RouterHarness, run
 
 from pdserve.v1 import node_pb2
+from tests.waiting import wait_until
+
+WAIT_S = 10.0  # what the router's cancellations get to reach the fake nodes
 
 TEXT = "héllo wörld 日本語 🙂 naïve café"
 
@@ -154,7 +157,7 @@ def test_stop_string_ends_the_stream_and_aborts_the_decode_node(tokenizer_files,
             h.decode[0].hold_at = len(output_ids) - 2  # D never sends its last chunk
             h.decode[0].gate.clear()
             result = await h.client.generate_all("hi", max_tokens=len(output_ids), stop=["there"])
-            await asyncio.sleep(0.1)  # the cancellation reaches D
+            await wait_until(lambda: h.decode[0].aborted and h.decode[0].cancelled, WAIT_S)
             return result, h
 
     result, h = run(body())
@@ -176,7 +179,7 @@ def test_first_token_that_finishes_the_request_aborts_the_decode_node(
         async with RouterHarness(tokenizer_files, output_ids) as h:
             h.decode[0].gate.clear()
             result = await h.client.generate_all("hello", max_tokens=1)
-            await asyncio.sleep(0.1)
+            await wait_until(lambda: h.decode[0].aborted, WAIT_S)
             return result, h
 
     result, h = run(body())
@@ -194,10 +197,7 @@ def test_client_cancel_cancels_both_node_calls(tokenizer_files, output_ids) -> N
             stream = h.client.generate("hello", max_tokens=6)
             first = await asyncio.wait_for(anext(stream), 5)
             await stream.aclose()  # cancels the call
-            for _ in range(50):
-                if h.prefill[0].cancelled and h.decode[0].cancelled:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: h.prefill[0].cancelled and h.decode[0].cancelled, WAIT_S)
             return first, h
 
     first, h = run(body())
@@ -294,7 +294,7 @@ def test_client_deadline_is_deadline_exceeded(tokenizer_files, output_ids) -> No
             h.decode[0].gate.clear()
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await h.client.generate_all("hello", max_tokens=4, timeout_s=0.3)
-            await asyncio.sleep(0.1)
+            await wait_until(lambda: h.decode[0].cancelled, WAIT_S)
             return error.value, h
 
     error, h = run(body())

@@ -22,6 +22,7 @@ from pdserve.v1 import node_pb2
 from router.client import GenerationClient
 from router.server import RouterServer
 from tests.redis_server import RedisServer
+from tests.waiting import wait_until
 
 OUTPUT_IDS = [5, 6, 7, 8, 9, 10]
 WAIT_S = 5.0
@@ -73,12 +74,6 @@ async def cluster(files, config: RegistryConfig, roles: list[int]) -> AsyncItera
             await reg.stop()
         for node in nodes:
             await node.stop()
-
-
-async def wait_until(predicate, timeout_s: float = WAIT_S) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 def addresses(nodes) -> set[str]:

@@ -16,6 +16,7 @@ from router.node_client import tokenizer_from_files
 from router.node_registry import NodeRegistry
 from router.node_source import NodeAddress, StaticNodeSource
 from router.server import GENERATION_SERVICE, RouterServer
+from tests.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -94,10 +95,12 @@ def test_nodes_may_come_up_after_the_router_and_health_follows(tokenizer_files) 
             RouterConfig(port=0, http_port=0, decode_addrs=(f"127.0.0.1:{port}",))
         )
         starting = asyncio.create_task(router.start())
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: router.port is not None, 10.0)  # bound; still connecting
         channel = grpc.aio.insecure_channel(router.address)
         health = health_pb2_grpc.HealthStub(channel)
-        before = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        before = await health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5, wait_for_ready=True
+        )
         await node.start(port)
         await asyncio.wait_for(starting, 5)
         after = await health.Check(
