@@ -114,6 +114,9 @@ class RequestHandler:
             status = error.code.name
             logger.warning("request failed: %s", error)
             raise
+        except Exception:  # a bug: counted as one, not as the client's cancel
+            status = grpc.StatusCode.INTERNAL.name
+            raise
         finally:
             record.cached_tokens = output.num_cached_tokens
             record.end(status, (output.finish_reason or "") if status == "OK" else "")

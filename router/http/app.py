@@ -11,15 +11,17 @@ errors                       {"error": {"message", "type", "param", "code"}} (Op
 
 With `--api-key-file`, every /v1/ route needs `Authorization: Bearer KEY` (401 otherwise), as
 the gRPC API does; /health and /metrics stay open (probes, Prometheus). A body larger than
-`--max-request-bytes` is refused (413) before it is read whole.
+`--max-request-bytes` is refused (413) before it is read whole. A client that disconnects
+before its response cancels the request (its node calls end), streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +33,9 @@ from router.http.openai_errors import OpenAIError
 from router.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from router.http.openai_serving import OpenAIServing
 from router.metrics import RouterMetrics
+
+T = TypeVar("T")
+_CLIENT_CLOSED = 499  # the status nginx logs for a client that closed its connection first
 
 
 def build_app(
@@ -125,13 +130,33 @@ async def _generate(
         parsed = parse(body)
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
-    prepared = serving.prepare(parsed, start_s)
+    prepared = await serving.prepare(parsed, start_s)
     if parsed.stream:
         return StreamingResponse(
             serving.stream(prepared),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.request_id},
         )
-    return JSONResponse(
-        await serving.complete(prepared), headers={"X-Request-Id": prepared.request_id}
-    )
+    body = await _unless_disconnected(request, serving.complete(prepared))
+    if body is None:  # nobody to answer
+        return Response(status_code=_CLIENT_CLOSED)
+    return JSONResponse(body, headers={"X-Request-Id": prepared.request_id})
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result; None, `work` cancelled (its node calls with it), when the client
+    disconnects first (a stream notices on its own, at its next write; a whole body would
+    not, and the request would run to its end for nobody)."""
+    task = asyncio.ensure_future(work)
+    # The body is read: the next ASGI message is the client's disconnect.
+    disconnect = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelling() or task.cancelled():  # the client left first
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()

@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.v1 import generation_pb2
+from pdserve.v1 import generation_pb2, node_pb2
 from router.errors import RouterError
 from router.http.openai_errors import OpenAIError
 from router.http.openai_protocol import OpenAIRequest
 from router.http.openai_responses import ChoiceState, ResponseBuilder
 from router.input_processor import ProcessedRequest
-from router.request_handler import RequestHandler
+from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +61,21 @@ class OpenAIServing:
             })  # fmt: skip
         return {"object": "list", "data": data}
 
-    def prepare(self, parsed: OpenAIRequest, start_s: float) -> PreparedRequest:
-        """Validated and tokenized choices; raises OpenAIError (counted as rejected)."""
+    async def prepare(self, parsed: OpenAIRequest, start_s: float) -> PreparedRequest:
+        """Validated and tokenized choices; raises OpenAIError (counted as rejected).
+        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate."""
         prefix = "chatcmpl" if parsed.chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             served = self.model_name()
             if served is None:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no node is ready yet")
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
             if parsed.model != served:
                 raise OpenAIError(
                     f"the model {parsed.model!r} does not exist; this server serves {served!r}",
                     "model", status=404, error_type="not_found_error", code="model_not_found",
                 )  # fmt: skip
-            processed = [
-                self._process(parsed, choice.request, f"{request_id}-{i}")
-                for i, choice in enumerate(parsed.choices)
-            ]
+            processed = await asyncio.to_thread(self._process_choices, parsed, request_id)
         except InvalidRequestError as error:
             error = OpenAIError(str(error), self._param(parsed, error.param))
             raise self._rejected(request_id, error, start_s) from None
@@ -109,18 +107,30 @@ class OpenAIServing:
         self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
         return error
 
+    def _process_choices(self, parsed: OpenAIRequest, request_id: str) -> list[ProcessedRequest]:
+        return [
+            self._process(parsed, choice.request, f"{request_id}-{i}")
+            for i, choice in enumerate(parsed.choices)
+        ]
+
     def _process(
         self, parsed: OpenAIRequest, request: generation_pb2.GenerateRequest, request_id: str
     ) -> ProcessedRequest:
         request.request_id = request_id
         if parsed.max_tokens_set:
             return self.handler.process(request)
-        # Chat without max_tokens: whatever the context leaves after the prompt.
-        request.sampling.max_tokens = 1
-        prompt_len = self.handler.process(request).prompt_len
+        # Chat without max_tokens: whatever the context leaves after the prompt. Validated with
+        # the least it may be (min_tokens, at least 1), then widened: the prompt is tokenized once.
+        request.sampling.max_tokens = max(1, request.sampling.min_tokens)
+        processed = self.handler.process(request)
         max_model_len = self.handler.registry.model_info.max_model_len
-        request.sampling.max_tokens = max(1, max_model_len - prompt_len)
-        return self.handler.process(request)
+        max_tokens = max(request.sampling.max_tokens, max_model_len - processed.prompt_len)
+        params = dataclasses.replace(processed.sampling_params, max_tokens=max_tokens)
+        return dataclasses.replace(
+            processed,
+            sampling_params=params,
+            node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
+        )
 
     async def complete(self, prepared: PreparedRequest) -> dict:
         builder = self._builder(prepared)

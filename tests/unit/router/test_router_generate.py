@@ -208,6 +208,27 @@ def test_client_cancel_cancels_both_node_calls(tokenizer_files, output_ids) -> N
     assert h.router.stats.num_cancelled == 1
 
 
+def test_a_router_bug_mid_stream_counts_as_internal_not_cancelled(
+    tokenizer_files, output_ids, monkeypatch
+) -> None:
+    def broken(self, tokens):
+        raise RuntimeError("a bug in the output path")
+
+    monkeypatch.setattr("router.request_handler.OutputProcessor.process", broken)
+
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids) as h:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await h.client.generate_all("hello", max_tokens=4)
+            return h
+
+    h = run(body())
+
+    assert h.router.stats.errors == {"INTERNAL": 1}
+    assert h.router.stats.num_cancelled == 0
+    assert "pdserve_requests_running 0.0" in h.router.stats.metrics.render().decode()
+
+
 def test_logprobs_and_cached_tokens_pass_through(tokenizer_files, output_ids) -> None:
     async def body():
         async with RouterHarness(tokenizer_files, output_ids) as h:

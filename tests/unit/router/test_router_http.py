@@ -3,6 +3,7 @@ request parsing, response shapes, streaming, errors, /health and /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -162,16 +163,19 @@ def test_health_metrics_and_chat_without_max_tokens(tokenizer_files, output_ids)
             async with httpx.AsyncClient(base_url=h.router.http.url) as http:
                 health = await http.get("/health")
                 chat = await http.post("/v1/chat/completions", json={
-                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                    "min_tokens": 2})  # fmt: skip
                 await h.client.generate_all("hello", max_tokens=3)
                 metrics = (await http.get("/metrics")).text
             return health, chat, metrics, h
 
     health, chat, metrics, h = run(body())
     assert health.status_code == 200
-    # No max_tokens: the rest of the context, so the fake model's whole output, "stop".
+    # No max_tokens: the rest of the context, so the fake model's whole output, "stop"
+    # (min_tokens above 1 is no conflict: max_tokens is not 1).
     assert chat.json()["choices"][0]["finish_reason"] == "stop"
     assert h.decode[0].requests[0].sampling.max_tokens > len(output_ids)
+    assert h.decode[0].requests[0].sampling.min_tokens == 2
     assert 'pdserve_requests_total{api="http",finish_reason="stop",status="OK"} 1.0' in metrics
     assert 'pdserve_requests_total{api="grpc",finish_reason="length",status="OK"} 1.0' in metrics
     assert "pdserve_time_to_first_token_seconds_count 2.0" in metrics
@@ -179,6 +183,28 @@ def test_health_metrics_and_chat_without_max_tokens(tokenizer_files, output_ids)
     assert f"pdserve_generation_tokens_total {len(output_ids) + 3}.0" in metrics
     assert "pdserve_requests_running 0.0" in metrics
     assert 'pdserve_routes_total{kind="disaggregated",reason=""} 2.0' in metrics
+
+
+def test_a_client_leaving_a_whole_body_request_cancels_it(tokenizer_files, output_ids) -> None:
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            h.decode[0].gate.clear()  # D holds its chunks: the request cannot end by itself
+            async with httpx.AsyncClient(base_url=h.router.http.url) as http:
+                post = asyncio.create_task(http.post("/v1/completions", json={
+                    "model": "fake-model", "prompt": "hi", "max_tokens": 6}))  # fmt: skip
+                async with asyncio.timeout(10):
+                    while not h.decode[0].requests:
+                        await asyncio.sleep(0.01)
+                post.cancel()  # the client closes its connection
+                await asyncio.gather(post, return_exceptions=True)
+            async with asyncio.timeout(10):  # the node call's end and the router's count
+                while not (h.decode[0].cancelled and h.router.stats.num_cancelled):
+                    await asyncio.sleep(0.01)
+            return h
+
+    h = run(body())
+    assert h.decode[0].cancelled == [h.decode[0].requests[0].request_id]
+    assert h.router.stats.num_cancelled == 1
 
 
 def test_no_http_server_when_the_port_is_0(tokenizer_files, output_ids) -> None:
