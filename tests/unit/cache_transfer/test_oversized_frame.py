@@ -14,6 +14,8 @@ import psutil
 import pytest
 import zmq
 
+from tests.child_env import child_env
+
 pytestmark = pytest.mark.timeout(120)
 
 FRAME_BYTES = 3 << 29  # 1.5 GiB
@@ -24,7 +26,7 @@ def test_a_huge_frame_is_refused_before_it_is_buffered():
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("frame_receiver.py"))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).parent, env=child_env(),
     )  # fmt: skip
     ctx = zmq.Context()
     try:

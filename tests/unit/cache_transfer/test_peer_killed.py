@@ -23,6 +23,7 @@ from transfer_helpers import (
 )
 
 from cache_transfer import KVTransferManager, TransferState, make_transport
+from tests.child_env import child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +35,7 @@ NUM_TOKENS = 4096
 async def _start_peer(mode: str, backend: str) -> asyncio.subprocess.Process:
     peer = await asyncio.create_subprocess_exec(
         sys.executable, str(PEER_SCRIPT), mode, backend,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=child_env(),
     )  # fmt: skip
     assert peer.stdout is not None
     line = await asyncio.wait_for(peer.stdout.readline(), 60)

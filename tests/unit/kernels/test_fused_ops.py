@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install --no-
 
 from kernels.fused import REFERENCE_OPS, get_layer_ops  # noqa: E402
 from kernels.fused import triton_ops as tops  # noqa: E402
+from tests.child_env import child_env  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -165,8 +165,7 @@ print("ok")
 def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     """The interpreter runs Python semantics; the compiler is stricter (branch types, constexpr
     use). Compile every kernel to a sm_90 cubin (Triton's bundled ptxas), no GPU needed."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    env = child_env(drop=("TRITON_INTERPRET",))
     done = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
         timeout=240,

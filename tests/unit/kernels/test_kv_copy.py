@@ -4,16 +4,14 @@ and other tests import it compiled). tests/gpu runs it compiled at llama3-8b siz
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.child_env import child_env  # noqa: E402
 
 SCRIPT = r"""
 import torch
@@ -47,7 +45,7 @@ print("ok")
 
 
 def test_triton_gather_scatter_match_torch_indexing() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = child_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240
     )

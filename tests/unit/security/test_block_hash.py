@@ -4,10 +4,8 @@ identically by the engine's KVCacheManager and the router's prefix-aware policy.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,10 +14,10 @@ from engine.request import Request
 from pdserve.block_hash import ROOT_BLOCK_HASH, block_hashes, hash_block_tokens, root_hash
 from pdserve.sampling_params import SamplingParams
 from router.policies import make_policy
+from tests.child_env import child_env
 
 BLOCK_SIZE = 4
 PROMPT = [5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # 3 full blocks + 2 tokens
-REPO = Path(__file__).resolve().parents[3]
 _PRINT_HASHES = (
     "from pdserve.block_hash import block_hashes, root_hash;"
     f"print(','.join(h.hex() for h in block_hashes({PROMPT}, {BLOCK_SIZE}, root_hash())))"
@@ -27,7 +25,7 @@ _PRINT_HASHES = (
 
 
 def _hashes_in_a_process(hash_seed: str, salt: str | None = None) -> list[bytes]:
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(REPO)}
+    env = child_env(PYTHONHASHSEED=hash_seed)
     env.pop("PDSERVE_PREFIX_CACHE_SALT", None)
     if salt is not None:
         env["PDSERVE_PREFIX_CACHE_SALT"] = salt
