@@ -3,8 +3,8 @@
 The cache write is torch `index_copy_` (one launch each for K and V); decodes run one split-K
 kernel (plus a merge kernel when a context is split), prefills one kernel. Measured through
 `forward` on an H200, llama3-8b layer, bf16, block size 16, CUDA graph replay
-(benchmarks/bench_attention.py): decode batch 64 context 1K 3.5 TB/s (FA2 at block size 256:
-3.3), prefill 300-370 TFLOP/s (FA2: 230-300).
+(benchmarks/bench_attention.py, benchmarks/results/2026-11-30-h200-attention.txt): decode batch 64
+context 1K 3.49 TB/s, prefill 303-369 TFLOP/s. flash_attn has no figure yet (not built there).
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def _decode_config(dtype: torch.dtype) -> tuple[int, int, int]:
 
     bf16, llama3-8b layer on an H200: 64/4/3 with splits filling the GPU twice over was the
     best of a sweep of BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, 2-16 programs per SM
-    (batch 64 context 1K: 3.4-3.5 TB/s through `forward`, cache write included; measured
-    before the per-request split of `paged_decode_attention`).
+    (batch 64 context 1K: 3.49 TB/s through `forward`, cache write included, in
+    benchmarks/results/2026-11-30-h200-attention.txt; measured before the per-request split of
+    `paged_decode_attention`).
     """
     return (32, 4, 2) if dtype == torch.float32 else (64, 4, 3)
 
