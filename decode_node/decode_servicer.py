@@ -159,11 +159,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
         num_blocks = -(-num_tokens // self._block_size)
+        queue_timeout_s = self.admission.queue_timeout_s
+        deadline = time.monotonic() + queue_timeout_s  # one wait for the cap and the blocks
         try:
-            job.hold = await self.caps.acquire(
-                context.peer(), num_blocks, self.admission.queue_timeout_s
-            )
-            block_ids = await self.admission.reserve(request_id, num_tokens)
+            job.hold = await self.caps.acquire(context.peer(), num_blocks, queue_timeout_s)
+            wait_s = max(0.0, deadline - time.monotonic())
+            block_ids = await self.admission.reserve(request_id, num_tokens, wait_s)
         except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine

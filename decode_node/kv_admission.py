@@ -50,6 +50,7 @@ class LocalAdmission:
     def done(self) -> None:
         if self.num_blocks:
             self._admission.num_promised_blocks -= self.num_blocks
+            self._admission.num_promised_seats -= 1
             self.num_blocks = 0
             self._admission.notify()
 
@@ -65,6 +66,7 @@ class KVAdmission:
         self._queue: collections.deque[object] = collections.deque()
         self._changed = asyncio.Event()
         self.num_promised_blocks = 0  # to admitted local prefills without a first token yet
+        self.num_promised_seats = 0  # those prefills, not yet counted by the engine's scheduler
         self.num_refused = 0
         self.num_queued_total = 0  # requests that had to wait
 
@@ -77,8 +79,11 @@ class KVAdmission:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for `num_tokens` tokens of incoming KV, once there is room."""
+    async def reserve(
+        self, request_id: str, num_tokens: int, wait_s: float | None = None
+    ) -> list[int]:
+        """Blocks for `num_tokens` tokens of incoming KV, once there is room (waiting at most
+        `wait_s`, by default the queue timeout)."""
 
         def try_reserve(core: EngineCore) -> list[int] | None:
             try:
@@ -86,27 +91,32 @@ class KVAdmission:
             except NoFreeBlocksError:
                 return None
 
-        return await self._admit(lambda: self._engine.call(try_reserve))
+        return await self._admit(lambda: self._engine.call(try_reserve), wait_s)
 
     async def admit_local(self, num_tokens: int) -> LocalAdmission:
         """Waits until the engine has room to prefill `num_tokens` tokens (and one more)."""
         num_blocks = -(-(num_tokens + 1) // self._block_size)
 
-        def has_room(core: EngineCore) -> bool:
+        def room(core: EngineCore) -> tuple[int, int]:
             stats = core.stats()
-            free = stats.num_free_blocks - self.num_promised_blocks
             seats = core.config.scheduler.max_num_seqs - stats.num_running - stats.num_waiting
-            return free >= num_blocks and seats > 0
+            return stats.num_free_blocks, seats
 
         async def try_admit() -> LocalAdmission | None:
-            if not await self._engine.call(has_room):
+            free, seats = await self._engine.call(room)
+            # Decided on the loop against the promises as they stand now: another admission may
+            # have promised blocks while the engine thread was asked.
+            if free - self.num_promised_blocks < num_blocks or seats <= self.num_promised_seats:
                 return None
             self.num_promised_blocks += num_blocks
+            self.num_promised_seats += 1
             return LocalAdmission(self, num_blocks)
 
         return await self._admit(try_admit)
 
-    async def _admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+    async def _admit(
+        self, attempt: Callable[[], Awaitable[T | None]], wait_s: float | None = None
+    ) -> T:
         if not self._queue:
             result = await attempt()
             if result is not None:
@@ -121,7 +131,7 @@ class KVAdmission:
         token = object()
         self._queue.append(token)
         self.num_queued_total += 1
-        deadline = time.monotonic() + self.queue_timeout_s
+        deadline = time.monotonic() + (self.queue_timeout_s if wait_s is None else wait_s)
         try:
             return await self._wait_turn(token, attempt, deadline)
         finally:
