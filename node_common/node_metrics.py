@@ -4,9 +4,10 @@
 ```
 scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
            waiting, KV blocks, pending transfers; counters: finished, prefix-cache hits, local
-           prefills, failed transfers, fallbacks)
-transfer session finished ──► transfer_finished: bytes, duration histogram, result (by
-                              direction: sent on the prefill node, received on the decode node)
+           prefills, fallbacks)
+transfer session finished ──► transfer_finished: bytes, duration histogram, result ok | failed
+                              (by direction: sent on the prefill node, received on the decode
+                              node; every series of the node's direction exists from the start)
 ```
 """
 
@@ -45,7 +46,6 @@ _COUNTERS = {
     "num_prefix_cache_hit_tokens": (
         "pdserve_node_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
     "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
-    "num_failed_transfers": ("pdserve_node_kv_transfer_failures", "KV hand-offs that failed"),
     "num_fallbacks": (
         "pdserve_node_kv_transfer_fallbacks",
         "disaggregated requests whose hand-off failed and that were prefilled here instead"),
@@ -102,6 +102,11 @@ class NodeMetrics:
             "a KV hand-off from its session's start to its end (successful ones)",
             ["direction"], buckets=TRANSFER_BUCKETS_S, registry=r,
         )  # fmt: skip
+        # A node moves KV one way: its series exist (at 0) from the start, failures included.
+        direction = "sent" if role == "prefill" else "received"
+        self.transfer_bytes.labels(direction)
+        for result in ("ok", "failed"):
+            self.transfers.labels(direction, result)
         r.register(NodeStatsCollector(read_stats))
         self._server: Any = None
         self._thread: threading.Thread | None = None

@@ -155,7 +155,6 @@ def test_node_metrics(traffic):
         total = scrapes.now(node, "pdserve_node_kv_blocks")
         assert total > 0 and scrapes.now(node, "pdserve_node_kv_blocks_free") == total
         assert scrapes.now(node, "pdserve_node_kv_cache_usage_ratio") == 0
-        assert scrapes.now(node, "pdserve_node_kv_transfer_failures_total") == 0
     # the stop-string request ends at the router, which aborts it on the decode node: counted
     # there unless the router's cancel of the call beat the abort's last chunk
     assert d("decode-0", "pdserve_node_requests_finished_total") in (len(served) - 1, len(served))
@@ -167,6 +166,8 @@ def test_node_metrics(traffic):
         assert d(node, "pdserve_node_kv_transfer_bytes_total", direction=direction) > 0
         assert d(node, "pdserve_node_kv_transfers_total", direction=direction,
                  result="ok") == num_disaggregated  # fmt: skip
+        assert scrapes.now(node, "pdserve_node_kv_transfers_total", direction=direction,
+                           result="failed") == 0  # fmt: skip
         assert d(node, "pdserve_node_kv_transfer_duration_seconds_count",
                  direction=direction) == num_disaggregated  # fmt: skip
     sent = d("prefill-0", "pdserve_node_kv_transfer_bytes_total", direction="sent")
