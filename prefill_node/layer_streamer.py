@@ -12,7 +12,7 @@
                        CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
     event loop     the request's drain task: await the first queued layer's `packed` event
-                   (polled), take it and every queued layer packed by then, and send them as
+                   (GIL-free, cuda_waits), take it and every queued layer packed by then, and send them as
                    one message (KVSender.send_packed_layers: fewer, larger messages; the
                    decode node still lands and reports each layer); any number in flight
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
@@ -40,6 +40,7 @@ import torch
 
 from cache_transfer import KVSender, TransferState, pack_layer
 from cache_transfer.packing import CheckedIds, check_block_ids
+from cache_transfer.transports.cuda_waits import wait_event
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2
 
@@ -52,9 +53,6 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # loop could not send a single layer until the forward ended. Waiting on an event releases the
 # GIL; two layers of queued work keep the GPU busy while the host queues the next.
 RUN_AHEAD_LAYERS = 2
-# Polling a pack's event from the event loop: plain yields first, then sleeps of EVENT_POLL_S.
-EVENT_POLL_YIELDS = 200
-EVENT_POLL_S = 1e-4
 
 
 @dataclass
@@ -113,6 +111,10 @@ class LayerStreamer:
         self._outgoing: dict[str, _Outgoing] = {}  # by request_id
         device = kv_caches[0][0].device
         self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the event loop's current stream: nothing is queued on it but what the transport
+        # itself does (staging copies), so a transport's wait for it never waits for a pack of
+        # a later layer (that waits for the compute of that layer)
+        self._send_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loop_stream_bound = False
         # engine thread, CUDA: this step's newest pack event per layer streamed so far
         self._layers_queued: deque[torch.cuda.Event] = deque()
@@ -242,10 +244,11 @@ class LayerStreamer:
 
     def _queue(self, outgoing: _Outgoing, layer: _PackedLayer) -> None:
         """(event loop) Queue a packed layer; start the request's drain task if none runs."""
-        if self._pack_stream is not None and not self._loop_stream_bound:
+        if self._send_stream is not None and not self._loop_stream_bound:
             # the transport orders its reads after this thread's current stream: make that the
-            # pack stream, never the compute stream (a send would wait for later layers)
-            torch.cuda.set_stream(self._pack_stream)
+            # send stream, never the compute or pack stream (a send would wait for later
+            # layers); a layer is handed over only once its `packed` event is seen done
+            torch.cuda.set_stream(self._send_stream)
             self._loop_stream_bound = True
         outgoing.queued.append(layer)
         if not outgoing.draining:
@@ -267,7 +270,7 @@ class LayerStreamer:
                 first = outgoing.queued[0]
                 if first.ready is not None:
                     try:
-                        await _wait_event(first.ready, sender.remaining_s)
+                        await wait_event(first.ready, sender.remaining_s)
                     except Exception as error:  # the deadline, or a CUDA error
                         sender.abort(f"layer {first.layer_idx} was not packed: {error!r}")
                         outgoing.queued.clear()
@@ -296,14 +299,3 @@ class LayerStreamer:
             now = time.monotonic()
             for layer_idx in layers:
                 outgoing.trace.layer_sent_s[layer_idx] = now
-
-
-async def _wait_event(event: torch.cuda.Event, timeout_s: float) -> None:
-    """Poll a CUDA event from the event loop (yield at first, then every EVENT_POLL_S)."""
-    deadline = time.monotonic() + timeout_s
-    spins = 0
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError("a layer's pack did not finish before the transfer's deadline")
-        spins += 1
-        await asyncio.sleep(0 if spins < EVENT_POLL_YIELDS else EVENT_POLL_S)

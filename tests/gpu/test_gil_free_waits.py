@@ -80,3 +80,54 @@ def test_sampler_copy_releases_the_gil():
     logits = _queue_gpu_work(BUSY_S)[:2].float()
     ticks = _ticks_while(lambda: Sampler()(logits, requests))
     assert ticks >= 20, f"another thread ran only {ticks} times while the sampler waited"
+
+
+def test_event_loop_waits_for_cuda_without_holding_the_gil():
+    """cuda_waits: while a coroutine awaits a busy event, another Python thread (the engine
+    thread, in a node) runs freely and the loop serves its other tasks."""
+    import asyncio
+
+    from cache_transfer.transports.cuda_waits import wait_event, wait_for_stream
+
+    async def waits() -> int:
+        loop_ticks = [0]
+
+        async def tick_loop() -> None:
+            while True:
+                loop_ticks[0] += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick_loop())
+        await wait_event(event, timeout_s=10)
+        ticker.cancel()
+        await wait_for_stream(torch.zeros(1, device="cuda"), timeout_s=10)
+        return loop_ticks[0]
+
+    out = _queue_gpu_work(BUSY_S)
+    event = torch.cuda.Event()
+    event.record()
+    loop_ticks = [0]
+    thread_ticks = _ticks_while(lambda: loop_ticks.__setitem__(0, asyncio.run(waits())))
+    del out
+    assert event.query()
+    assert thread_ticks >= 20, f"another thread ran only {thread_ticks} times in the wait"
+    assert loop_ticks[0] >= 20, f"the event loop ran its other task only {loop_ticks[0]} times"
+
+
+def test_event_wait_times_out_and_the_loop_goes_on():
+    import asyncio
+
+    from cache_transfer.transports.cuda_waits import wait_event
+
+    out = _queue_gpu_work(BUSY_S)
+    event = torch.cuda.Event()
+    event.record()
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await wait_event(event, timeout_s=0.01)
+        await wait_event(event, timeout_s=10)  # the same event, later: done
+
+    asyncio.run(main())
+    del out
+    assert event.query()

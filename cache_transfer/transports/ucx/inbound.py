@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from cache_transfer.transports.base import TransportHandler, check_payload
+from cache_transfer.transports.cuda_waits import wait_for_stream
 from cache_transfer.transports.ucx.runtime import (
     UCXCloseError,
     UCXError,
@@ -36,7 +37,6 @@ from cache_transfer.transports.ucx.wire import (
     as_ucx_buffer,
     decode_head,
     message_tag,
-    wait_for_stream,
 )
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer.transports.base import Message, TransportError
+from cache_transfer.transports.cuda_waits import wait_for_stream
 from cache_transfer.transports.ucx.runtime import UCXError, ucxx
 from cache_transfer.transports.ucx.wire import (
     HEAD,
@@ -30,7 +31,6 @@ from cache_transfer.transports.ucx.wire import (
     as_ucx_buffer,
     encode_head,
     message_tag,
-    wait_for_stream,
 )
 
 logger = logging.getLogger(__name__)

@@ -13,14 +13,12 @@ several messages (`send_many`: numbers seq .. seq + count - 1):
 
 Message 0 of every connection is the hello: its header is the sender's transport address.
 UCX reads and writes CUDA memory outside torch's stream order, so both ends first wait for
-the work already queued on the current stream (`wait_for_stream`).
+the work already queued on the current stream (`cuda_waits.wait_for_stream`, GIL-free).
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
-import time
 
 import numpy as np
 import torch
@@ -29,8 +27,6 @@ COUNT = struct.Struct("<Q")  # messages in one head
 PREAMBLE = struct.Struct("<QQ")  # header_len, payload_len
 MAX_HEAD_BYTES = 64 << 10
 HEAD, PAYLOAD = 0, 1
-_STREAM_SPIN_S = 0.002
-_STREAM_POLL_S = 0.001
 
 
 def message_tag(seq: int, part: int) -> int:
@@ -75,17 +71,3 @@ def as_ucx_buffer(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
     """What ucxx sends from or receives into: a numpy view of host memory, or the CUDA tensor
     itself (`__cuda_array_interface__`)."""
     return tensor.numpy() if tensor.device.type == "cpu" else tensor
-
-
-async def wait_for_stream(tensor: torch.Tensor) -> None:
-    """For a CUDA tensor: until the work queued so far on its device's current stream is done.
-    Polled so the event loop keeps running: yielding at first (kernels take microseconds, and
-    the loop's timers only tick in milliseconds), then every millisecond. Nothing to wait for
-    on the host."""
-    if tensor.device.type != "cuda":
-        return
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    spin_until_s = time.perf_counter() + _STREAM_SPIN_S
-    while not event.query():
-        await asyncio.sleep(0 if time.perf_counter() < spin_until_s else _STREAM_POLL_S)

@@ -1,0 +1,85 @@
+"""Awaiting CUDA work from an event loop without holding the GIL.
+
+    await wait_event(event, timeout_s)   done already ──► returns at once (no thread hop)
+                                         else ──► one waiter thread: event.synchronize()
+                                              (GIL released) ──► loop.call_soon_threadsafe
+    await wait_for_stream(tensor)        an event recorded on the tensor's device's current
+                                         stream, then wait_event
+
+Why not poll `event.query()` with `asyncio.sleep(0)`: the polling thread releases and retakes
+the GIL in every select(), too briefly for another thread to get it, so a thread waiting for the
+GIL (the engine thread queueing the next layer's kernels, back from its own GIL-free wait) waits
+for the interpreter's switch interval (5 ms) each time: the GPU starves while the loop spins.
+Sleeping between polls instead adds up to one sleep of latency to every layer sent.
+
+One daemon thread per process serves every loop, first come first served (CUDA work on one
+device finishes in the order it was queued, nearly always).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+
+import torch
+
+_Job = tuple[torch.cuda.Event, asyncio.AbstractEventLoop, asyncio.Future[None]]
+_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_start_lock = threading.Lock()
+_waiter: threading.Thread | None = None
+
+
+async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None) -> None:
+    """Until the work recorded by `event` is done; TimeoutError after `timeout_s` (the wait in
+    the waiter thread goes on, harmlessly: it holds nothing). CUDA errors raise here."""
+    if event.query():
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    _ensure_waiter()
+    _jobs.put((event, loop, done))
+    await asyncio.wait_for(asyncio.shield(done), timeout_s)
+
+
+async def wait_for_stream(tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+    """For a CUDA tensor: until the work queued so far on its device's current stream is done.
+    Nothing to wait for on the host."""
+    if tensor.device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    await wait_event(event, timeout_s)
+
+
+def _ensure_waiter() -> None:
+    global _waiter
+    if _waiter is not None:
+        return
+    with _start_lock:
+        if _waiter is None:
+            thread = threading.Thread(target=_serve, name="cuda-event-waiter", daemon=True)
+            thread.start()
+            _waiter = thread
+
+
+def _serve() -> None:
+    while True:
+        event, loop, done = _jobs.get()
+        try:
+            event.synchronize()  # releases the GIL while it waits
+            outcome: BaseException | None = None
+        except BaseException as error:  # a CUDA error belongs to the awaiting coroutine
+            outcome = error
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_settle, done, outcome)
+
+
+def _settle(done: asyncio.Future[None], outcome: BaseException | None) -> None:
+    if done.done():
+        return
+    if outcome is None:
+        done.set_result(None)
+    else:
+        done.set_exception(outcome)
