@@ -9,8 +9,9 @@ devices, measures, stops it. Each measurement sends idle single requests (one at
 distinct random prompts so no prefix is cached, greedy, 2 output tokens, a warm-up request
 per length first) and records the time to the first token and to the second (which in 1P1D
 also waits for the KV hand-off and the decode node's first step). Prints TTFT median / p90 for
-both, their ratio, and the per-layer timeline of the last 1P1D request (computed and sent on
-the prefill node, landed on the decode node; ms after the request was sent, one host clock).
+both, their ratio, the milestones of each length's last 1P1D request (node marks and client
+token arrivals), and the per-layer timeline of the last 1P1D request (computed and sent on the
+prefill node, landed on the decode node; ms after the request was sent, one host clock).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Samples:
     ttft_ms: list[float] = field(default_factory=list)
     second_ms: list[float] = field(default_factory=list)
     last_sent_s: float = 0.0  # monotonic time the last request was sent
+    last_token_s: list[float] = field(default_factory=list)  # its tokens' arrival times
+    milestones: list[str] = field(default_factory=list)  # its path through the nodes
 
     def median(self, which: str = "ttft_ms") -> float:
         return statistics.median(getattr(self, which))
@@ -71,14 +74,40 @@ async def measure(addr: str, prompt_tokens: int, requests: int, warmup: int, see
                 samples.ttft_ms.append((times[0] - sent_s) * 1e3)
                 samples.second_ms.append((times[1] - sent_s) * 1e3)
                 samples.last_sent_s = sent_s
+                samples.last_token_s = times
     return samples
 
 
-def run_all(addr: str, args: argparse.Namespace) -> dict[int, Samples]:
-    return {
-        n: asyncio.run(measure(addr, n, args.requests, args.warmup, args.seed))
-        for n in args.prompt_tokens
-    }
+def run_all(
+    addr: str, args: argparse.Namespace, cluster: BenchCluster | None = None
+) -> dict[int, Samples]:
+    """Samples per prompt length; with the 1P1D `cluster`, each length's last request's
+    milestones too."""
+    results = {}
+    for n in args.prompt_tokens:
+        results[n] = asyncio.run(measure(addr, n, args.requests, args.warmup, args.seed))
+        if cluster is not None:
+            results[n].milestones = milestone_rows(cluster, results[n])
+    return results
+
+
+def milestone_rows(cluster: BenchCluster, samples: Samples) -> list[str]:
+    """Where the last request's time went: every milestone the nodes recorded (node marks,
+    the last layer computed / landed) and the client's token arrivals, in time order, ms after
+    the request was sent (one host clock)."""
+    prefill = cluster.node_stats("prefill-0").last_transfer
+    decode = cluster.node_stats("decode-0").last_transfer
+    events = [(t, f"prefill {name}") for name, t in prefill.marks_s.items()]
+    events += [(t, f"decode {name}") for name, t in decode.marks_s.items()]
+    if prefill.computed_s:
+        events.append((prefill.computed_s[0], "prefill layer 0 computed"))
+        events.append((prefill.computed_s[-1], "prefill last layer computed"))
+    if decode.landed_s:
+        events.append((decode.landed_s[-1], "decode last layer landed"))
+    events += [(t, f"client token {i}") for i, t in enumerate(samples.last_token_s)]
+    return [
+        f"{(t - samples.last_sent_s) * 1e3:9.2f}  {what}" for t, what in sorted(events) if t > 0
+    ]
 
 
 def timeline_rows(cluster: BenchCluster, sent_s: float) -> list[str]:
@@ -172,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         pd = run_all(args.pd_addr, args)
     else:
         with BenchCluster(ClusterSpec.parse("1P1D"), serve) as cluster:
-            pd = run_all(cluster.address, args)
+            pd = run_all(cluster.address, args, cluster)
             timeline = timeline_rows(cluster, pd[args.prompt_tokens[-1]].last_sent_s)
     print_table(colocated, pd)
+    for n, samples in pd.items():
+        if samples.milestones:
+            print(f"\nmilestones of the last 1P1D request ({n} tokens), ms after it was sent:")
+            print("\n".join(samples.milestones))
     print(f"\nper-layer timeline of the last 1P1D request ({args.prompt_tokens[-1]} tokens):")
     print("\n".join(timeline))
     return 0

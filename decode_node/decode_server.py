@@ -40,7 +40,10 @@ class DecodeServer(RoleServer):
             if trace.transfer_id and trace.layer_arrived_s:
                 landed = [trace.layer_arrived_s.get(i, 0.0) for i in range(self.layout.num_layers)]
                 return node_pb2.LayerTimeline(
-                    transfer_id=trace.transfer_id, request_id=trace.request_id, landed_s=landed
+                    transfer_id=trace.transfer_id,
+                    request_id=trace.request_id,
+                    landed_s=landed,
+                    marks_s=trace.marks_s,
                 )
         return None
 

@@ -94,6 +94,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                     request.transfer_timeout_s, self._transfer_timeout_s
                 )
                 receiver = await self._reserve(job, engine_request, timeout_s, context)
+                job.trace.mark("ticket")
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
                 chunks = await self._after_transfer(job, engine_request, receiver)
             else:
@@ -183,6 +184,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
+        job.trace.mark("kv_done")
         job.receiver = None
         if job.hold is not None:
             job.hold.release()  # the blocks are no longer awaiting KV
@@ -211,6 +213,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         # Received KV enters the prefix cache only when its sender proved the cluster secret
         # (every layer landed, or the receiver would not have succeeded).
         request.cache_kv = self._kv_authenticated
+        job.trace.mark("decoding")
         job.trace.token_times_s.append(time.monotonic())
         first = node_pb2.TokenChunk(output_index=0, token_ids=[first_token.token_id])
         if first_token.HasField("logprob"):

@@ -3,6 +3,7 @@
     Decode(request) ──► DecodeTrace(request_id)      kept in DecodeTraces (the most recent)
     a layer's KV lands ──► layer_arrived_s[layer]    (the receiver's layer callback)
     an output token is produced ──► token_times_s    (one entry per token, index = output index)
+    milestones ──► marks_s["rpc" | "ticket" | "kv_done" | "decoding"]   (mark())
 
 All times are `time.monotonic()` seconds.
 """
@@ -23,6 +24,10 @@ class DecodeTrace:
     prefilled_locally: bool = False  # LOCAL_PREFILL, or the hand-off failed and it fell back
     layer_arrived_s: dict[int, float] = field(default_factory=dict)  # when each layer landed
     token_times_s: list[float] = field(default_factory=list)  # per output token, from index 0
+    marks_s: dict[str, float] = field(default_factory=dict)  # milestones by name
+
+    def mark(self, name: str) -> None:
+        self.marks_s[name] = time.monotonic()
 
     def on_layer_landed(self, layer_idx: int, token_end: int) -> None:
         """`KVReceiver.add_layer_callback` target: the layer's KV is in the cache."""
@@ -38,6 +43,7 @@ class DecodeTraces(OrderedDict[str, DecodeTrace]):
 
     def open(self, request_id: str) -> DecodeTrace:
         trace = self[request_id] = DecodeTrace(request_id)
+        trace.mark("rpc")
         while len(self) > self.max_traces:
             self.popitem(last=False)
         return trace

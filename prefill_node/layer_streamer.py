@@ -64,6 +64,12 @@ class TransferTrace:
     request_id: str
     layer_computed_s: list[float | None]
     layer_sent_s: list[float | None]
+    # milestones by name: "rpc", "computing", "first_token", "layers_sent", "result"
+    marks_s: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks_s[name] = time.monotonic()
+
     # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
     # hook itself runs ahead of the GPU); on CPU when the hook ran.
 
@@ -144,6 +150,7 @@ class LayerStreamer:
                 continue
             if not outgoing.started:  # its prefill started (this step): so does the transfer
                 outgoing.started = True
+                outgoing.trace.mark("computing")
                 self._loop.call_soon_threadsafe(outgoing.sender.start)
             if chunk.end_pos != request.prompt_len:
                 continue
@@ -195,11 +202,13 @@ class LayerStreamer:
         sender.start()  # (the engine's hook started it unless no layer ran, e.g. no hook)
         while outgoing.tasks and sender.remaining_s > 0:  # a drain task may start more sends
             await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
+        outgoing.trace.mark("layers_sent")
         try:
             await sender.send_first_token(token_id, logprob, finish_reason)
         except ValueError as error:  # some layer never went out
             sender.abort(str(error))
         await sender.wait()
+        outgoing.trace.mark("result")
         return sender
 
     def abort(self, request_id: str, reason: str) -> bool:

@@ -50,6 +50,7 @@ class PrefillServer(RoleServer):
             request_id=trace.request_id,
             computed_s=[t or 0.0 for t in trace.layer_computed_s],
             sent_s=[t or 0.0 for t in trace.layer_sent_s],
+            marks_s=trace.marks_s,
         )
 
     def role_stats(self, stats: EngineStats) -> dict[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,11 +48,15 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.PrefillResponse]:
+        arrived_s = time.monotonic()
         set_request_id(request.request_id)  # this call's log lines carry the request id
         await self._check_ticket(request, context)
         engine_request = await to_engine_request(self._engine, request, context)
         request_id = request.request_id
         sender = await self._open_sender(request, context)
+        trace = self._streamer.traces.get(sender.transfer_id)
+        if trace is not None:
+            trace.marks_s["rpc"] = arrived_s
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
         num_queued = engine_request.prompt_len  # load, reported until the prefill ends
         self.counters.num_queued_prefill_tokens += num_queued
@@ -66,6 +71,8 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 )
             held = first.prefill_done
             first_token = _first_token(first)
+            if trace is not None:
+                trace.mark("first_token")
             yield node_pb2.PrefillResponse(first_token=first_token)
             self.counters.num_finished_requests += 1
             sender = await self._streamer.finish(

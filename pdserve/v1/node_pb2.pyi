@@ -243,18 +243,27 @@ class NodeStats(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ...) -> None: ...
 
 class LayerTimeline(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s")
+    __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s", "marks_s")
+    class MarksSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_S_FIELD_NUMBER: _ClassVar[int]
     SENT_S_FIELD_NUMBER: _ClassVar[int]
     LANDED_S_FIELD_NUMBER: _ClassVar[int]
+    MARKS_S_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     computed_s: _containers.RepeatedScalarFieldContainer[float]
     sent_s: _containers.RepeatedScalarFieldContainer[float]
     landed_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., computed_s: _Optional[_Iterable[float]] = ..., sent_s: _Optional[_Iterable[float]] = ..., landed_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    marks_s: _containers.ScalarMap[str, float]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., computed_s: _Optional[_Iterable[float]] = ..., sent_s: _Optional[_Iterable[float]] = ..., landed_s: _Optional[_Iterable[float]] = ..., marks_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
