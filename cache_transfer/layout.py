@@ -69,3 +69,11 @@ class KVLayout:
         """Stable sha256 hex of the fields: equal hashes mean byte-compatible caches."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def kv_device_id(device: torch.device) -> str:
+    """A name for the physical device a KV cache lives on, the same in every process of the
+    host: "GPU-<uuid>" for a CUDA device, "" for the CPU."""
+    if device.type != "cuda":
+        return ""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"

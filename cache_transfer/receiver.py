@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import KVLayout, kv_device_id
 from cache_transfer.packing import CheckedIds, check_block_ids, unpack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
@@ -81,6 +81,7 @@ class KVReceiver(TransferSession):
             dst_block_ids=self.dst_block_ids,
             layout_hash=self.layout.layout_hash(),
             num_tokens=self.num_tokens,
+            kv_device=kv_device_id(kv_caches[0][0].device),
         )
         if auth is not None:
             sign_ticket(auth, self._ticket, timeout_s)

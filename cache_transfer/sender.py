@@ -71,6 +71,11 @@ class KVSender(TransferSession):
         elif self.started:
             self.spawn(self._handshake())
 
+    @property
+    def dst_kv_device(self) -> str:
+        """The device the receiver's KV cache lives on, as its ticket names it ("" unknown)."""
+        return self._ticket.kv_device
+
     def _on_start(self) -> None:
         self.spawn(self._handshake())
 

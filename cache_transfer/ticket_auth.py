@@ -29,6 +29,7 @@ def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple:
         ticket.layout_hash,
         ticket.num_tokens,
         repr(ticket.expires_at_unix_s),
+        ticket.kv_device,
     )
 
 

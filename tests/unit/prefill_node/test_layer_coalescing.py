@@ -69,3 +69,59 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
             assert all(t is not None for t in trace.layer_sent_s)
 
     harness.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_a_receiver_on_the_same_gpu_gets_every_layer_in_one_message_after_the_last(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes sharing a GPU time-slice it, so a prefill node whose ticket names its own
+    GPU sends nothing during the forward and then every layer as one message; a receiver on
+    another GPU gets layer 0 while later layers compute. (CPU here: the device names are set
+    by hand. After layer 0 the engine thread lets the event loop run its queue: layer 0's send
+    is started then, unless it waits for the last layer.)"""
+    import cache_transfer.receiver
+
+    prompt_ids = harness.prompt(41, seed=8)
+    monkeypatch.setattr(cache_transfer.receiver, "kv_device_id", lambda device: "GPU-shared")
+
+    async def main() -> None:
+        async with harness.running_nodes(transport) as nodes:
+            loop = asyncio.get_running_loop()
+            streamer = nodes.prefill.streamer
+            num_layers = nodes.prefill.layout.num_layers
+            real_hook = streamer.on_layer_done
+            computed: list[int] = []  # layers whose hook ran
+
+            def hook(layer_idx, chunks):  # engine thread
+                computed.append(layer_idx)
+                real_hook(layer_idx, chunks)
+                if layer_idx == 0:  # the loop runs what layer 0 queued (FIFO), then we go on
+                    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(HOLD_S)
+
+            nodes.prefill.core.on_layer_done = hook
+            batches: list[tuple[int, int]] = []  # (layers in the message, layers computed)
+            kv_transport = nodes.prefill.manager._transport
+            real_send_many = kv_transport.send_many
+
+            async def recording_send_many(peer_address, messages):
+                if any(payload is not None for _, payload in messages):
+                    batches.append((len(messages), len(computed)))
+                await real_send_many(peer_address, messages)
+
+            kv_transport.send_many = recording_send_many
+            streamer._kv_device = "GPU-shared"
+            handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
+            assert handoff.transfer_result.ok, handoff.transfer_result.error
+            assert batches == [(num_layers, num_layers)]  # all at once, after the last layer
+            local = await harness.run_local(nodes, "local", prompt_ids)
+            assert handoff.token_ids == local  # the KV arrived byte-exact
+
+            streamer._kv_device = "GPU-other"
+            batches.clear()
+            computed.clear()
+            again = await harness.run_disaggregated(nodes, "pd2", prompt_ids)
+            assert again.transfer_result.ok and again.token_ids == local
+            assert batches[0] == (1, 1)  # layer 0 went while layer 1 was still to compute
+
+    harness.run(main())
