@@ -133,7 +133,9 @@ class EngineCore:
     def make_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> Request:
-        """Build a validated request carrying this model's EOS ids."""
+        """Build a validated request carrying this model's EOS ids. Reads only the engine's
+        fixed configuration (model, context length, pool size), so any thread may call it (the
+        nodes do, from their event loop, without waiting for the engine thread's step)."""
         self.validate(prompt_token_ids, params)
         return Request(
             request_id=request_id,

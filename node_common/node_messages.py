@@ -14,7 +14,6 @@ from typing import Protocol
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore
 from engine.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, node_pb2
@@ -45,20 +44,18 @@ async def to_engine_request(
 ) -> Request:
     """The engine's Request for a node RPC's request, validated by the engine (token ids in
     the vocabulary, context length, sampling values); the call ends INVALID_ARGUMENT if not.
-    `output_token_ids`: a migrated request's tokens generated elsewhere (its output so far)."""
-    prompt = list(request.prompt_token_ids)
-    outputs = list(output_token_ids)
-
-    def make(core: EngineCore) -> Request:
+    `output_token_ids`: a migrated request's tokens generated elsewhere (its output so far).
+    Built here on the event loop (`EngineCore.make_request` reads only fixed configuration): a
+    trip to the engine thread would wait for its current step, up to a whole prefill chunk."""
+    core = engine.core
+    try:
         params = SamplingParams.from_proto(request.sampling)
-        engine_request = core.make_request(request.request_id, prompt, params)
-        if outputs:
+        engine_request = core.make_request(request.request_id, request.prompt_token_ids, params)
+        if output_token_ids:
+            outputs = list(output_token_ids)
             _check_outputs(outputs, params, core.arch.vocab_size)
             engine_request.output_token_ids = outputs
         return engine_request
-
-    try:
-        return await engine.call(make)
     except ValueError as error:  # InvalidRequestError included
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
