@@ -6,11 +6,12 @@
     await wait_for_stream(tensor)        an event recorded on the tensor's device's current
                                          stream, then wait_event
 
-Why not poll `event.query()` with `asyncio.sleep(0)`: the polling thread releases and retakes
-the GIL in every select(), too briefly for another thread to get it, so a thread waiting for the
-GIL (the engine thread queueing the next layer's kernels, back from its own GIL-free wait) waits
-for the interpreter's switch interval (5 ms) each time: the GPU starves while the loop spins.
-Sleeping between polls instead adds up to one sleep of latency to every layer sent.
+Why not poll `event.query()` with `asyncio.sleep(0)`: the loop then spins, retaking the GIL in
+every select() while the node's engine thread needs it to queue the next layer's kernels (a
+thread that wants the GIL from a spinning one can wait up to the switch interval, 5 ms);
+sleeping between polls instead adds up to one sleep of latency to every layer sent. (On one
+H200 the change did not move TTFT measurably; the slowdown it was suspected of came from GPU
+time-slicing: benchmarks/results/2026-12-02-h200-kv-handoff.txt, runs 5-7.)
 
 One daemon thread per process serves every loop, first come first served (CUDA work on one
 device finishes in the order it was queued, nearly always).
