@@ -7,6 +7,7 @@ write this step's k/v into the paged cache at slot_mapping
 decodes  (first num_decodes requests): q [rows, 1, H, D], one masked SDPA per length group
 prefills (the rest):                   q padded [num_prefills, max_q, H, D] -> one masked SDPA
 each SDPA gathers its rows' context K/V through block_tables into [B, max_ctx, KVH, D]
+  (a lone row whose blocks are consecutive, on CPU: a view of the cache, no copy)
 ```
 
 Query i of a request with context length c (cached tokens before this step) sits at position
@@ -52,6 +53,9 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [n * blocks_per_row] int64: the blocks the gather reads, flat
     max_len: int  # keys per row (the longest context of the group)
     mask: torch.Tensor  # [n, 1, max_q_len, max_len] bool: key visible to query
+    # One row whose blocks are consecutive (block_ids[0], block_ids[0] + 1, ...), on CPU: its
+    # context is a view of the cache and nothing is gathered (a lone request's usual case).
+    first_block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,17 +83,28 @@ def make_group(
     # A real query's position is < its seq_len, so the causal test also hides the rest of the
     # last block and block-table padding. Padded query rows see at least key 0 (no NaN).
     mask = torch.arange(max_len, device=q_positions.device) <= q_positions[:, :, None]
-    return AttentionGroup(rows, block_tables.shape[0], block_ids, max_len, mask[:, None])
+    first_block = None
+    if block_ids.device.type == "cpu" and block_tables.shape[0] == 1:
+        ids = block_ids.tolist()
+        if ids == list(range(ids[0], ids[0] + num_blocks)):
+            first_block = ids[0]
+    return AttentionGroup(
+        rows, block_tables.shape[0], block_ids, max_len, mask[:, None], first_block
+    )
 
 
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     group: AttentionGroup,
 ) -> torch.Tensor:  # [n, max_len, num_kv_heads, head_dim]
-    """Each row's context K (or V) made contiguous, reading only the blocks needed: one
-    `index_select` of whole blocks (a memcpy per block, unlike advanced indexing)."""
+    """Each row's context K (or V) as [n, max_len, KVH, D], reading only the blocks needed: one
+    `index_select` of whole blocks (a memcpy per block, unlike advanced indexing), or a view
+    of the cache for a lone row with consecutive blocks."""
     num_kv_heads, head_dim = cache.shape[2:]
-    blocks = cache.index_select(0, group.block_ids)  # [n * blocks_per_row, bs, KVH, D]
+    if group.first_block is not None:  # [blocks_per_row, bs, KVH, D]: a view, no copy
+        blocks = cache[group.first_block : group.first_block + group.block_ids.numel()]
+    else:
+        blocks = cache.index_select(0, group.block_ids)  # [n * blocks_per_row, bs, KVH, D]
     return blocks.view(group.num_rows, -1, num_kv_heads, head_dim)[:, : group.max_len]
 
 
