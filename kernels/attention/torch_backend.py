@@ -4,16 +4,24 @@ One forward handles a whole flat varlen step without a Python loop over requests
 
 ```
 write this step's k/v into the paged cache at slot_mapping
-decodes  (first num_decodes requests): q [num_decodes, 1, H, D]      -> one masked SDPA
+decodes  (first num_decodes requests): q [rows, 1, H, D], one masked SDPA per length group
 prefills (the rest):                   q padded [num_prefills, max_q, H, D] -> one masked SDPA
-each group gathers its context K/V through block_tables into [B, max_ctx, KVH, D]
+each SDPA gathers its rows' context K/V through block_tables into [B, max_ctx, KVH, D]
+  (a lone row whose blocks are consecutive, on CPU: a view of the cache, no copy)
 ```
 
 Query i of a request with context length c (cached tokens before this step) sits at position
 c + i; key j is visible iff j <= that position (causal, which also keeps j < seq_len).
+
+Everything that depends only on the step's metadata (length groups, row indices, the flat block
+ids each gather reads, causal masks, the prefill padding map) is a `StepPlan`, built once per
+step and reused by every layer: the backend keeps the plan of the last `AttentionMetadata` it
+saw. A static-shape (CUDA graph) batch builds it per call, as its buffers change under it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,41 +44,85 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows attended by one padded SDPA, and what its gather and mask need."""
+
+    rows: torch.Tensor | None  # [n] int64 rows of the part (decodes / prefills); None: all
+    num_rows: int
+    block_ids: torch.Tensor  # [n * blocks_per_row] int64: the blocks the gather reads, flat
+    max_len: int  # keys per row (the longest context of the group)
+    mask: torch.Tensor  # [n, 1, max_q_len, max_len] bool: key visible to query
+    # One row whose blocks are consecutive (block_ids[0], block_ids[0] + 1, ...), on CPU: its
+    # context is a view of the cache and nothing is gathered (a lone request's usual case).
+    first_block: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    group: AttentionGroup  # all prefill requests, one SDPA
+    flat_idx: torch.Tensor  # [num_prefill_tokens] int64: token's row in [n * max_q_len]
+    max_q_len: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode_groups: list[AttentionGroup]
+    prefill: PrefillPlan | None
+
+
+def make_group(
+    block_tables: torch.Tensor,  # [n, max_blocks_per_req] int32, the group's rows
+    q_positions: torch.Tensor,  # [n, max_q_len] int64, position of each query
+    max_len: int,
+    block_size: int,
+    rows: torch.Tensor | None = None,
+) -> AttentionGroup:
+    num_blocks = -(-max_len // block_size)
+    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
+    # A real query's position is < its seq_len, so the causal test also hides the rest of the
+    # last block and block-table padding. Padded query rows see at least key 0 (no NaN).
+    mask = torch.arange(max_len, device=q_positions.device) <= q_positions[:, :, None]
+    first_block = None
+    if block_ids.device.type == "cpu" and block_tables.shape[0] == 1:
+        ids = block_ids.tolist()
+        if ids == list(range(ids[0], ids[0] + num_blocks)):
+            first_block = ids[0]
+    return AttentionGroup(
+        rows, block_tables.shape[0], block_ids, max_len, mask[:, None], first_block
+    )
+
+
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
-    max_ctx_len: int,
-) -> torch.Tensor:  # [num_reqs, max_ctx_len, num_kv_heads, head_dim]
-    """Each request's context K (or V) made contiguous, reading only the blocks needed."""
-    num_reqs = block_tables.shape[0]
-    block_size, num_kv_heads, head_dim = cache.shape[1:]
-    num_blocks = -(-max_ctx_len // block_size)
-    # [num_reqs, num_blocks, block_size, num_kv_heads, head_dim]
-    blocks = cache[block_tables[:, :num_blocks].long()]
-    return blocks.view(num_reqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx_len]
+    group: AttentionGroup,
+) -> torch.Tensor:  # [n, max_len, num_kv_heads, head_dim]
+    """Each row's context K (or V) as [n, max_len, KVH, D], reading only the blocks needed: one
+    `index_select` of whole blocks (a memcpy per block, unlike advanced indexing), or a view
+    of the cache for a lone row with consecutive blocks."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    if group.first_block is not None:  # [blocks_per_row, bs, KVH, D]: a view, no copy
+        blocks = cache[group.first_block : group.first_block + group.block_ids.numel()]
+    else:
+        blocks = cache.index_select(0, group.block_ids)  # [n * blocks_per_row, bs, KVH, D]
+    return blocks.view(group.num_rows, -1, num_kv_heads, head_dim)[:, : group.max_len]
 
 
 def paged_attention(
-    q: torch.Tensor,  # [num_reqs, max_q_len, num_heads, head_dim] (padded)
-    q_positions: torch.Tensor,  # [num_reqs, max_q_len] int64, position of each query
+    q: torch.Tensor,  # [n, max_q_len, num_heads, head_dim] (padded)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
-    max_seq_len: int,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
     scale: float,
-) -> torch.Tensor:  # [num_reqs, max_q_len, num_heads, head_dim]
+) -> torch.Tensor:  # [n, max_q_len, num_heads, head_dim]
     """Causal attention of padded queries over their requests' paged context."""
-    k = gather_context(k_cache, block_tables, max_seq_len)  # [B, max_seq_len, KVH, D]
-    v = gather_context(v_cache, block_tables, max_seq_len)
-    # [num_reqs, max_q_len, max_seq_len]. A real query's position is < its seq_len, so the
-    # causal test also hides the rest of the last block and block-table padding. Padded query
-    # rows see at least key 0 (no NaN) and are dropped by the caller.
-    mask = torch.arange(max_seq_len, device=q.device) <= q_positions[:, :, None]
+    k = gather_context(k_cache, group)  # [n, max_len, KVH, D]
+    v = gather_context(v_cache, group)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask[:, None],
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )
@@ -97,19 +149,59 @@ def length_groups(seq_lens: tuple[int, ...]) -> list[tuple[list[int], int]]:
     return groups
 
 
-def _decode_group(
-    q: torch.Tensor,  # [num_rows, num_heads, head_dim]
-    seq_lens: torch.Tensor,  # [num_rows] int64
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_rows, max_blocks_per_req]
-    max_len: int,
-    scale: float,
-) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
-    out = paged_attention(
-        q[:, None], (seq_lens - 1)[:, None], k_cache, v_cache, block_tables, max_len, scale
+def decode_groups(meta: AttentionMetadata, block_size: int) -> list[AttentionGroup]:
+    """One group per set of similar context lengths (at most `MAX_DECODE_GROUPS`): padding
+    every decode to the longest context wastes up to half the gathered KV when lengths are
+    spread, and the gather is most of decode attention's cost. A static-shape batch is one
+    group padded to the block tables' capacity (no host decision on its lengths)."""
+    num_decodes = meta.num_decodes
+    positions = (meta.seq_lens[:num_decodes].long() - 1)[:, None]  # [num_decodes, 1]
+    block_tables = meta.block_tables[:num_decodes]
+    if meta.static_shapes:
+        return [make_group(block_tables, positions, meta.max_seq_len, block_size)]
+    groups = length_groups(meta.seq_lens_cpu[:num_decodes])
+    if len(groups) == 1:
+        return [make_group(block_tables, positions, groups[0][1], block_size)]
+    plans = []
+    for rows, max_len in groups:
+        idx = torch.tensor(rows, device=positions.device)
+        plans.append(
+            make_group(
+                block_tables.index_select(0, idx),
+                positions.index_select(0, idx),
+                max_len,
+                block_size,
+                rows=idx,
+            )
+        )
+    return plans
+
+
+def prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
+    """Where each prefill token sits in the padded [num_prefills, max_q_len] layout, and the
+    prefills' single group."""
+    first = meta.num_decodes
+    num_prefills = meta.num_reqs - first
+    num_prefill_tokens = meta.num_tokens - first
+    device = meta.seq_lens.device
+    query_start_loc = meta.query_start_loc[first:].long() - meta.query_start_loc[first]
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_prefills]
+    req_idx = torch.repeat_interleave(
+        torch.arange(num_prefills, device=device), query_lens, output_size=num_prefill_tokens
     )
-    return out[:, 0]
+    token_idx = torch.arange(num_prefill_tokens, device=device) - query_start_loc[req_idx]
+    max_q_len = max(meta.query_lens_cpu[first:])
+    context_lens = meta.seq_lens[first:].long() - query_lens  # tokens cached before this step
+    q_positions = context_lens[:, None] + torch.arange(max_q_len, device=device)
+    max_len = max(meta.seq_lens_cpu[first:])
+    group = make_group(meta.block_tables[first:], q_positions, max_len, block_size)
+    return PrefillPlan(group, req_idx * max_q_len + token_idx, max_q_len)
+
+
+def step_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    decodes = decode_groups(meta, block_size) if meta.num_decodes > 0 else []
+    prefill = prefill_plan(meta, block_size) if meta.num_reqs > meta.num_decodes else None
+    return StepPlan(decodes, prefill)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -117,6 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     graph_max_context = 8192
+
+    def __init__(self) -> None:
+        # (meta, its plan): every layer of a step passes the same metadata object. One tuple,
+        # replaced whole, so a reader never pairs one step's meta with another's plan.
+        self._last_plan: tuple[AttentionMetadata, StepPlan] | None = None
 
     def forward(
         self,
@@ -135,73 +232,57 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = self._plan(meta, k_cache.shape[1])
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
-        if num_decodes > 0:
-            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, meta, scale)
-        if meta.num_reqs > num_decodes:
-            out[num_decodes:] = self._prefill(q[num_decodes:], k_cache, v_cache, meta, scale)
+        if plan.decode_groups:
+            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale)
+        if plan.prefill is not None:
+            out[num_decodes:] = _prefill(q[num_decodes:], k_cache, v_cache, plan.prefill, scale)
         return out
 
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-        """One padded attention per group of similar context lengths (at most
-        `MAX_DECODE_GROUPS`): padding every decode to the longest context wastes up to half the
-        gathered KV when lengths are spread, and the gather is most of decode attention's cost."""
-        num_decodes = meta.num_decodes
-        seq_lens = meta.seq_lens[:num_decodes].long()
-        block_tables = meta.block_tables[:num_decodes]
-        if meta.static_shapes:  # one padded group, as long as the block tables hold
-            groups = [(list(range(num_decodes)), meta.max_seq_len)]
-        else:
-            groups = length_groups(meta.seq_lens_cpu[:num_decodes])
-        if len(groups) == 1:
-            return _decode_group(q, seq_lens, k_cache, v_cache, block_tables, groups[0][1], scale)
-        out = torch.empty_like(q)
-        for rows, max_len in groups:
-            idx = torch.tensor(rows, device=q.device)
-            out[idx] = _decode_group(
-                q[idx], seq_lens[idx], k_cache, v_cache, block_tables[idx], max_len, scale
-            )
-        return out
+    def _plan(self, meta: AttentionMetadata, block_size: int) -> StepPlan:
+        if meta.static_shapes:  # graph buffers: the plan must be recomputed from them
+            return step_plan(meta, block_size)
+        last = self._last_plan
+        if last is not None and last[0] is meta:
+            return last[1]
+        plan = step_plan(meta, block_size)
+        self._last_plan = (meta, plan)
+        return plan
 
-    @staticmethod
-    def _prefill(
-        q: torch.Tensor,  # [num_prefill_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
-        first = meta.num_decodes
-        num_prefills = meta.num_reqs - first
-        num_prefill_tokens, num_heads, head_dim = q.shape
-        query_start_loc = meta.query_start_loc[first:].long() - meta.query_start_loc[first]
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_prefills]
-        # Where each flat token sits in the padded [num_prefills, max_q_len] layout.
-        req_idx = torch.repeat_interleave(
-            torch.arange(num_prefills, device=q.device), query_lens, output_size=num_prefill_tokens
-        )
-        token_idx = torch.arange(num_prefill_tokens, device=q.device) - query_start_loc[req_idx]
-        max_q_len = max(meta.query_lens_cpu[first:])
-        q_padded = q.new_zeros(num_prefills, max_q_len, num_heads, head_dim)
-        q_padded[req_idx, token_idx] = q
-        # [num_prefills] tokens cached before this step
-        context_lens = meta.seq_lens[first:].long() - query_lens
-        q_positions = context_lens[:, None] + torch.arange(max_q_len, device=q.device)
-        out = paged_attention(
-            q_padded,
-            q_positions,
-            k_cache,
-            v_cache,
-            meta.block_tables[first:],
-            max(meta.seq_lens_cpu[first:]),
-            scale,
-        )
-        return out[req_idx, token_idx]
+
+def _decode(
+    q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """One padded attention per length group."""
+    groups = plan.decode_groups
+    if len(groups) == 1 and groups[0].rows is None:
+        return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale)[:, 0]
+    out = torch.empty_like(q)
+    for group in groups:
+        q_group = q.index_select(0, group.rows)[:, None]  # [n, 1, H, D]
+        out_group = paged_attention(q_group, k_cache, v_cache, group, scale)[:, 0]
+        out.index_copy_(0, group.rows, out_group)
+    return out
+
+
+def _prefill(
+    q: torch.Tensor,  # [num_prefill_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
+    """One padded attention over every prefill chunk."""
+    _, num_heads, head_dim = q.shape
+    num_rows = plan.group.num_rows * plan.max_q_len
+    q_padded = q.new_zeros(num_rows, num_heads, head_dim)
+    q_padded.index_copy_(0, plan.flat_idx, q)
+    q_padded = q_padded.view(plan.group.num_rows, plan.max_q_len, num_heads, head_dim)
+    out = paged_attention(q_padded, k_cache, v_cache, plan.group, scale)
+    return out.reshape(num_rows, num_heads, head_dim).index_select(0, plan.flat_idx)

@@ -141,3 +141,34 @@ def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
         assert max_len == max(seq_lens[r] for r in group_rows)
         assert min(seq_lens[r] for r in group_rows) >= 0.7 * max_len
     assert length_groups((10, 9, 8, 10)) == [([0, 3, 1, 2], 10)]  # close lengths: one group
+
+
+@pytest.mark.parametrize("query_len", [1, 7], ids=["decode", "prefill"])
+def test_lone_request_with_consecutive_blocks_reads_a_view(query_len: int) -> None:
+    """One request whose blocks are consecutive attends over a view of the cache (no gather):
+    exactly what the gather gives, and the reference's values."""
+    from kernels.attention.torch_backend import step_plan
+
+    batch = make_batch(
+        [query_len], [37], int(query_len == 1), num_heads=6, num_kv_heads=2, head_dim=16,
+        block_size=8, seed=11,
+    )  # fmt: skip
+    num_blocks = -(-(37 + query_len) // 8)
+    consecutive = torch.arange(2, 2 + num_blocks, dtype=torch.int32)[None]
+    meta = dataclasses.replace(batch.meta, block_tables=consecutive)
+    # The same blocks' values, as a permuted copy the gather must read.
+    scattered = dataclasses.replace(batch.meta, block_tables=consecutive.flip(1))
+    k_copy, v_copy = batch.clone_caches()
+    k_copy[consecutive.flip(1)[0].long()] = batch.k_cache[consecutive[0].long()]
+    v_copy[consecutive.flip(1)[0].long()] = batch.v_cache[consecutive[0].long()]
+    plan = step_plan(meta, 8)
+    group = plan.decode_groups[0] if query_len == 1 else plan.prefill.group
+    assert group.first_block == 2
+    args = (batch.q, batch.k, batch.v)  # kv_written: the caches hold every key already
+    viewed = TorchAttentionBackend().forward(
+        *args, batch.k_cache, batch.v_cache, meta, 0.25, kv_written=True
+    )
+    gathered = TorchAttentionBackend().forward(
+        *args, k_copy, v_copy, scattered, 0.25, kv_written=True
+    )
+    assert torch.equal(viewed, gathered)
