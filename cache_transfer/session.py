@@ -190,7 +190,13 @@ class TransferSession:
         else:
             sending = self._transport.send_many(self._peer_address, encoded)
         try:
-            await asyncio.wait_for(sending, self.remaining_s)
+            # Not wait_for: on 3.11 it runs `sending` as a task of its own, a loop iteration
+            # later, so a caller that goes on packing the next layer holds this one back.
+            if self.remaining_s <= 0:
+                sending.close()
+                raise TimeoutError
+            async with asyncio.timeout(self.remaining_s):
+                await sending
         except TimeoutError:
             self.fail(f"send to {self._peer_address} timed out", notify_peer=False)
             return False
