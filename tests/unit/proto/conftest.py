@@ -33,13 +33,23 @@ def _value(field: FieldDescriptor, index: int) -> object:
 
 def filled_message(message_class: type[Message]) -> Message:
     """An instance with every field set to a non-default value (the first member of each oneof),
-    each repeated field holding two entries, recursively."""
+    each repeated field and map holding two entries, recursively."""
     message = message_class()
     for field in message.DESCRIPTOR.fields:
         oneof = field.containing_oneof
         if oneof is not None and oneof.fields[0].name != field.name:
             continue
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key_field, value_field = field.message_type.fields  # a map: two entries
+            entries = getattr(message, field.name)
+            for i in range(2):
+                key = _value(key_field, i)
+                if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                    value_class = GetMessageClass(value_field.message_type)
+                    entries[key].CopyFrom(filled_message(value_class))
+                else:
+                    entries[key] = _value(value_field, i)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
             sub_class = GetMessageClass(field.message_type)
             if field.is_repeated:
                 for _ in range(2):
