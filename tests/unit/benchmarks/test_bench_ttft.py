@@ -1,5 +1,6 @@
 """pd-bench ttft on CPU: starts a colocated and a 1P1D pd-serve with a tiny model, prints the
-TTFT table for each prompt length and the last request's per-layer timeline."""
+TTFT table for each prompt length, each length's last 1P1D request's milestones, and the last
+request's per-layer timeline."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def test_ttft_prints_both_clusters_ratio_and_timeline() -> None:
         assert 0 < float(computed) <= float(sent)  # the same host clock as the client's
         assert float(landed) > 0
     assert re.search(r"last layer landed -?\d+\.\d\d ms after it was computed", out), out
+    for n in (48, 160):  # each length's last 1P1D request, its milestones in time order
+        block = out.split(f"milestones of the last 1P1D request ({n} tokens)", 1)[1]
+        block = block.split("\n\n", 1)[0]
+        names = re.findall(rf"^\s+{number}\d  (.+)$", block, re.M)
+        causal = ["decode rpc", "decode ticket", "prefill rpc", "prefill computing"]
+        causal += ["prefill first_token", "client token 0"]
+        assert [m for m in names if m in causal] == causal, block
+        later = ["decode kv_done", "decode decoding", "client token 1"]
+        assert [m for m in names if m in later] == later, block
 
 
 def test_percentiles_and_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
