@@ -68,14 +68,13 @@ class TransferTrace:
     request_id: str
     layer_computed_s: list[float | None]
     layer_sent_s: list[float | None]
+    # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
+    # hook itself runs ahead of the GPU); on CPU when the hook ran.
     # milestones by name: "rpc", "computing", "first_token", "layers_sent", "result"
     marks_s: dict[str, float] = field(default_factory=dict)
 
     def mark(self, name: str) -> None:
         self.marks_s[name] = time.monotonic()
-
-    # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
-    # hook itself runs ahead of the GPU); on CPU when the hook ran.
 
 
 @dataclass

@@ -31,7 +31,7 @@ from node_common.role_server import RoleServer
 from node_common.role_servicer import NodeCounters, RoleServicer
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.layer_streamer import LayerStreamer
+from prefill_node.layer_streamer import LayerStreamer, TransferTrace
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,8 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         await self._check_ticket(request, context)
         engine_request = await to_engine_request(self._engine, request, context)
         request_id = request.request_id
-        sender = await self._open_sender(request, context)
-        trace = self._streamer.traces.get(sender.transfer_id)
-        if trace is not None:
-            trace.marks_s["rpc"] = arrived_s
+        sender, trace = await self._open_sender(request, context)
+        trace.marks_s["rpc"] = arrived_s
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
         num_queued = engine_request.prompt_len  # load, reported until the prefill ends
         self.counters.num_queued_prefill_tokens += num_queued
@@ -71,8 +69,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 )
             held = first.prefill_done
             first_token = _first_token(first)
-            if trace is not None:
-                trace.mark("first_token")
+            trace.mark("first_token")
             yield node_pb2.PrefillResponse(first_token=first_token)
             self.counters.num_finished_requests += 1
             sender = await self._streamer.finish(
@@ -134,7 +131,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
 
     async def _open_sender(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> KVSender:
+    ) -> tuple[KVSender, TransferTrace]:
         try:
             timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
             sender = self._manager.create_sender(
@@ -144,11 +141,11 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         sender.add_finish_callback(self._metrics.transfer_finished)
         try:
-            self._streamer.open(request.request_id, sender)
+            trace = self._streamer.open(request.request_id, sender)
         except ValueError as error:  # the request id is already prefilling here
             sender.abort(str(error))
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        return sender
+        return sender, trace
 
     async def _prefill(self, request: Request, sender: KVSender) -> StepOutput | None:
         """Run the prefill; its one output (prefill done, or finished by the first token), or

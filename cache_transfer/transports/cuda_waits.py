@@ -39,9 +39,11 @@ async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None) ->
         return
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
+    done.add_done_callback(_retrieve)  # a CUDA error after the caller gave up is not news
     _ensure_waiter()
     _jobs.put((event, loop, done))
-    await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        await asyncio.shield(done)
 
 
 async def wait_for_stream(tensor: torch.Tensor, timeout_s: float | None = None) -> None:
@@ -84,3 +86,8 @@ def _settle(done: asyncio.Future[None], outcome: BaseException | None) -> None:
         done.set_result(None)
     else:
         done.set_exception(outcome)
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():
+        done.exception()
