@@ -10,9 +10,10 @@ ceiling measured in the same run.
                     --gemm-size 256
 
 Decode: `batch` requests admitted at `context` tokens through the decode role's path (reserve +
-add_prefilled: KV blocks in place, no prefill run), then `EngineCore.step()` timed on the host
-(each step ends when its sampled ids are on the host); the median of `--steps` steps after
-`--warmup-steps`. Its ceiling is the roofline: the bytes a step must read (every weight once,
+add_prefilled: KV blocks in place, no prefill run), then `--steps` calls of `EngineCore.step()`
+after `--warmup-steps`, timed together on the host: the time per step (with async scheduling,
+on CUDA by default, a call launches step n+1 and returns step n's tokens, so the host's work
+hides under the device's; `--async-scheduling off` shows the synchronous step). Its ceiling is the roofline: the bytes a step must read (every weight once,
 the LM head included, plus each request's KV context) over the copy bandwidth measured here.
 Prefill: one prompt of N tokens in one step (its first token sampled), FLOPs over time, against
 a bf16 (the model dtype's) square GEMM measured here. Floor: `--floor-model` at batch 1.
@@ -33,7 +34,7 @@ from benchmarks import engine_ceilings as ceil
 from benchmarks.serve_report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
-from pdserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
+from pdserve.config import ASYNC_SCHEDULING, ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
 from pdserve.sampling_params import SamplingParams
 
 
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--async-scheduling",
+        default="auto",
+        choices=ASYNC_SCHEDULING,
+        help="launch step n+1 before waiting for step n (auto: on CUDA; default: %(default)s)",
+    )
+    p.add_argument(
         "--batch-sizes",
         type=_ints,
         default=[1, 8, 32, 128],
@@ -114,14 +121,16 @@ def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: in
     config = EngineConfig.from_kwargs(
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
+        async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
         enable_prefix_caching=False,
     )  # fmt: skip
     return EngineCore(config)
 
 
 def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup: int) -> float:
-    """Median host time of one decode step of `batch` requests at `context` tokens."""
+    """Host time per decode step of `batch` requests at `context` tokens: `steps` calls of
+    `EngineCore.step()` after `warmup`, timed together (with async scheduling a call returns
+    the previous step's tokens while launching the next, so single calls are not steps)."""
     ids = itertools.count()
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True)
     request_ids = []
@@ -131,16 +140,17 @@ def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup
         request = core.make_request(rid, prompt, params)
         core.add_prefilled(request, core.reserve(rid, context + 1), first_token=11)
         request_ids.append(rid)
-    times = []
-    for _ in range(steps + warmup):
-        start = time.perf_counter()
+    for _ in range(warmup):
         core.step()
-        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    elapsed = time.perf_counter() - start
     for rid in request_ids:
         core.abort(rid)
     while core.has_unfinished():
         core.step()
-    return statistics.median(times[warmup:])
+    return elapsed / steps
 
 
 def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
@@ -149,9 +159,11 @@ def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
     times = []
     for i in range(iters + 1):
         prompt = [(13 * j + i) % 500 + 10 for j in range(num_tokens)]
-        core.add_request(core.make_request(f"prefill-{num_tokens}-{i}", prompt, params))
+        rid = f"prefill-{num_tokens}-{i}"
+        core.add_request(core.make_request(rid, prompt, params))
         start = time.perf_counter()
-        core.step()
+        while not any(out.request_id == rid for out in core.step()):  # until its token is out
+            pass
         times.append(time.perf_counter() - start)
         while core.has_unfinished():
             core.step()
@@ -204,6 +216,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
         "cuda_graphs": bool(graphs and graphs.captured),
         "graph_capture_s": graphs.capture_s if graphs else 0.0,
         "graph_pool_mib": graphs.pool_bytes / (1 << 20) if graphs else 0.0,
+        "async_scheduling": core.async_scheduling,
         "bandwidth_GBps": bandwidth / 1e9, "gemm_TFLOPs": gemm / 1e12,
     }  # fmt: skip
     label = args.model.removeprefix("synthetic:")
@@ -229,6 +242,7 @@ def format_table(rows: list[Row], info: dict) -> str:
         f"{'CUDA graphs' if info['cuda_graphs'] else 'eager'}"
         + (f" (captured in {info['graph_capture_s']:.1f} s, {info['graph_pool_mib']:.0f} MiB)"
            if info["cuda_graphs"] else "")
+        + f", async scheduling {'on' if info['async_scheduling'] else 'off'}"
         + f"\nceilings measured in this run: memory copy {info['bandwidth_GBps']:.0f} GB/s "
         f"(read+write), GEMM {_flops(info['gemm_TFLOPs'] * 1e12)} ({info['dtype']})\n"
     )  # fmt: skip

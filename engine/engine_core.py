@@ -4,8 +4,11 @@ add_request(req) ─────────────┐                    (
 reserve(id, n) -> block_ids   │                    (decode role: blocks for incoming KV)
 add_prefilled(req, ids, tok) ─┤                    (decode role: prompt KV in place)
                               v
-step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
-         -> list[StepOutput]      (prefill-only mode: StepOutput.prefill_done, blocks held)
+step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
+         -> LaunchedStep.wait() -> Scheduler.update_from_output() -> list[StepOutput]
+         (prefill-only mode: StepOutput.prefill_done, blocks held)
+         async scheduling: step n+1 is scheduled ahead and launched before step n is waited
+         for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
 """
 
@@ -22,11 +25,12 @@ from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
-from engine.model_runner import LayerHook, ModelRunner
+from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from kernels.attention import get_attention_backend
 from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve.config import CacheConfig, EngineConfig
@@ -86,15 +90,19 @@ class EngineCore:
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
         self._reservations: dict[str, list[int]] = {}
+        self.async_scheduling = _async_scheduling(config, self.device)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous one was waited for
         graphs = self.runner.decode_graphs
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
-            "decode=%s",
+            "decode=%s async_scheduling=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
             self.pool.num_blocks, block_size,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
+            self.async_scheduling,
         )  # fmt: skip
 
     def _decode_graphs_usable(self) -> bool:
@@ -220,14 +228,47 @@ class EngineCore:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Run one step; return the outputs of the step that completed.
+
+        Without async scheduling: schedule, launch, wait, update. With it, a step launched
+        by the previous call is in flight: the next one is scheduled ahead and launched first
+        (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
+        returned, so the host's work overlaps the device's. When the next step cannot be
+        chosen ahead (prompts to admit, penalties, no free slot), the one in flight is waited
+        for first and the next is scheduled as usual and left in flight."""
+        if not self.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                return self.scheduler.drain_finished_outputs()
+            return self._wait(scheduler_output, self._launch(scheduler_output))
+        outputs: list[StepOutput] = []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            ahead = self.scheduler.schedule_ahead()
+            if ahead is not None:
+                self._in_flight = (ahead, self._launch(ahead, prev=in_flight[1]))
+                self.num_steps_ahead += 1
+            outputs = self._wait(*in_flight)
+            if ahead is not None:
+                return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return self.scheduler.drain_finished_outputs()
-        runner_output = self.runner.execute(scheduler_output, self.on_layer_done)
-        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
+            return outputs + self.scheduler.drain_finished_outputs()
+        self._in_flight = (scheduler_output, self._launch(scheduler_output))
+        return outputs
+
+    def _launch(
+        self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
+        self.scheduler.on_launched(scheduler_output)
+        return launched
+
+    def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
+        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     def get_request(self, request_id: str) -> Request | None:
         return self.scheduler.get_request(request_id)
@@ -235,6 +276,7 @@ class EngineCore:
     def check_no_leaks(self) -> None:
         """Assert every KV block is free (or evictable prefix cache) once nothing runs."""
         assert not self._reservations, f"reservations still held: {sorted(self._reservations)}"
+        assert self._in_flight is None, "a launched step was never waited for"
         self.kv_cache_manager.check_no_leaks()
 
     def stats(self) -> EngineStats:
@@ -253,6 +295,17 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+
+def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """auto: on CUDA (the host's work hides under the device's), never for the prefill role
+    (its steps are long prefills, and its per-layer hook must see each step finish first)."""
+    mode = config.scheduler.async_scheduling
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"async_scheduling must be auto, on or off; got {mode!r}")
+    if config.scheduler.prefill_only or mode == "off":
+        return False
+    return mode == "on" or device.type == "cuda"
 
 
 def _with_backend_block_size(

@@ -116,13 +116,16 @@ class KVCacheManager:
         request.block_ids.extend(self._allocate_block() for _ in range(num_new_blocks))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Hash and register `request`'s blocks that are now full of computed tokens (none
-        for a request whose KV may not be shared: `request.cache_kv` False)."""
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Hash and register `request`'s blocks that are now full of computed tokens (its
+        first `num_computed_tokens`, default all; none for a request whose KV may not be
+        shared: `request.cache_kv` False)."""
         if not self.enable_prefix_caching or not request.cache_kv:
             return
         block_size = self.block_size
-        num_full_blocks = request.num_computed_tokens // block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full_blocks = num_computed_tokens // block_size
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_hashed:
             return

@@ -9,8 +9,11 @@ SchedulerOutput.chunks (any order)
   -> logits of each chunk that samples (its last token) -> Sampler -> ModelRunnerOutput
      (on the device for the whole batch; one copy brings the ids back: the step's only sync)
 
-execute() = prepare() -> forward() -> sample(): the phases are public so that
-benchmarks/profile_step.py can time each one.
+execute() = launch().wait(); launch() = prepare() -> forward() -> sample on the device and
+queue the copy of the ids (no wait), so the caller can schedule and launch the next step
+before this one's tokens are on the host (async scheduling, `EngineCore.step`); the next
+step's `PENDING` decodes read their input from this step's ids on the device. The phases are
+public so that benchmarks/profile_step.py can time each one.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
-from engine.request import TokenLogprobs
-from engine.sampler import Sampler
+from engine.request import Request, TokenLogprobs
+from engine.sampler import PendingSample, Sampler
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import FlatBatch, StepInputBuilder
+from engine.step_inputs import DeviceTokens, FlatBatch, StepInputBuilder
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -35,6 +38,33 @@ LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 class ModelRunnerOutput:
     # request_id -> (sampled token, its logprobs if asked); only chunks with sample=True
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its sampled ids on the device, their copy under way."""
+
+    sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
+    sample: PendingSample | None = None
+
+    def device_tokens(self) -> DeviceTokens | None:
+        """Where the next step finds each request's token while this one runs."""
+        if self.sample is None:
+            return None
+        rows = {request: i for i, request in enumerate(self.sampling_requests)}
+        return DeviceTokens(self.sample.token_ids, rows)
+
+    def wait(self) -> ModelRunnerOutput:
+        """The sampled tokens on the host (waits for the device, GIL released)."""
+        output = ModelRunnerOutput()
+        if self.sample is None:
+            return output
+        sampled = self.sample.result()
+        for request, token_id, logprobs in zip(
+            self.sampling_requests, sampled.token_ids, sampled.logprobs
+        ):
+            output.sampled[request.request_id] = (token_id, logprobs)
+        return output
 
 
 class ModelRunner:
@@ -70,14 +100,26 @@ class ModelRunner:
     def execute(
         self, scheduler_output: SchedulerOutput, on_layer_done: LayerHook | None = None
     ) -> ModelRunnerOutput:
-        """One step: `prepare` (inputs), `forward` (graph replay or eager), `sample`."""
-        batch = self.prepare(scheduler_output)
-        hidden = self.forward(batch, on_layer_done)
-        return self.sample(batch, hidden)
+        """One step, waited for: `launch(...).wait()`."""
+        return self.launch(scheduler_output, on_layer_done).wait()
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> FlatBatch:
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        on_layer_done: LayerHook | None = None,
+        prev: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue one step: `prepare` (inputs; `PENDING` decodes read `prev`'s ids), `forward`
+        (graph replay or eager), the sampler, and the copy of its ids. No wait."""
+        batch = self.prepare(scheduler_output, prev)
+        hidden = self.forward(batch, on_layer_done)
+        return self.sample_async(batch, hidden)
+
+    def prepare(
+        self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
+    ) -> FlatBatch:
         """The step's device inputs (host numpy, one copy); no sync."""
-        return self._build(scheduler_output.chunks)
+        return self._build(scheduler_output.chunks, prev.device_tokens() if prev else None)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
@@ -90,27 +132,29 @@ class ModelRunner:
             self._layer_hook(batch, on_layer_done),
         )  # fmt: skip
 
-    @torch.inference_mode()
     def sample(self, batch: FlatBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
-        """Logits of the sampling rows, the sampler on the device for the whole batch, and one
-        copy of the sampled ids (with any logprobs) to the host: the step's only sync."""
-        output = ModelRunnerOutput()
+        """`sample_async` and wait: the step's only sync."""
+        return self.sample_async(batch, hidden).wait()
+
+    @torch.inference_mode()
+    def sample_async(self, batch: FlatBatch, hidden: torch.Tensor) -> LaunchedStep:
+        """Logits of the sampling rows, the sampler on the device for the whole batch, and the
+        queued copy of the sampled ids (with any logprobs) to the host."""
+        step = LaunchedStep()
         if not batch.sampling_chunks:
-            return output
+            return step
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
             rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed
         else:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
-        requests = [c.request for c in batch.sampling_chunks]
-        sampled = self.sampler(logits, requests)
-        for chunk, token_id, logprobs in zip(
-            batch.sampling_chunks, sampled.token_ids, sampled.logprobs
-        ):
-            output.sampled[chunk.request.request_id] = (token_id, logprobs)
-        return output
+        step.sampling_requests = [c.request for c in batch.sampling_chunks]
+        step.sample = self.sampler.launch(logits, step.sampling_requests)
+        return step
 
-    def _build(self, chunks: Sequence[ScheduledChunk]) -> FlatBatch:
+    def _build(
+        self, chunks: Sequence[ScheduledChunk], prev: DeviceTokens | None = None
+    ) -> FlatBatch:
         """The step's inputs, padded (and `is_decode_only`: graph-routed) only for a batch of
         plain decodes (no 1-token prompt chunk, whose KV the prefill hook must see) that fits
         a graph."""
@@ -119,7 +163,7 @@ class ModelRunner:
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
-        return self.inputs.build(chunks, pad_to)
+        return self.inputs.build(chunks, pad_to, prev)
 
     def _layer_hook(
         self, batch: FlatBatch, on_layer_done: LayerHook | None

@@ -57,7 +57,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or queued on the device)
+    # Tokens sampled by launched steps whose ids are still on the device (async scheduling:
+    # at most 2; the next step reads the last one there). Not in output_token_ids yet.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -73,6 +76,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, pending ones included: the index of the next draw."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -23,13 +23,12 @@ same tokens alone, in any batch, after preemption, or after a hand-off to anothe
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request, TokenLogprobs
-from pdserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5
@@ -61,14 +60,6 @@ def _on_device(
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def _has_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
-
-
 def _token_counts(
     token_lists: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -93,9 +84,11 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     """Repetition penalty over prompt + output tokens (divides positive logits, multiplies
     negative ones), then frequency and presence penalties over output tokens (vLLM order).
     Only rows with a penalty are touched; returns a new tensor when any row is."""
-    rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return logits
+    if any(requests[i].num_pending_tokens for i in rows):
+        raise ValueError("penalties need every output token on the host (none pending)")
     device, vocab_size = logits.device, logits.shape[1]
     params = [requests[i].sampling_params for i in rows]
     row_idx = _on_device(rows, device)
@@ -126,7 +119,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     token_ids: list[int] = []
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if len(request.output_token_ids) >= params.min_tokens:
+        if request.num_sampled_tokens >= params.min_tokens:
             continue
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -175,6 +168,13 @@ class Sampler:
         self._seeded: dict[torch.device, torch.Generator] = {}  # reseeded for every draw
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Sample and wait for the result (one copy to the host)."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> PendingSample:
+        """Queue the sampling of every row on the logits' device and the one copy of its
+        results to the host; `PendingSample.result()` waits for them. Reads each request's
+        params and `num_sampled_tokens` now (the caller may then mark the tokens pending)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [num_reqs, vocab] with one row per request; got shape "
@@ -190,7 +190,11 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)  # [num_reqs]
         logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not logprob_rows:
-            return SamplerOutput(to_host_list(token_ids), [None] * len(requests))  # the one copy
+            num_reqs = len(requests)
+            return PendingSample(
+                token_ids, HostCopy(token_ids),
+                lambda ids: SamplerOutput(ids, [None] * num_reqs),
+            )  # fmt: skip
         return _with_logprobs(raw_logits, token_ids, requests, logprob_rows)
 
     def _sample_random_rows(
@@ -236,9 +240,7 @@ class Sampler:
         generator = self._generator(self._seeded, device, 0)
         for i in seeded_rows:
             request = requests[i]
-            seed = seeded_generator_seed(
-                request.sampling_params.seed, len(request.output_token_ids)
-            )
+            seed = seeded_generator_seed(request.sampling_params.seed, request.num_sampled_tokens)
             generator.manual_seed(seed)
             noise[i].exponential_(generator=generator)  # in place: the row is contiguous
         # exponential_ may return exactly 0; keep the division finite.
@@ -253,19 +255,45 @@ class Sampler:
         return generator
 
 
+class HostCopy:
+    """A non-blocking copy of a device tensor into pinned host memory, queued now on the
+    current stream; `tolist()` waits for it with the GIL released. (`tensor.tolist()` would
+    hold the GIL for the step's whole GPU time, starving the node's event loop: KV sends, token
+    streaming, heartbeats.) On CPU the values are taken at once."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._done: torch.cuda.Event | None = None
+        if not tensor.is_cuda:
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(tensor.device))
+
+    def tolist(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()  # releases the GIL while it waits
+        return self._host.tolist()
+
+
 def to_host_list(tensor: torch.Tensor) -> list:
-    """`tensor.tolist()`, waiting for a CUDA tensor with the GIL released: one non-blocking copy
-    into pinned memory, then an event wait. tolist's own wait holds the GIL for the step's whole
-    GPU time, which would starve the node's event loop (KV sends, token streaming, heartbeats)
-    on every step."""
-    if not tensor.is_cuda:
-        return tensor.tolist()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(tensor.device))
-    copied.synchronize()  # releases the GIL while it waits
-    return host.tolist()
+    """`tensor.tolist()`, waiting for a CUDA tensor with the GIL released (see `HostCopy`)."""
+    return HostCopy(tensor).tolist()
+
+
+@dataclass
+class PendingSample:
+    """A launched sampling: the ids stay on the device for the next step to read, and one copy
+    brings them (with any logprobs) to the host."""
+
+    token_ids: torch.Tensor  # [num_reqs] int64, on the logits' device
+    copy: HostCopy
+    unpack: Callable[[list], SamplerOutput]
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy (GIL released) and unpack it."""
+        return self.unpack(self.copy.tolist())
 
 
 def _with_logprobs(
@@ -273,7 +301,7 @@ def _with_logprobs(
     token_ids: torch.Tensor,  # [num_reqs] on the device
     requests: Sequence[Request],
     rows: list[int],  # the rows that asked for logprobs
-) -> SamplerOutput:
+) -> PendingSample:
     """The token ids, and for `rows` the sampled token's logprob and rank under the raw logits
     and the top-n alternatives; everything comes back to the host in one copy."""
     device, vocab_size = raw_logits.device, raw_logits.shape[1]
@@ -285,11 +313,23 @@ def _with_logprobs(
     num_top = min(max(requests[i].sampling_params.logprobs for i in rows), vocab_size)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
     # float64 holds the ids, ranks and float32 logprobs exactly: one tensor, one copy.
-    packed = to_host_list(torch.cat(
+    packed = torch.cat(
         [token_ids.double(), sampled_logprobs.double().view(-1), ranks.double().view(-1),
          top_ids.double().view(-1), top_logprobs.double().view(-1)]
-    ))  # fmt: skip
-    num_reqs, num_rows = len(requests), len(rows)
+    )  # fmt: skip
+    counts = [requests[i].sampling_params.logprobs for i in rows]
+    return PendingSample(
+        token_ids,
+        HostCopy(packed),
+        lambda host: _unpack_logprobs(host, len(requests), rows, counts, num_top),
+    )
+
+
+def _unpack_logprobs(
+    packed: list, num_reqs: int, rows: list[int], counts: list[int], num_top: int
+) -> SamplerOutput:
+    """`_with_logprobs`'s packed host list -> SamplerOutput."""
+    num_rows = len(rows)
     ids = [int(t) for t in packed[:num_reqs]]
     sampled_list = packed[num_reqs : num_reqs + num_rows]
     ranks_list = packed[num_reqs + num_rows : num_reqs + 2 * num_rows]
@@ -297,8 +337,7 @@ def _with_logprobs(
     top_ids_flat = packed[tops_start : tops_start + num_rows * num_top]
     top_lp_flat = packed[tops_start + num_rows * num_top :]
     result: list[TokenLogprobs | None] = [None] * num_reqs
-    for j, i in enumerate(rows):
-        num = requests[i].sampling_params.logprobs
+    for j, (i, num) in enumerate(zip(rows, counts)):
         first = j * num_top
         result[i] = TokenLogprobs(
             token_id=ids[i],

@@ -12,6 +12,14 @@ or `max_num_seqs` runs out. A running request that cannot get a block preempts t
 recently admitted running request (possibly itself); a preempted request keeps its output
 tokens and, when readmitted, recomputes the KV of prompt + output before sampling the next one.
 
+Async scheduling (`schedule_ahead`): while step n runs on the device, step n+1 may be chosen
+before n's tokens are on the host, when it is plain decodes of the running requests: each
+in-flight request's next input is the token step n samples, read on the device (`PENDING` in
+its chunk). `on_launched` advances a request when its step is queued (computed tokens, one
+more pending token); `update_from_output` lands the tokens when the step's results arrive. A
+request that stops at step n wastes its step n+1 slot (the result is dropped), and its blocks
+are freed only once no launched step writes them (`_free`).
+
 With chunked prefill disabled, a prompt waits until it fits the step's remaining budget whole;
 `max_num_batched_tokens >= max_model_len` is then required (checked at construction), so that
 every request, including a preempted one recomputing its output, fits an empty step.
@@ -26,7 +34,7 @@ from engine.block_hash import request_token_ids
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus, TokenLogprobs
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import PENDING, ScheduledChunk, SchedulerOutput
 from pdserve.config import SchedulerConfig
 from pdserve.sampling_params import InvalidRequestError
 
@@ -58,6 +66,8 @@ class Scheduler:
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
         self._prefilled: dict[str, Request] = {}  # prefill-only: blocks held until release()
         self._pending_outputs: list[StepOutput] = []  # finished outside a step
+        self._in_flight: deque[frozenset[Request]] = deque()  # launched steps' requests, FIFO
+        self._free_after_step: list[Request] = []  # stopped while a launched step writes its KV
 
     # ---- queues ---------------------------------------------------------------------------
 
@@ -129,7 +139,7 @@ class Scheduler:
             del self._prefilled[request_id]
         else:
             self._waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        self._free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
 
@@ -144,7 +154,7 @@ class Scheduler:
                 )
             return None
         del self._requests[request_id]
-        self.kv_cache_manager.free(request)
+        self._free(request)
         return request
 
     def drain_finished_outputs(self) -> list[StepOutput]:
@@ -163,24 +173,78 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         return output
 
+    def on_launched(self, scheduler_output: SchedulerOutput) -> None:
+        """The step is queued on the device: its requests' KV positions count as computed and
+        each sampling chunk's token as pending, so the next step can be scheduled before the
+        tokens are on the host (`schedule_ahead`)."""
+        for chunk in scheduler_output.chunks:
+            chunk.request.num_computed_tokens = chunk.end_pos
+            if chunk.sample:
+                chunk.request.num_pending_tokens += 1
+        self._in_flight.append(frozenset(c.request for c in scheduler_output.chunks))
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SampledTokens
     ) -> list[StepOutput]:
-        """Advance every scheduled request, append sampled tokens and apply stop checks.
-
-        `sampled` holds one (token, logprobs) per chunk with `sample=True`.
-        """
+        """The oldest launched step's results: append its sampled tokens, cache the blocks it
+        filled, apply stop checks. `sampled` holds one (token, logprobs) per chunk with
+        `sample=True`."""
         outputs = self.drain_finished_outputs()
+        if not self._in_flight:  # run without on_launched (schedule -> run -> update)
+            self.on_launched(scheduler_output)
+        launched = self._in_flight.popleft()
+        assert launched == frozenset(c.request for c in scheduler_output.chunks), (
+            "update_from_output must follow the launch order"
+        )
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens = chunk.end_pos
-            self.kv_cache_manager.cache_full_blocks(request)
+                continue  # aborted while the step ran, or stopped by the step before it
+            self.kv_cache_manager.cache_full_blocks(request, chunk.end_pos)
             if chunk.sample:
                 token_id, logprobs = sampled[request.request_id]
+                request.num_pending_tokens -= 1
                 outputs.append(self._append_token(request, token_id, logprobs))
+        if self._free_after_step:
+            waiting, self._free_after_step = self._free_after_step, []
+            for request in waiting:
+                self._free(request)
         return outputs
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """Step n+1 while step n runs (async scheduling), or None when it must wait for n's
+        tokens and run `schedule()` then: a step of plain decodes, one per running request
+        (those that stop at step n for certain, on length, left out), each allocated its next
+        slot, with `PENDING` as the input of a request step n samples for. None when a prompt
+        could be admitted now, a running request still has prompt to prefill, a request needs
+        its tokens on the host to sample (penalties), or a slot cannot be had without
+        preemption."""
+        config = self.config
+        if config.prefill_only or (self._waiting and len(self._running) < config.max_num_seqs):
+            return None
+        output = SchedulerOutput()
+        for request in self._running.values():
+            if len(output.chunks) == min(config.max_num_seqs, config.max_num_batched_tokens):
+                break
+            pending = request.num_pending_tokens
+            if request.num_tokens + pending - request.num_computed_tokens != 1:
+                return None  # prompt left to prefill
+            params = request.sampling_params
+            if (
+                request.num_sampled_tokens >= params.max_tokens
+                or request.num_tokens + pending >= self.max_model_len
+            ):
+                continue  # stops at the running step
+            if pending and params.has_penalties:
+                return None
+            if not self.kv_cache_manager.allocate_slots(request, 1):
+                return None  # (the slots taken so far serve the next schedule() as well)
+            token_id = PENDING if pending else request.output_token_ids[-1]
+            output.chunks.append(ScheduledChunk(
+                request=request, token_ids=[token_id], start_pos=request.num_computed_tokens,
+                block_ids=request.block_ids, sample=True,
+            ))  # fmt: skip
+        return output if output.chunks else None
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         for request in list(self._running.values()):
@@ -243,7 +307,7 @@ class Scheduler:
     # ---- request transitions --------------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -285,7 +349,16 @@ class Scheduler:
         request.status = status
         self._running.pop(request.request_id, None)
         del self._requests[request.request_id]
-        self.kv_cache_manager.free(request)
+        self._free(request)
+
+    def _free(self, request: Request) -> None:
+        """Free `request`'s blocks, or, while a launched step still writes its KV, once that
+        step's results are in (a block handed out now could be filled by another stream, a KV
+        transfer, before the step's late write lands)."""
+        if any(request in step for step in self._in_flight):
+            self._free_after_step.append(request)
+        else:
+            self.kv_cache_manager.free(request)
 
     def _check_admissible(self, request: Request) -> None:
         """Refuse a request that could never run, rather than let it wait forever."""

@@ -6,13 +6,17 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 
+# A decode's input token that the previous step, still running, samples on the device (async
+# scheduling): the model runner reads it there.
+PENDING = -1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     """One request's slice of a step: tokens [start_pos, start_pos + num_new_tokens)."""
 
     request: Request
-    token_ids: list[int]  # the tokens to run this step
+    token_ids: list[int]  # the tokens to run this step ([PENDING]: see above)
     start_pos: int  # position of token_ids[0] (= request.num_computed_tokens when scheduled)
     block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids))
     # True when this chunk reaches the end of the request's known tokens, so the step samples

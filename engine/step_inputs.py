@@ -8,6 +8,10 @@ chunks (decodes first)
   -> device views; the int32 fields cast on the device
 ```
 
+A decode whose input is `PENDING` (async scheduling: the previous step, still running, samples
+it) reads its token on the device: `DeviceTokens` says where in the previous step's sampled ids
+it is, and one gather fills those rows after the copy.
+
 A decode-only batch may be padded to `pad_to` rows (a CUDA graph's batch size): padded rows
 decode token 0 at position 0 into the scratch block (`scratch_block`, never handed out), with a
 context of one token, so they compute finite values that nobody reads.
@@ -15,13 +19,14 @@ context of one token, so they compute finite values that nobody reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.scheduler_output import ScheduledChunk
+from engine.request import Request
+from engine.scheduler_output import PENDING, ScheduledChunk
 from kernels.attention import AttentionMetadata
 
 
@@ -40,6 +45,14 @@ class FlatBatch:
         return int(self.meta.seq_lens.shape[0])
 
 
+@dataclass(frozen=True)
+class DeviceTokens:
+    """A launched step's sampled ids, still on the device, and each request's row in them."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64
+    rows: Mapping[Request, int]
+
+
 class StepInputBuilder:
     """Builds `FlatBatch`es; reuses one pinned host buffer and one device buffer."""
 
@@ -52,7 +65,13 @@ class StepInputBuilder:
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
 
-    def build(self, chunks: Sequence[ScheduledChunk], pad_to: int | None = None) -> FlatBatch:
+    def build(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        pad_to: int | None = None,
+        prev: DeviceTokens | None = None,
+    ) -> FlatBatch:
+        """The step's inputs; `prev` provides the token of each `PENDING` decode."""
         # Decodes (one query token) first; stable, so the scheduler's order is kept otherwise.
         ordered = sorted(chunks, key=lambda c: c.num_new_tokens != 1)
         num_real = len(ordered)
@@ -75,8 +94,17 @@ class StepInputBuilder:
             input_ids[: cu_q[num_real]] = np.concatenate([c.token_ids for c in ordered])
         sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
         logits_rows = cu_q[1:][sampling_rows] - 1
-        fields = (input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables)
-        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d = self._to_device(fields)
+        pending = [i for i, c in enumerate(ordered) if c.token_ids[0] == PENDING]
+        if pending and prev is None:
+            raise ValueError("a PENDING decode needs the previous step's device tokens")
+        pending_src = np.array([prev.rows[ordered[i].request] for i in pending], np.int64)
+        fields = (
+            input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables,
+            np.array(pending, np.int64), pending_src,
+        )  # fmt: skip
+        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
+        if pending:  # decodes lead, one token each: row i is token i
+            ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
         num_decodes = int(np.count_nonzero(query_lens == 1)) if num_rows else 0
         meta = AttentionMetadata(
             query_start_loc=cu_d.int(),

@@ -32,6 +32,7 @@ DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
 
@@ -126,6 +127,13 @@ class SchedulerConfig:
     max_num_seqs: int = knob(128, "requests running at once")
     enable_chunked_prefill: bool = knob(
         True, "split long prompts over several steps", flag="--no-chunked-prefill"
+    )
+    async_scheduling: str = knob(
+        "auto",
+        "choose and launch the next decode step while the device runs this one, hiding the "
+        "host's work (auto: on CUDA except in the prefill role; on: also on CPU, where it only "
+        "reorders work; off: every step waits for its tokens)",
+        choices=ASYNC_SCHEDULING,
     )
     # Prefill-only (the prefill role): a request finishes after its first token and keeps its
     # blocks until `EngineCore.release` (the KV transfer resolved).

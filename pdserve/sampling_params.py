@@ -105,6 +105,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty: sampling reads the output so far."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param)

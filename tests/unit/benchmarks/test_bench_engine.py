@@ -22,6 +22,15 @@ def test_engine_bench_small_cpu_run(tmp_path, capsys) -> None:
     assert all(r["value"] > 0 and r["bound"] > 0 for r in rows)
 
 
+def test_engine_bench_times_async_scheduled_steps_and_prefills(tmp_path, capsys) -> None:
+    """With async scheduling a step() call only launches a prefill: the bench still times the
+    prefill until its token is out, and the decode rows per step."""
+    table, result = run_with_json("engine", [*SMALL, "--async-scheduling", "on"], tmp_path, capsys)
+    assert "async scheduling on" in table
+    assert result["info"]["async_scheduling"] is True
+    assert len(result["rows"]) == 4 and all(r["value"] > 0 for r in result["rows"])
+
+
 def test_engine_bench_help_documents_every_option(capsys) -> None:
     text = help_text("engine", capsys)
     for flag in (
@@ -37,6 +46,7 @@ def test_engine_bench_help_documents_every_option(capsys) -> None:
         "--json",
         "--attention-backend",
         "--enforce-eager",
+        "--async-scheduling",
         "--floor-context",
         "--prefill-iters",
     ):
