@@ -55,7 +55,8 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # GPU. Left alone it would queue the whole forward at once and then block (inside a kernel
 # launch, on a full launch queue, or in the step's final copy) holding the GIL, so the event
 # loop could not send a single layer until the forward ended. Waiting on an event releases the
-# GIL; two layers of queued work keep the GPU busy while the host queues the next.
+# GIL; two layers of queued work keep the GPU busy while the host queues the next. Layers of
+# requests sent at the end (receiver on the same GPU) do not bound it: they go after the forward.
 RUN_AHEAD_LAYERS = 2
 
 
@@ -152,7 +153,7 @@ class LayerStreamer:
     def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
         whose prompt ends in this step."""
-        packed: torch.cuda.Event | None = None  # CUDA: this layer's last pack, if any
+        packed: torch.cuda.Event | None = None  # CUDA: this layer's last streamed pack, if any
         for chunk in chunks:
             request = chunk.request
             outgoing = self._outgoing.get(request.request_id)
@@ -177,7 +178,8 @@ class LayerStreamer:
             if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
-            packed = layer.ready
+            if not outgoing.send_at_end:  # nothing to send before the last layer otherwise
+                packed = layer.ready
         if self._pack_stream is None:
             return
         self._bound_run_ahead(layer_idx, packed)
