@@ -94,16 +94,11 @@ class StepInputBuilder:
             input_ids[: cu_q[num_real]] = np.concatenate([c.token_ids for c in ordered])
         sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
         logits_rows = cu_q[1:][sampling_rows] - 1
-        pending = [i for i, c in enumerate(ordered) if c.token_ids[0] == PENDING]
-        if pending and prev is None:
-            raise ValueError("a PENDING decode needs the previous step's device tokens")
-        pending_src = np.array([prev.rows[ordered[i].request] for i in pending], np.int64)
-        fields = (
-            input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables,
-            np.array(pending, np.int64), pending_src,
-        )  # fmt: skip
+        pending_dst, pending_src = _pending_rows(ordered, prev)
+        fields = (input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables,
+                  pending_dst, pending_src)  # fmt: skip
         ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
-        if pending:  # decodes lead, one token each: row i is token i
+        if pending_dst.size:
             ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
         num_decodes = int(np.count_nonzero(query_lens == 1)) if num_rows else 0
         meta = AttentionMetadata(
@@ -162,3 +157,15 @@ class StepInputBuilder:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return list(flat.split(sizes))
+
+
+def _pending_rows(
+    ordered: Sequence[ScheduledChunk], prev: DeviceTokens | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token rows of the `PENDING` decodes, their rows in `prev.token_ids`). Decodes lead the
+    batch with one token each, so decode row i is token i."""
+    pending = [i for i, c in enumerate(ordered) if c.token_ids[0] == PENDING]
+    if pending and prev is None:
+        raise ValueError("a PENDING decode needs the previous step's device tokens")
+    src = [prev.rows[ordered[i].request] for i in pending]
+    return np.array(pending, np.int64), np.array(src, np.int64)

@@ -128,13 +128,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = knob(
         True, "split long prompts over several steps", flag="--no-chunked-prefill"
     )
-    async_scheduling: str = knob(
-        "auto",
-        "choose and launch the next decode step while the device runs this one, hiding the "
-        "host's work (auto: on CUDA except in the prefill role; on: also on CPU, where it only "
-        "reorders work; off: every step waits for its tokens)",
-        choices=ASYNC_SCHEDULING,
-    )
+    async_scheduling: str = knob("auto", "launch the next decode step before this one's tokens "
+                                 "are on the host (auto: on CUDA, not in the prefill role)",
+                                 choices=ASYNC_SCHEDULING)  # fmt: skip
     # Prefill-only (the prefill role): a request finishes after its first token and keeps its
     # blocks until `EngineCore.release` (the KV transfer resolved).
     prefill_only: bool = knob(False, "set by the prefill role", cli=False)
@@ -390,13 +386,8 @@ class RouterConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        for name in (
-            "node_wait_s",
-            "node_rpc_timeout_s",
-            "ticket_timeout_s",
-            "transfer_timeout_s",
-            "token_timeout_s",
-        ):
+        for name in ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s",
+                     "transfer_timeout_s", "token_timeout_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.grace_s < 0:
