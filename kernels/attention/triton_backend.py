@@ -10,10 +10,16 @@ context 1K 3.49 TB/s, prefill 303-369 TFLOP/s. flash_attn has no figure yet (not
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
 from kernels.attention.backend import AttentionBackend
+from kernels.attention.decode_launch_config import (
+    DecodeLaunchConfig,
+    decode_launch_config,
+)
 from kernels.attention.metadata import AttentionMetadata
 from kernels.attention.torch_backend import write_kv_cache
 from kernels.attention.triton_paged_attention import (
@@ -29,9 +35,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, decode_partition_len: int | None = None) -> None:
+    def __init__(
+        self,
+        decode_partition_len: int | None = None,
+        decode_config: DecodeLaunchConfig | None = None,
+    ) -> None:
         # Keys per decode split; None: each request splits its own context (graph-safe).
         self.decode_partition_len = decode_partition_len
+        # The decode launch (tests, sweeps); None: chosen per batch size (decode_launch_config).
+        self.decode_config = decode_config
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
@@ -59,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_decodes > 0:
             paged_decode_attention(
                 out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, num_decodes,
-                meta.max_seq_len, scale, self.decode_partition_len,
+                meta.max_seq_len, scale, self.decode_partition_len, self.decode_config,
             )  # fmt: skip
         if meta.num_reqs > num_decodes:
             paged_prefill_attention(
@@ -83,18 +95,6 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
-def _decode_config(dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel.
-
-    bf16, llama3-8b layer on an H200: 64/4/3 with splits filling the GPU twice over was the
-    best of a sweep of BLOCK_N 32/64/128, 4/8 warps, 2-4 stages, 2-16 programs per SM
-    (batch 64 context 1K: 3.49 TB/s through `forward`, cache write included, in
-    benchmarks/results/2026-11-30-h200-attention.txt; measured before the per-request split of
-    `paged_decode_attention`).
-    """
-    return (32, 4, 2) if dtype == torch.float32 else (64, 4, 3)
-
-
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel.
 
@@ -106,7 +106,17 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     return 64, 64, 4, 2
 
 
-DECODE_SPLITS = 16  # slices per request at most (each at least MIN_PARTITION keys)
+# The Triton interpreter (CPU) has no SMs; any value works there (it only sets how many
+# slices a request is cut into).
+INTERPRETER_NUM_SMS = 8
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (INTERPRETER_NUM_SMS elsewhere)."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode_attention(
@@ -120,17 +130,21 @@ def paged_decode_attention(
     max_seq_len: int,  # an upper bound of the decodes' seq_lens (used with partition_len)
     scale: float,
     partition_len: int | None = None,  # keys per split; None: per request, in the kernel
+    config: DecodeLaunchConfig | None = None,  # None: decode_launch_config of this batch
 ) -> None:
     """One query per request (the first `num_decodes`) over its whole paged context.
 
-    With `partition_len=None` the grid depends on `num_decodes` alone and no host value of the
-    batch is read: safe to capture in a CUDA graph, and a request's result is the same in any
-    batch (each request cuts its context by its own length)."""
+    With `partition_len=None` the launch depends on `num_decodes`, the cache shape and the GPU
+    alone, and no host value of the batch's lengths is read: safe to capture in a CUDA graph,
+    and a request's result does not depend on the other requests of its batch (each request
+    cuts its context by its own length; see triton_paged_attention's split policy)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
-    block_n, num_warps, num_stages = _decode_config(q.dtype)
+    if config is None:
+        config = decode_launch_config(q.dtype, num_decodes, num_kv_heads, _num_sms(q.device))
+    block_n = config.block_n
     if partition_len is None:
-        partition_len, num_splits = 0, DECODE_SPLITS
+        partition_len, num_splits = 0, config.max_splits
     elif partition_len % block_n != 0:
         raise ValueError(f"partition_len must be a multiple of {block_n}, got {partition_len}")
     else:
@@ -145,17 +159,18 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens,
-        scale * LOG2E, partition_len,
+        scale * LOG2E, partition_len, config.min_partition_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         SINGLE_SPLIT=num_splits == 1, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         paged_decode_reduce_kernel[(num_decodes, num_heads)](
-            out, partial_out, partial_lse, seq_lens, partition_len,
+            out, partial_out, partial_lse, seq_lens, partition_len, config.min_partition_len,
             out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4,

@@ -9,12 +9,42 @@ decode   grid (num_decodes, num_kv_heads, num_splits): one program = one request
          one slice of the context; all q heads of the group share each K/V tile load.
          num_splits > 1: partial (out, lse) per slice, then paged_decode_reduce_kernel merges them.
          partition_len 0: each request cuts its own context into min(num_splits,
-         cdiv(seq_len, MIN_PARTITION)) slices, computed in the kernel from seq_lens alone, so
-         the grid depends on no host value (CUDA graphs) and a request's result does not
-         depend on the batch it runs in.
+         cdiv(seq_len, min_partition_len)) slices, computed in the kernel from seq_lens, so
+         the grid depends on no host value of the batch's lengths (CUDA graphs).
 prefill  grid (num_heads, num_q_tiles, num_prefills): one program = BLOCK_M queries of one
          request and head; keys up to the tile's last position, causal mask on the diagonal.
 ```
+
+Decode split policy (`decode_splits` in kernels/attention/decode_launch_config.py). Decode
+reads each key once, so it runs at HBM bandwidth only while enough programs are in flight. A
+small batch has few (request, kv head) pairs, 8 at batch 1 for llama3-8b, so the slices are all
+the parallelism there is: a 1K context in 256-key slices gives 32 programs on a 132-SM H200,
+each waiting on a few serial tile loads. The host picks `min_partition_len` and `max_splits`
+(the grid's third dimension) from the batch size, the kv head count and the SM count alone,
+never from a context length (a decode graph is captured per batch size and replayed with any
+lengths):
+
+```
+splits_to_fill     cdiv(2 * num_sms, num_decodes * num_kv_heads): slices per request that
+                   give two programs per SM
+max_splits         splits_to_fill within [16, 64]
+min_partition_len  cdiv(1024, splits_to_fill) rounded up to BLOCK_N, within [64, 256]
+```
+
+So a small batch fills the GPU from a 1K context on, no slice is shorter than 64 keys (one
+64-key tile: a program's fixed cost, its q load, its partial store and its share of the merge,
+should not outweigh the keys it reads), and longer contexts get up to splits_to_fill slices of
+more keys each. On an H200 with 8 kv heads and BLOCK_N 64 that is batch 1: 64-key slices, 33 at
+most (16 at a 1K context); batch 2: 64, 17; batches 3-4: 128, 16; 5-6: 192, 16. From batch 7 up
+(where the 1K fill length rounds up to 256 keys) it is the policy the kernel had before, 256-key
+slices and at most 16 per request, unchanged; smaller batches only ever get more slices than
+that policy gave them. The constants (two programs per SM,
+1K, 64 keys) are starting points, not measured optima: `python -m
+benchmarks.attention_split_sweep` times them against neighbouring settings on the GPU.
+
+A request's result depends on its own context and the batch's launch config only: within one
+batch size (one graph) it is independent of the other requests, but the same request at two
+batch sizes may be split differently (equal up to float rounding, not bit for bit).
 """
 
 from __future__ import annotations
@@ -23,16 +53,17 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_PARTITION = tl.constexpr(256)  # keys; shorter slices cost more in the merge than they gain
 
 
 @triton.jit
-def _request_partition_len(seq_len, partition_len, num_splits, BLOCK_N: tl.constexpr):
+def _request_partition_len(
+    seq_len, partition_len, num_splits, min_partition_len, BLOCK_N: tl.constexpr
+):
     """Keys per slice of one request: `partition_len` when > 0, else its context cut into
-    min(num_splits, cdiv(seq_len, MIN_PARTITION)) slices rounded up to BLOCK_N."""
+    min(num_splits, cdiv(seq_len, min_partition_len)) slices rounded up to BLOCK_N."""
     if partition_len > 0:
         return partition_len
-    num_parts = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, MIN_PARTITION)), 1)
+    num_parts = tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_partition_len)), 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_parts), BLOCK_N) * BLOCK_N, BLOCK_N)
 
 
@@ -106,6 +137,7 @@ def paged_decode_kernel(
     seq_lens_ptr,  # [num_reqs]
     scale_log2,
     partition_len,  # keys per split, a multiple of BLOCK_N; 0: per request (see above)
+    min_partition_len,  # keys, >= 1; used when partition_len is 0
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -127,7 +159,9 @@ def paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    partition_len = _request_partition_len(seq_len, partition_len, tl.num_programs(2), BLOCK_N)
+    partition_len = _request_partition_len(
+        seq_len, partition_len, tl.num_programs(2), min_partition_len, BLOCK_N
+    )
     start_n = split * partition_len
     if start_n >= seq_len:
         return  # the reduce kernel skips splits past the context
@@ -187,6 +221,7 @@ def paged_decode_reduce_kernel(
     partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32
     seq_lens_ptr,
     partition_len,
+    min_partition_len,
     stride_out_token,
     stride_out_head,
     num_splits,
@@ -199,7 +234,9 @@ def paged_decode_reduce_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    partition_len = _request_partition_len(seq_len, partition_len, num_splits, BLOCK_N)
+    partition_len = _request_partition_len(
+        seq_len, partition_len, num_splits, min_partition_len, BLOCK_N
+    )
     num_valid = tl.cdiv(seq_len, partition_len)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

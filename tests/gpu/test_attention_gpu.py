@@ -3,6 +3,7 @@ CUDA, at realistic sizes: llama3-8b and smollm2 head shapes, long contexts, chun
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import sys
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "kernels" / "attenti
 from attention_batch import make_batch  # noqa: E402
 
 from kernels.attention import TorchAttentionBackend  # noqa: E402
+from kernels.attention.decode_launch_config import DecodeLaunchConfig  # noqa: E402
 from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +73,73 @@ def test_triton_decode_splits(num_decodes: int, max_context_len: int) -> None:
     """Few long decodes take many splits; large batches take one."""
     mix = random_mix(num_decodes, 0, max_context_len, 1)
     check(TritonAttentionBackend(), LLAMA3_8B, mix, 16, torch.bfloat16)
+
+
+# Contexts (seq_len, this step's token included) around tile and slice edges, 1 to 2048.
+EDGE_SEQ_LENS = [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 700, 1000,
+                 1023, 1024, 1025, 1500, 2047, 2048]  # fmt: skip
+# None: the launch chosen for the batch size on this GPU; then explicit small-batch launches
+# (min_partition_len, max_splits, BLOCK_N, num_warps, num_stages), whatever the SM count.
+SMALL_BATCH_LAUNCHES = [
+    None,
+    DecodeLaunchConfig(64, 33, 64, 4, 3),
+    DecodeLaunchConfig(64, 64, 64, 4, 3),
+    DecodeLaunchConfig(32, 64, 32, 4, 3),
+    DecodeLaunchConfig(16, 64, 16, 2, 2),
+    DecodeLaunchConfig(128, 17, 128, 8, 2),
+    DecodeLaunchConfig(192, 16, 64, 4, 3),
+    DecodeLaunchConfig(64, 1, 64, 4, 3),
+]
+
+
+@pytest.mark.parametrize("launch", SMALL_BATCH_LAUNCHES, ids=lambda c: c and c.label())
+@pytest.mark.parametrize("num_decodes", [1, 2])
+def test_triton_small_batch_decode_splits(num_decodes: int, launch) -> None:
+    """Batch 1 and 2 at every context in EDGE_SEQ_LENS (batch 2: paired with the reversed
+    list), small slices merged by lse, against the torch reference."""
+    backend = TritonAttentionBackend(decode_config=launch)
+    for i, seq_len in enumerate(EDGE_SEQ_LENS):
+        seq_lens = [seq_len, EDGE_SEQ_LENS[-1 - i]][:num_decodes]
+        mix = ([1] * num_decodes, [n - 1 for n in seq_lens], num_decodes)
+        check(backend, LLAMA3_8B, mix, 16, torch.bfloat16, seed=i)
+
+
+def test_triton_small_batch_decode_fp32_exact() -> None:
+    """fp32 products: the 64-key slices of batch 1 merge to the reference within 1e-4."""
+    backend = TritonAttentionBackend(decode_config=DecodeLaunchConfig(64, 33, 32, 4, 2))
+    for i, seq_len in enumerate(EDGE_SEQ_LENS):
+        check(backend, LLAMA3_8B, ([1], [seq_len - 1], 1), 16, torch.float32, seed=i)
+
+
+@pytest.mark.parametrize("num_decodes", [1, 2])
+def test_triton_decode_graph_replays_any_lengths(num_decodes: int) -> None:
+    """One CUDA graph of the default launch, captured at the capacity (2048 keys), replayed
+    with new seq_lens written into its buffer: each replay equals the reference at those
+    lengths (the host chose the launch from the batch size only)."""
+    capacity = EDGE_SEQ_LENS[-1]
+    batch = make_batch(
+        [1] * num_decodes, [capacity - 1] * num_decodes, num_decodes, num_heads=32,
+        num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    args = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)
+    static_meta = dataclasses.replace(batch.meta, static_shapes=True)
+    backend = TritonAttentionBackend()
+    backend.forward(*args, static_meta, batch.scale, kv_written=True)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(*args, static_meta, batch.scale, kv_written=True)
+    for i, seq_len in enumerate(EDGE_SEQ_LENS):
+        seq_lens = (seq_len, EDGE_SEQ_LENS[-1 - i])[:num_decodes]
+        static_meta.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        graph.replay()
+        meta = dataclasses.replace(
+            batch.meta, seq_lens=static_meta.seq_lens.clone(), seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
+        )  # fmt: skip
+        expected = TorchAttentionBackend().forward(*args, meta, batch.scale, kv_written=True)
+        tol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
 def test_triton_long_chunked_prefill() -> None:

@@ -34,6 +34,7 @@ if INTERPRETING and _version(triton.__version__) < (3, 7) and _version(np.__vers
     )
 
 from kernels.attention import TorchAttentionBackend  # noqa: E402
+from kernels.attention.decode_launch_config import DecodeLaunchConfig  # noqa: E402
 from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,24 +95,50 @@ def test_decode_partition_len_must_match_tile() -> None:
         )
 
 
-def test_per_request_splits_fp32_and_batch_invariant() -> None:
-    """partition_len None: each request splits its own context (here into up to 3 slices);
-    its result is the same alone as in a batch (what CUDA graph padding relies on)."""
+def test_per_request_splits_fp32_and_independent_of_other_requests() -> None:
+    """partition_len None: each request splits its own context (here in up to 3 slices, the
+    launch chosen for 3 decodes); its result does not depend on the other requests of a batch
+    of the same size (what a CUDA graph, captured per batch size, relies on)."""
     batch = make_batch(
         [1, 1, 1, 5], [700, 40, 300, 20], 3, num_heads=4, num_kv_heads=2, head_dim=16,
         block_size=16, device=DEVICE, seed=11,
     )  # fmt: skip
     compare(batch, TritonAttentionBackend(), atol=1e-5, rtol=1e-5)
     meta = batch.meta
-    first_only = dataclasses.replace(
-        meta, query_start_loc=meta.query_start_loc[:2], seq_lens=meta.seq_lens[:1],
-        slot_mapping=meta.slot_mapping[:1], block_tables=meta.block_tables[:1], max_query_len=1,
-        max_seq_len=meta.seq_lens_cpu[0], num_decodes=1, query_lens_cpu=(1,),
-        seq_lens_cpu=meta.seq_lens_cpu[:1],
+    seq_lens_cpu = (701, 7, 100, meta.seq_lens_cpu[3])  # shorter contexts for decodes 1 and 2
+    other = dataclasses.replace(
+        meta, seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=DEVICE),
+        seq_lens_cpu=seq_lens_cpu,
     )  # fmt: skip
     backend = TritonAttentionBackend()
-    args = (batch.k_cache, batch.v_cache)
-    out_batch = backend.forward(batch.q, batch.k, batch.v, *args, meta, batch.scale)
-    out_alone = backend.forward(batch.q[:1], batch.k[:1], batch.v[:1], *args, first_only,
-                                batch.scale)  # fmt: skip
-    assert torch.equal(out_alone[0], out_batch[0])
+    args = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)
+    out = backend.forward(*args, meta, batch.scale, kv_written=True)
+    out_other = backend.forward(*args, other, batch.scale, kv_written=True)
+    assert torch.equal(out_other[0], out[0])
+
+
+# (min_partition_len, max_splits): a slice per 32-key tile; partitions shorter than a tile
+# (rounded up to it); odd split counts; one split (the kernel writes the output itself)
+SMALL_SPLITS = [(32, 64), (1, 3), (64, 17), (96, 5), (256, 1)]
+
+
+@pytest.mark.parametrize(("min_partition_len", "max_splits"), SMALL_SPLITS)
+def test_explicit_decode_launch_config_fp32(min_partition_len: int, max_splits: int) -> None:
+    """Contexts around the tile and slice edges, merged by lse, equal the reference."""
+    seq_lens = [1, 2, 31, 32, 33, 65, 200, 257]
+    batch = make_batch(
+        [1] * len(seq_lens), [n - 1 for n in seq_lens], len(seq_lens), num_heads=4,
+        num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE, seed=min_partition_len,
+    )  # fmt: skip
+    config = DecodeLaunchConfig(min_partition_len, max_splits, 32, 4, 2)
+    compare(batch, TritonAttentionBackend(decode_config=config), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_1_default_launch_cuts_small_slices_fp32() -> None:
+    """A lone decode gets the small-batch policy (on the interpreter's 8 SMs and 2 kv heads:
+    128-key slices, up to 16)."""
+    batch = make_batch(
+        [1], [1000], 1, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+        device=DEVICE, seed=3,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(), atol=1e-5, rtol=1e-5)
