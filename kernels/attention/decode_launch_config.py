@@ -23,7 +23,6 @@ import torch
 DEFAULT_MIN_PARTITION_LEN = 256
 DEFAULT_MAX_SPLITS = 16
 PROGRAMS_PER_SM = 2  # aim: this many decode programs per SM, so the GPU fills about twice
-FILL_CONTEXT_LEN = 1024  # keys: a small batch fills the GPU from this context length up
 MIN_PARTITION_FLOOR = 64  # keys: no slice shorter (a slice costs a partial write + merge)
 MAX_SPLITS = 64  # the reduce kernel holds every split of a head in registers
 
@@ -87,23 +86,16 @@ def decode_splits(
 ) -> tuple[int, int]:
     """(min_partition_len, max_splits) for a decode batch of `num_decodes` requests.
 
-    splits_to_fill = cdiv(PROGRAMS_PER_SM * num_sms, num_decodes * num_kv_heads): the slices
-    per request that give the grid PROGRAMS_PER_SM programs per SM.
-    max_splits = splits_to_fill clamped to [DEFAULT_MAX_SPLITS, MAX_SPLITS].
-    min_partition_len = cdiv(FILL_CONTEXT_LEN, splits_to_fill) rounded up to block_n, clamped
-    to [max(MIN_PARTITION_FLOOR, block_n), DEFAULT_MIN_PARTITION_LEN]: at FILL_CONTEXT_LEN keys
-    a request then takes about splits_to_fill slices.
-    Batches large enough that this length reaches DEFAULT_MIN_PARTITION_LEN get the default
-    policy unchanged; smaller ones only ever get more (never fewer) slices than it gave.
+    max_splits = cdiv(PROGRAMS_PER_SM * num_sms, num_decodes * num_kv_heads), at most
+    MAX_SPLITS: the slices per request that give the grid PROGRAMS_PER_SM programs per SM (1
+    once the (request, kv head) pairs alone do). min_partition_len = MIN_PARTITION_FLOOR
+    (rounded up to block_n): a request cuts its context into max_splits slices unless they
+    would be shorter than that.
     """
     if num_decodes < 1 or num_kv_heads < 1 or num_sms < 1:
         raise ValueError(f"need positive sizes, got {num_decodes=} {num_kv_heads=} {num_sms=}")
-    splits_to_fill = _cdiv(PROGRAMS_PER_SM * num_sms, num_decodes * num_kv_heads)
-    max_splits = min(max(splits_to_fill, DEFAULT_MAX_SPLITS), MAX_SPLITS)
-    fill_len = _cdiv(_cdiv(FILL_CONTEXT_LEN, splits_to_fill), block_n) * block_n
-    floor = max(MIN_PARTITION_FLOOR, block_n)
-    min_partition_len = min(max(fill_len, floor), max(DEFAULT_MIN_PARTITION_LEN, floor))
-    return min_partition_len, max_splits
+    max_splits = min(_cdiv(PROGRAMS_PER_SM * num_sms, num_decodes * num_kv_heads), MAX_SPLITS)
+    return _cdiv(max(MIN_PARTITION_FLOOR, block_n), block_n) * block_n, max_splits
 
 
 def decode_launch_config(

@@ -25,22 +25,17 @@ never from a context length (a decode graph is captured per batch size and repla
 lengths):
 
 ```
-splits_to_fill     cdiv(2 * num_sms, num_decodes * num_kv_heads): slices per request that
-                   give two programs per SM
-max_splits         splits_to_fill within [16, 64]
-min_partition_len  cdiv(1024, splits_to_fill) rounded up to BLOCK_N, within [64, 256]
+max_splits         cdiv(2 * num_sms, num_decodes * num_kv_heads), at most 64: slices per
+                   request that give two programs per SM (1 once the pairs alone do)
+min_partition_len  64 keys (at least BLOCK_N): no slice shorter
 ```
 
-So a small batch fills the GPU from a 1K context on, no slice is shorter than 64 keys (one
-64-key tile: a program's fixed cost, its q load, its partial store and its share of the merge,
-should not outweigh the keys it reads), and longer contexts get up to splits_to_fill slices of
-more keys each. On an H200 with 8 kv heads and BLOCK_N 64 that is batch 1: 64-key slices, 33 at
-most (16 at a 1K context); batch 2: 64, 17; batches 3-4: 128, 16; 5-6: 192, 16. From batch 7 up
-(where the 1K fill length rounds up to 256 keys) it is the policy the kernel had before, 256-key
-slices and at most 16 per request, unchanged; smaller batches only ever get more slices than
-that policy gave them. The constants (two programs per SM,
-1K, 64 keys) are starting points, not measured optima: `python -m
-benchmarks.attention_split_sweep` times them against neighbouring settings on the GPU.
+Measured (`python3 -m benchmarks.attention_split_sweep`, one H200, llama3-8b layer, bf16,
+benchmarks/results/2026-12-02-h200-attention-split-sweep.txt): the fastest setting at batch 1
+is 16-32 slices of 64-128 keys; at batch 8 4-8 slices; at batch 32 one or two; at batch 128
+no split at all (one program per (request, kv head) already makes 1024 programs: splitting
+only adds partial writes and the merge). The former policy (256-key slices, up to 16 per
+request, whatever the batch) cost 1.3x at batch 1 and 1.25x at batch 128 (context 1K).
 
 A request's result depends on its own context and the batch's launch config only: within one
 batch size (one graph) it is independent of the other requests, but the same request at two
