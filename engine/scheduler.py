@@ -213,37 +213,33 @@ class Scheduler:
 
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Step n+1 while step n runs (async scheduling), or None when it must wait for n's
-        tokens and run `schedule()` then: a step of plain decodes, one per running request
-        (those that stop at step n for certain, on length, left out), each allocated its next
-        slot, with `PENDING` as the input of a request step n samples for. None when a prompt
-        could be admitted now, a running request still has prompt to prefill, a request needs
-        its tokens on the host to sample (penalties), or a slot cannot be had without
-        preemption."""
-        config = self.config
-        if config.prefill_only or (self._waiting and len(self._running) < config.max_num_seqs):
+        tokens and run `schedule()` then. Chosen as `schedule()` would, with the token step n
+        samples for a request as `PENDING` (its decode's input, read on the device), except:
+        a request that stops at step n for certain (on length) is left out, and None when a
+        request with a token pending needs it on the host to sample (penalties) or a running
+        request's slots cannot be had without preemption (its KV may be in flight)."""
+        if self.config.prefill_only:
             return None
         output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
         for request in self._running.values():
-            if len(output.chunks) == min(config.max_num_seqs, config.max_num_batched_tokens):
+            if budget == 0 or len(output.chunks) == self.config.max_num_seqs:
                 break
             pending = request.num_pending_tokens
-            if request.num_tokens + pending - request.num_computed_tokens != 1:
-                return None  # prompt left to prefill
             params = request.sampling_params
-            if (
+            if pending and (
                 request.num_sampled_tokens >= params.max_tokens
                 or request.num_tokens + pending >= self.max_model_len
             ):
                 continue  # stops at the running step
             if pending and params.has_penalties:
                 return None
-            if not self.kv_cache_manager.allocate_slots(request, 1):
+            num_new_tokens = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
                 return None  # (the slots taken so far serve the next schedule() as well)
-            token_id = PENDING if pending else request.output_token_ids[-1]
-            output.chunks.append(ScheduledChunk(
-                request=request, token_ids=[token_id], start_pos=request.num_computed_tokens,
-                block_ids=request.block_ids, sample=True,
-            ))  # fmt: skip
+            output.chunks.append(self._make_chunk(request, num_new_tokens))
+            budget -= num_new_tokens
+        self._schedule_waiting(output, budget)
         return output if output.chunks else None
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -294,14 +290,18 @@ class Scheduler:
             budget -= num_new_tokens
 
     def _make_chunk(self, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        """The next `num_new_tokens` of `request`; a token still pending on the device (at
+        most one, the last: `schedule_ahead`) is `PENDING`."""
         start_pos = request.num_computed_tokens
         end_pos = start_pos + num_new_tokens
+        token_ids = request_token_ids(request, start_pos, end_pos)
+        token_ids += [PENDING] * (num_new_tokens - len(token_ids))
         return ScheduledChunk(
             request=request,
-            token_ids=request_token_ids(request, start_pos, end_pos),
+            token_ids=token_ids,
             start_pos=start_pos,
             block_ids=request.block_ids,  # not copied: only appended to until the step ends
-            sample=end_pos == request.num_tokens,
+            sample=end_pos == request.num_tokens + request.num_pending_tokens,
         )
 
     # ---- request transitions --------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
+from engine.scheduler_output import PENDING
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.unit.engine.conftest import random_prompts
 
@@ -209,3 +210,27 @@ def test_auto_is_off_on_cpu_and_for_the_prefill_role(checkpoint):
     assert not make_core(checkpoint, "auto").async_scheduling
     assert not make_core(checkpoint, "on", prefill_only=True).async_scheduling
     assert make_core(checkpoint, "on").async_scheduling
+
+
+def test_prompts_are_admitted_and_chunked_in_steps_scheduled_ahead(checkpoint):
+    """Ahead steps are not only steady decodes: waiting prompts are admitted and chunked
+    prefills continue in them, next to decodes whose inputs are still on the device."""
+    llm = make_llm(checkpoint, "on", max_num_batched_tokens=8, max_num_seqs=6)
+    chosen: list = []
+    schedule_ahead = llm.engine.scheduler.schedule_ahead
+
+    def spy():
+        output = schedule_ahead()
+        chosen.append(output)
+        return output
+
+    llm.engine.scheduler.schedule_ahead = spy
+    prompts = random_prompts(12, VOCAB, seed=5, min_len=3, max_len=30)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    llm.engine.check_no_leaks()
+    steps = [o for o in chosen if o is not None]
+    mixed = [
+        o for o in steps
+        if any(c.is_prefill for c in o.chunks) and any(c.token_ids == [PENDING] for c in o.chunks)
+    ]  # fmt: skip
+    assert mixed, "no step scheduled ahead held both a prompt chunk and a pending decode"
