@@ -29,10 +29,13 @@ def test_small_batch_grid_has_both_policies_and_each_slicing_once(context: int) 
     assert {1, 2, 4, 8, 32} <= slices  # 16 is the heuristic's own row at 1K, the default's at 4K
 
 
-def test_large_batch_policies_share_one_row() -> None:
+def test_large_batch_grid_has_the_unsplit_heuristic_beside_the_default() -> None:
+    """Batch 128 x 8 kv heads fills an H200: the policy's row does not split, the former
+    default's does (the sweep measures both)."""
     settings = sweep.split_settings(128, 1024, H200_SMS)
-    assert settings[0] == ("default=heuristic", default_policy_config(torch.bfloat16))
-    assert all(policy == "" for policy, _ in settings[1:])
+    assert [policy for policy, _ in settings[:2]] == ["default", "heuristic"]
+    assert settings[1][1].max_splits == 1
+    assert all(policy == "" for policy, _ in settings[2:])
 
 
 def test_tile_phase_varies_the_tile_of_the_best_slicing() -> None:
