@@ -3,8 +3,10 @@
     await wait_event(event, timeout_s)   done already ──► returns at once (no thread hop)
                                          else ──► one waiter thread: event.synchronize()
                                               (GIL released) ──► loop.call_soon_threadsafe
-    await wait_for_stream(tensor)        an event recorded on the tensor's device's current
+    await wait_for_stream(tensor, t)     an event recorded on the tensor's device's current
                                          stream, then wait_event
+
+Every wait takes a timeout (TimeoutError): a hung device must not hang a transfer's task.
 
 Why not poll `event.query()` with `asyncio.sleep(0)`: the loop then spins, retaking the GIL in
 every select() while the node's engine thread needs it to queue the next layer's kernels (a
@@ -32,7 +34,7 @@ _start_lock = threading.Lock()
 _waiter: threading.Thread | None = None
 
 
-async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None) -> None:
+async def wait_event(event: torch.cuda.Event, timeout_s: float) -> None:
     """Until the work recorded by `event` is done; TimeoutError after `timeout_s` (the wait in
     the waiter thread goes on, harmlessly: it holds nothing). CUDA errors raise here."""
     if event.query():
@@ -46,7 +48,7 @@ async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None) ->
         await asyncio.shield(done)
 
 
-async def wait_for_stream(tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+async def wait_for_stream(tensor: torch.Tensor, timeout_s: float) -> None:
     """For a CUDA tensor: until the work queued so far on its device's current stream is done.
     Nothing to wait for on the host."""
     if tensor.device.type != "cuda":

@@ -31,6 +31,7 @@ from cache_transfer.transports.ucx.runtime import (
     ucxx,
 )
 from cache_transfer.transports.ucx.wire import (
+    DEVICE_WAIT_TIMEOUT_S,
     HEAD,
     MAX_HEAD_BYTES,
     PAYLOAD,
@@ -137,7 +138,8 @@ class UcxInbound:
             with contextlib.suppress(UCXMessageTruncatedError):
                 await self._recv(np.empty(1, dtype=np.uint8), tag)
             return
-        await wait_for_stream(dst)  # nothing queued on the stream may still read dst
+        # nothing queued on the stream may still read dst
+        await wait_for_stream(dst, DEVICE_WAIT_TIMEOUT_S)
         await self._recv(as_ucx_buffer(dst), tag)
 
     async def _land(

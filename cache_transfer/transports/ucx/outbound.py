@@ -26,6 +26,7 @@ from cache_transfer.transports.base import Message, TransportError
 from cache_transfer.transports.cuda_waits import wait_for_stream
 from cache_transfer.transports.ucx.runtime import UCXError, ucxx
 from cache_transfer.transports.ucx.wire import (
+    DEVICE_WAIT_TIMEOUT_S,
     HEAD,
     PAYLOAD,
     as_ucx_buffer,
@@ -97,7 +98,7 @@ class UcxOutbound:
         await asyncio.wait({self._connecting})
         by_device = {p.device: p for _, p in messages if p is not None}
         for payload in by_device.values():  # one wait per device covers all its payloads
-            await wait_for_stream(payload)
+            await wait_for_stream(payload, DEVICE_WAIT_TIMEOUT_S)
         if self.failed or self._endpoint is None or self._endpoint.closed:
             raise self._fail("not connected")
         sends = [self._endpoint.send(head, tag=message_tag(seq, HEAD))]

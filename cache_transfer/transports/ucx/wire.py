@@ -13,7 +13,9 @@ several messages (`send_many`: numbers seq .. seq + count - 1):
 
 Message 0 of every connection is the hello: its header is the sender's transport address.
 UCX reads and writes CUDA memory outside torch's stream order, so both ends first wait for
-the work already queued on the current stream (`cuda_waits.wait_for_stream`, GIL-free).
+the work already queued on the current stream (`cuda_waits.wait_for_stream`, GIL-free), for
+at most DEVICE_WAIT_TIMEOUT_S: a stream that has not drained by then is hung, and the message
+fails (a receiving connection then drops every later one; a send fails to its caller).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ COUNT = struct.Struct("<Q")  # messages in one head
 PREAMBLE = struct.Struct("<QQ")  # header_len, payload_len
 MAX_HEAD_BYTES = 64 << 10
 HEAD, PAYLOAD = 0, 1
+DEVICE_WAIT_TIMEOUT_S = 120.0  # the longest wait for queued CUDA work before a UCX read/write
 
 
 def message_tag(seq: int, part: int) -> int:
