@@ -23,6 +23,9 @@ Then `--profile-steps` steps under torch.profiler: GPU kernel time by kernel nam
 `--top`), kernels per step (memcpy/memset included) and host calls that enqueue device work per
 step (cudaLaunchKernel, cuLaunchKernel(Ex) for Triton, cudaGraphLaunch: one per replayed step,
 cudaMemcpyAsync, cudaMemsetAsync). On CPU the table lists aten ops by self CPU time instead.
+Last, `--steps` calls of `EngineCore.step()` timed together: "engine step ms", the step as the
+engine runs it (with async scheduling, on CUDA by default, the phases above overlap the GPU's
+work, so it is about the GPU's time rather than "step ms", their synchronous sum).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class KernelRow:
 class BatchProfile:
     batch: int
     step_ms: float  # median wall time of the whole phased step
+    engine_step_ms: float  # EngineCore.step() as the engine runs it (async scheduling included)
     phase_ms: dict[str, float]  # median per phase
     kernels_per_step: float
     launches_per_step: float
@@ -194,7 +198,7 @@ def kernel_table(
 def profile_batch(core: EngineCore, args: argparse.Namespace, batch: int) -> BatchProfile:
     stepper = PhasedStepper(core, args.sync)
     total = args.warmup_steps + args.steps + args.profile_steps
-    request_ids = admit(core, stepper, batch, args.context, total + 2)
+    request_ids = admit(core, stepper, batch, args.context, total + args.steps + 2)
     on_cuda = core.device.type == "cuda"
     for _ in range(args.warmup_steps):
         stepper.step()
@@ -209,6 +213,10 @@ def profile_batch(core: EngineCore, args: argparse.Namespace, batch: int) -> Bat
             torch.cuda.synchronize()
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}-b{batch}.json")
+    start = time.perf_counter()  # the engine's own steps, last: they may leave one in flight
+    for _ in range(args.steps):
+        core.step()
+    engine_step_ms = (time.perf_counter() - start) / args.steps * 1e3
     for rid in request_ids:
         core.abort(rid)
     while core.has_unfinished():
@@ -217,6 +225,7 @@ def profile_batch(core: EngineCore, args: argparse.Namespace, batch: int) -> Bat
     return BatchProfile(
         batch=batch,
         step_ms=statistics.median(sum(p.values()) for p in phases) * 1e3,
+        engine_step_ms=engine_step_ms,
         phase_ms={name: statistics.median(p[name] for p in phases) * 1e3 for name in PHASES},
         kernels_per_step=kernels, launches_per_step=launches, device_ms_per_step=device_ms,
         top=top,
@@ -230,7 +239,7 @@ def format_report(results: list[BatchProfile], info: dict) -> str:
         f"{info['attention']}, layer ops {info['layer_ops']}, decode {info['decode']}, context "
         f"{info['context']}{', synced phases' if info['sync'] else ''}",
         "",
-        "| batch | step ms | "
+        "| batch | step ms | engine step ms | "
         + " | ".join(PHASES)
         + " | "
         + (
@@ -238,11 +247,12 @@ def format_report(results: list[BatchProfile], info: dict) -> str:
             if unit == "GPU"
             else "aten ops/step | launches/step | op self ms/step |"
         ),
-        "|---" * (len(PHASES) + 5) + "|",
+        "|---" * (len(PHASES) + 6) + "|",
     ]
     for r in results:
         phases = " | ".join(f"{r.phase_ms[p]:.3f}" for p in PHASES)
-        lines.append(f"| {r.batch} | {r.step_ms:.3f} | {phases} | {r.kernels_per_step:.0f} | "
+        lines.append(f"| {r.batch} | {r.step_ms:.3f} | {r.engine_step_ms:.3f} | {phases} | "
+                     f"{r.kernels_per_step:.0f} | "
                      f"{r.launches_per_step:.0f} | {r.device_ms_per_step:.3f} |")  # fmt: skip
     for r in results:
         lines += ["", f"batch {r.batch}: top {len(r.top)} by {unit} time per step",

@@ -14,7 +14,10 @@ SMALL = [
 
 def test_profile_small_cpu_run(tmp_path, capsys) -> None:
     report, result = run_with_json("profile", SMALL, tmp_path, capsys)
-    assert "| batch | step ms | schedule | inputs | forward | sample | outputs | detok |" in report
+    assert (
+        "| batch | step ms | engine step ms | schedule | inputs | forward | sample | outputs | "
+        "detok |" in report
+    )
     assert "batch 3: top 5" in report
     assert result["info"]["layer_ops"] == "reference"
     batches = result["batches"]
@@ -23,6 +26,7 @@ def test_profile_small_cpu_run(tmp_path, capsys) -> None:
         assert set(b["phase_ms"]) == set(PHASES)
         assert b["phase_ms"]["forward"] > 0 and b["phase_ms"]["sample"] > 0
         assert b["step_ms"] >= b["phase_ms"]["forward"]
+        assert b["engine_step_ms"] > 0
         assert b["kernels_per_step"] > 0 and len(b["top"]) == 5
         assert all(k["name"].startswith("aten::") and k["calls_per_step"] > 0 for k in b["top"])
 
