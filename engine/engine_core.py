@@ -234,8 +234,8 @@ class EngineCore:
         by the previous call is in flight: the next one is scheduled ahead and launched first
         (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
         returned, so the host's work overlaps the device's. When the next step cannot be
-        chosen ahead (penalties on a pending token, no slot without preemption), the one in
-        flight is waited for first and the next is scheduled as usual and left in flight."""
+        chosen ahead (a slot only preemption could free), the one in flight is waited for
+        first and the next is scheduled as usual and left in flight."""
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:

@@ -25,7 +25,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.request import Request, TokenLogprobs
-from engine.sampler import PendingSample, Sampler
+from engine.sampler import PendingSample, PendingTokens, Sampler
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.step_inputs import DeviceTokens, FlatBatch, StepInputBuilder
 
@@ -111,9 +111,10 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queue one step: `prepare` (inputs; `PENDING` decodes read `prev`'s ids), `forward`
         (graph replay or eager), the sampler, and the copy of its ids. No wait."""
-        batch = self.prepare(scheduler_output, prev)
+        prev_tokens = prev.device_tokens() if prev else None
+        batch = self._build(scheduler_output.chunks, prev_tokens)
         hidden = self.forward(batch, on_layer_done)
-        return self.sample_async(batch, hidden)
+        return self.sample_async(batch, hidden, prev_tokens)
 
     def prepare(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
@@ -137,9 +138,12 @@ class ModelRunner:
         return self.sample_async(batch, hidden).wait()
 
     @torch.inference_mode()
-    def sample_async(self, batch: FlatBatch, hidden: torch.Tensor) -> LaunchedStep:
+    def sample_async(
+        self, batch: FlatBatch, hidden: torch.Tensor, prev: DeviceTokens | None = None
+    ) -> LaunchedStep:
         """Logits of the sampling rows, the sampler on the device for the whole batch, and the
-        queued copy of the sampled ids (with any logprobs) to the host."""
+        queued copy of the sampled ids (with any logprobs) to the host. `prev`: where the
+        tokens still pending on the device are (penalties count them)."""
         step = LaunchedStep()
         if not batch.sampling_chunks:
             return step
@@ -148,8 +152,8 @@ class ModelRunner:
         else:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
-        step.sampling_requests = [c.request for c in batch.sampling_chunks]
-        step.sample = self.sampler.launch(logits, step.sampling_requests)
+        step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
+        step.sample = self.sampler.launch(logits, requests, _pending_tokens(requests, prev))
         return step
 
     def _build(
@@ -179,3 +183,19 @@ class ModelRunner:
             on_layer_done(layer_idx, prefill_chunks)
 
         return layer_hook
+
+
+def _pending_tokens(requests: list[Request], prev: DeviceTokens | None) -> PendingTokens | None:
+    """The device tokens of the requests with penalties whose last output is pending (the only
+    sampling that reads output tokens), gathered from the previous step's ids."""
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.num_pending_tokens and r.sampling_params.has_penalties
+    ]
+    if not rows:
+        return None
+    if prev is None:
+        raise ValueError("a request with a pending token needs the previous step's device tokens")
+    src = torch.tensor([prev.rows[requests[i]] for i in rows], dtype=torch.long)
+    return PendingTokens(rows, prev.token_ids.index_select(0, src.to(prev.token_ids.device)))

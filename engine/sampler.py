@@ -2,7 +2,8 @@
 
 ```
 logits [num_reqs, vocab] (raw)
-  ├─ repetition penalty (prompt + output), presence / frequency penalties (output)
+  ├─ repetition penalty (prompt + output), presence / frequency penalties (output; a token
+  │  still pending on the device under async scheduling is counted there: PendingTokens)
   ├─ min_tokens: EOS and stop_token_ids masked while the output is shorter
   ├─ greedy rows: argmax                      (all greedy, no penalties: argmax alone)
   ├─ random rows: / temperature -> top-k -> top-p -> softmax -> min-p
@@ -80,20 +81,44 @@ def _token_counts(
     return counts.view(num_rows, vocab_size)
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+@dataclass(frozen=True)
+class PendingTokens:
+    """Output tokens sampled by a step that is still running (async scheduling), on the device:
+    batch row `rows[k]` has token `token_ids[k]` not yet in its request's output_token_ids."""
+
+    rows: list[int]
+    token_ids: torch.Tensor  # [len(rows)] int64, on the logits' device
+
+
+def apply_penalties(
+    logits: torch.Tensor, requests: Sequence[Request], pending: PendingTokens | None = None
+) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens (divides positive logits, multiplies
-    negative ones), then frequency and presence penalties over output tokens (vLLM order).
-    Only rows with a penalty are touched; returns a new tensor when any row is."""
+    negative ones), then frequency and presence penalties over output tokens (vLLM order); a
+    request's output includes its pending token (`pending`, counted on the device). Only rows
+    with a penalty are touched; returns a new tensor when any row is."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return logits
-    if any(requests[i].num_pending_tokens for i in rows):
-        raise ValueError("penalties need every output token on the host (none pending)")
+    pending_at = {} if pending is None else {row: k for k, row in enumerate(pending.rows)}
+    for i in rows:
+        num_pending = requests[i].num_pending_tokens
+        if num_pending > 1 or (num_pending == 1) != (i in pending_at):
+            raise ValueError(
+                f"request {requests[i].request_id!r} has {num_pending} pending tokens; "
+                f"penalties need each of them (given: {int(i in pending_at)})"
+            )
     device, vocab_size = logits.device, logits.shape[1]
     params = [requests[i].sampling_params for i in rows]
     row_idx = _on_device(rows, device)
     penalized = logits[row_idx]  # [num_rows, vocab]
     output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
+    counted = [(j, pending_at[i]) for j, i in enumerate(rows) if i in pending_at]
+    if counted:  # the pending tokens, still on the device: one more occurrence each
+        at = _on_device([j for j, _ in counted], device)
+        token_ids = pending.token_ids[_on_device([k for _, k in counted], device)]
+        ones = torch.ones(len(counted), dtype=output_counts.dtype, device=device)
+        output_counts.index_put_((at, token_ids), ones, accumulate=True)
     output_seen = output_counts > 0  # [num_rows, vocab]
 
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -171,17 +196,23 @@ class Sampler:
         """Sample and wait for the result (one copy to the host)."""
         return self.launch(logits, requests).result()
 
-    def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> PendingSample:
+    def launch(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        pending: PendingTokens | None = None,
+    ) -> PendingSample:
         """Queue the sampling of every row on the logits' device and the one copy of its
         results to the host; `PendingSample.result()` waits for them. Reads each request's
-        params and `num_sampled_tokens` now (the caller may then mark the tokens pending)."""
+        params and `num_sampled_tokens` now (the caller may then mark the tokens pending);
+        `pending`: the tokens of rows with penalties whose last output is still on the device."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [num_reqs, vocab] with one row per request; got shape "
                 f"{tuple(logits.shape)} for {len(requests)} requests"
             )
         raw_logits = logits
-        logits = apply_penalties(logits.float(), requests)
+        logits = apply_penalties(logits.float(), requests, pending)
         logits = apply_min_tokens(logits, requests)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:

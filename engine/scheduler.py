@@ -216,8 +216,7 @@ class Scheduler:
         tokens and run `schedule()` then. Chosen as `schedule()` would, with the token step n
         samples for a request as `PENDING` (its decode's input, read on the device), except:
         a request that stops at step n for certain (on length) is left out, and None when a
-        request with a token pending needs it on the host to sample (penalties) or a running
-        request's slots cannot be had without preemption (its KV may be in flight)."""
+        running request's slots cannot be had without preemption (its KV may be in flight)."""
         if self.config.prefill_only:
             return None
         output = SchedulerOutput()
@@ -232,8 +231,6 @@ class Scheduler:
                 or request.num_tokens + pending >= self.max_model_len
             ):
                 continue  # stops at the running step
-            if pending and params.has_penalties:
-                return None
             num_new_tokens = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
                 return None  # (the slots taken so far serve the next schedule() as well)

@@ -28,7 +28,8 @@ def make_llm(checkpoint, mode: str, **kwargs) -> LLM:
 
 def workload(stop_token: int):
     """16 requests of every kind the sampler and scheduler handle: greedy, seeded top-p/top-k,
-    min_tokens with a stop token, logprobs, penalties (which cannot sample ahead), EOS on,
+    min_tokens with a stop token, logprobs, the three penalties (their pending token counted
+    on the device), EOS on,
     varied max_tokens; plus unseeded random ones, which run but are not compared (their noise
     comes from one draw per step, so it depends on how steps are composed)."""
     kinds = [
@@ -44,6 +45,8 @@ def workload(stop_token: int):
             stop_token_ids=[stop_token],
         ),  # fmt: skip
         SamplingParams(temperature=1.0, seed=5, max_tokens=8, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=8, max_tokens=10, frequency_penalty=0.8),
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
         SamplingParams(temperature=0.9, max_tokens=10),  # unseeded: not compared
@@ -87,7 +90,7 @@ def stop_token(checkpoint) -> int:
     [
         {},
         {"max_num_batched_tokens": 8},  # chunked prefills between decodes
-        {"num_blocks": 12},  # preemption (the pool cannot hold the batch)
+        {"num_blocks": 8},  # preemption (the pool cannot hold the batch)
         {"max_num_seqs": 4},  # a full running set, prompts waiting: decodes still go ahead
     ],
     ids=["default", "chunked", "preemption", "max-seqs-4"],
@@ -234,3 +237,28 @@ def test_prompts_are_admitted_and_chunked_in_steps_scheduled_ahead(checkpoint):
         if any(c.is_prefill for c in o.chunks) and any(c.token_ids == [PENDING] for c in o.chunks)
     ]  # fmt: skip
     assert mixed, "no step scheduled ahead held both a prompt chunk and a pending decode"
+
+
+def test_requests_with_penalties_decode_ahead_with_the_pending_token_counted(checkpoint):
+    """A penalty reads the whole output: the token still pending on the device is counted
+    there, so the request decodes ahead and samples what the synchronous engine samples."""
+    prompts = random_prompts(4, VOCAB, seed=17, min_len=5, max_len=25)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)  # fmt: skip
+    expected = [o.token_ids for o in make_llm(checkpoint, "off").generate(prompts, params)]
+    llm = make_llm(checkpoint, "on")
+    chosen: list = []
+    schedule_ahead = llm.engine.scheduler.schedule_ahead
+
+    def spy():
+        output = schedule_ahead()
+        chosen.append(output)
+        return output
+
+    llm.engine.scheduler.schedule_ahead = spy
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    llm.engine.check_no_leaks()
+    pending_decodes = [
+        c for o in chosen if o is not None for c in o.chunks if c.token_ids == [PENDING]
+    ]
+    assert pending_decodes and all(c.request.sampling_params.has_penalties for c in pending_decodes)

@@ -1,6 +1,6 @@
 """Scheduler.schedule_ahead (async scheduling) driven by a fake sampler, no model: decodes of
-tokens still pending on the device, requests stopping on length left out, penalties waiting for
-their tokens, no preemption while a step is in flight."""
+tokens still pending on the device, requests stopping on length left out, penalties going
+ahead too, no preemption while a step is in flight."""
 
 from __future__ import annotations
 
@@ -49,13 +49,14 @@ def test_schedule_ahead_decodes_pending_tokens_and_leaves_out_length_stops() -> 
     assert scheduler.get_request("b").output_token_ids == [fake_token("b", i) for i in range(3)]
 
 
-def test_schedule_ahead_waits_for_pending_tokens_with_penalties() -> None:
+def test_schedule_ahead_decodes_requests_with_penalties_too() -> None:
+    """Penalties read the output so far; its pending token is counted on the device (the
+    model runner hands the sampler the previous step's ids), so the request goes ahead."""
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 6, max_tokens=8, presence_penalty=0.5))
-    first = launch(scheduler, scheduler.schedule())
-    assert scheduler.schedule_ahead() is None  # its next sampling reads the pending token
-    land(scheduler, first)
-    assert scheduler.schedule_ahead() is not None  # nothing pending: it can go
+    launch(scheduler, scheduler.schedule())
+    ahead = scheduler.schedule_ahead()
+    assert [c.token_ids for c in ahead.chunks] == [[PENDING]]
 
 
 def test_schedule_ahead_never_preempts() -> None:
