@@ -186,8 +186,8 @@ class ModelRunner:
 
 
 def _pending_tokens(requests: list[Request], prev: DeviceTokens | None) -> PendingTokens | None:
-    """The device tokens of the requests with penalties whose last output is pending (the only
-    sampling that reads output tokens), gathered from the previous step's ids."""
+    """Where the requests with penalties whose last output is pending (the only sampling that
+    reads output tokens) find it among the previous step's ids."""
     rows = [
         i
         for i, r in enumerate(requests)
@@ -197,5 +197,4 @@ def _pending_tokens(requests: list[Request], prev: DeviceTokens | None) -> Pendi
         return None
     if prev is None:
         raise ValueError("a request with a pending token needs the previous step's device tokens")
-    src = torch.tensor([prev.rows[requests[i]] for i in rows], dtype=torch.long)
-    return PendingTokens(rows, prev.token_ids.index_select(0, src.to(prev.token_ids.device)))
+    return PendingTokens(rows, [prev.rows[requests[i]] for i in rows], prev.token_ids)

@@ -84,10 +84,11 @@ def _token_counts(
 @dataclass(frozen=True)
 class PendingTokens:
     """Output tokens sampled by a step that is still running (async scheduling), on the device:
-    batch row `rows[k]` has token `token_ids[k]` not yet in its request's output_token_ids."""
+    batch row `rows[k]` has token `step_ids[sources[k]]` not yet in its output_token_ids."""
 
     rows: list[int]
-    token_ids: torch.Tensor  # [len(rows)] int64, on the logits' device
+    sources: list[int]
+    step_ids: torch.Tensor  # the running step's sampled ids, int64, on the logits' device
 
 
 def apply_penalties(
@@ -116,7 +117,7 @@ def apply_penalties(
     counted = [(j, pending_at[i]) for j, i in enumerate(rows) if i in pending_at]
     if counted:  # the pending tokens, still on the device: one more occurrence each
         at = _on_device([j for j, _ in counted], device)
-        token_ids = pending.token_ids[_on_device([k for _, k in counted], device)]
+        token_ids = pending.step_ids[_on_device([pending.sources[k] for _, k in counted], device)]
         ones = torch.ones(len(counted), dtype=output_counts.dtype, device=device)
         output_counts.index_put_((at, token_ids), ones, accumulate=True)
     output_seen = output_counts > 0  # [num_rows, vocab]
