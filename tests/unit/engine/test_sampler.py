@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, apply_min_tokens, apply_penalties
+from engine.sampler import PendingTokens, Sampler, apply_min_tokens, apply_penalties
 from pdserve.sampling_params import SamplingParams
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -71,6 +71,26 @@ def test_penalties_match_reference(device: str) -> None:
         expected = _reference_penalties(logits[i].cpu(), request)
         torch.testing.assert_close(penalized[i].cpu(), expected)
     assert not torch.equal(penalized[0], logits[0]) and not torch.equal(penalized[3], logits[3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_count_a_token_still_pending_on_the_device(device: str) -> None:
+    """Async scheduling: a request's last output token may still be on the device (the
+    running step's ids); penalties count it exactly as if it were in output_token_ids."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 12, device=device) * 3
+    params = SamplingParams(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.9)
+    landed = [_request(params, output=[5, 7]), _request(params, output=[2, 9, 9])]
+    pending = [_request(params, output=[5]), _request(params, output=[2, 9])]
+    for request in pending:
+        request.num_pending_tokens = 1
+    step_ids = torch.tensor([4, 9, 7], device=device)  # the running step sampled 9 and 7
+    given = PendingTokens(rows=[0, 1], sources=[2, 1], step_ids=step_ids)
+    torch.testing.assert_close(
+        apply_penalties(logits, pending, given), apply_penalties(logits, landed)
+    )
+    with pytest.raises(ValueError, match="pending"):
+        apply_penalties(logits, pending)  # the pending tokens not given: refused, not ignored
 
 
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
