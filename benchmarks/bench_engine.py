@@ -37,6 +37,8 @@ from engine.model import resolve_device, resolve_dtype
 from pdserve.config import ASYNC_SCHEDULING, ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
 from pdserve.sampling_params import SamplingParams
 
+MAX_STEPS_TO_FIRST_TOKEN = 64  # a whole prompt prefills in one step; async adds one more
+
 
 @dataclass
 class Row:
@@ -162,8 +164,13 @@ def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
         rid = f"prefill-{num_tokens}-{i}"
         core.add_request(core.make_request(rid, prompt, params))
         start = time.perf_counter()
-        while not any(out.request_id == rid for out in core.step()):  # until its token is out
-            pass
+        for _ in range(MAX_STEPS_TO_FIRST_TOKEN):  # until its token is out
+            if any(out.request_id == rid for out in core.step()):
+                break
+        else:
+            raise RuntimeError(
+                f"no token for a {num_tokens}-token prompt in {MAX_STEPS_TO_FIRST_TOKEN} steps"
+            )
         times.append(time.perf_counter() - start)
         while core.has_unfinished():
             core.step()

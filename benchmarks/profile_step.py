@@ -14,7 +14,7 @@ perf_counter on the host:
     inputs     ModelRunner.prepare(): numpy step inputs, one copy
     forward    ModelRunner.forward(): CUDA graph replay or the eager forward (queued only)
     sample     ModelRunner.sample(): logits, sampler, the one copy of the ids (waits for the GPU)
-    outputs    Scheduler.update_from_output(): stop checks, StepOutputs
+    outputs    Scheduler.on_launched() + update_from_output(): stop checks, StepOutputs
     detok      IncrementalDetokenizer.update per request (models with a tokenizer only)
 
 Without `--sync` the GPU's work lands in `sample` (its copy waits); with `--sync` a device
@@ -145,6 +145,7 @@ class PhasedStepper:
         t3 = clock()
         sampled = runner.sample(batch, hidden)
         t4 = clock()
+        core.scheduler.on_launched(scheduler_output)
         outputs = core.scheduler.update_from_output(scheduler_output, sampled.sampled)
         t5 = clock()
         for out in outputs:

@@ -33,7 +33,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from kernels.attention import get_attention_backend
 from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
-from pdserve.config import CacheConfig, EngineConfig
+from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -301,8 +301,8 @@ def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """auto: on CUDA (the host's work hides under the device's), never for the prefill role
     (its steps are long prefills, and its per-layer hook must see each step finish first)."""
     mode = config.scheduler.async_scheduling
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"async_scheduling must be auto, on or off; got {mode!r}")
+    if mode not in ASYNC_SCHEDULING:
+        raise ValueError(f"async_scheduling must be one of {ASYNC_SCHEDULING}; got {mode!r}")
     if config.scheduler.prefill_only or mode == "off":
         return False
     return mode == "on" or device.type == "cuda"

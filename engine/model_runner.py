@@ -25,9 +25,9 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.request import Request, TokenLogprobs
-from engine.sampler import PendingSample, PendingTokens, Sampler
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.step_inputs import DeviceTokens, FlatBatch, StepInputBuilder
+from engine.sampler import PendingSample, Sampler
+from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
+from engine.step_inputs import FlatBatch, StepInputBuilder
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -116,11 +116,9 @@ class ModelRunner:
         hidden = self.forward(batch, on_layer_done)
         return self.sample_async(batch, hidden, prev_tokens)
 
-    def prepare(
-        self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
-    ) -> FlatBatch:
+    def prepare(self, scheduler_output: SchedulerOutput) -> FlatBatch:
         """The step's device inputs (host numpy, one copy); no sync."""
-        return self._build(scheduler_output.chunks, prev.device_tokens() if prev else None)
+        return self._build(scheduler_output.chunks)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
@@ -153,7 +151,7 @@ class ModelRunner:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
         step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
-        step.sample = self.sampler.launch(logits, requests, _pending_tokens(requests, prev))
+        step.sample = self.sampler.launch(logits, requests, prev)
         return step
 
     def _build(
@@ -183,18 +181,3 @@ class ModelRunner:
             on_layer_done(layer_idx, prefill_chunks)
 
         return layer_hook
-
-
-def _pending_tokens(requests: list[Request], prev: DeviceTokens | None) -> PendingTokens | None:
-    """Where the requests with penalties whose last output is pending (the only sampling that
-    reads output tokens) find it among the previous step's ids."""
-    rows = [
-        i
-        for i, r in enumerate(requests)
-        if r.num_pending_tokens and r.sampling_params.has_penalties
-    ]
-    if not rows:
-        return None
-    if prev is None:
-        raise ValueError("a request with a pending token needs the previous step's device tokens")
-    return PendingTokens(rows, [prev.rows[requests[i]] for i in rows], prev.token_ids)

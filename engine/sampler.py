@@ -3,7 +3,7 @@
 ```
 logits [num_reqs, vocab] (raw)
   ├─ repetition penalty (prompt + output), presence / frequency penalties (output; a token
-  │  still pending on the device under async scheduling is counted there: PendingTokens)
+  │  still pending on the device under async scheduling is counted there: DeviceTokens)
   ├─ min_tokens: EOS and stop_token_ids masked while the output is shorter
   ├─ greedy rows: argmax                      (all greedy, no penalties: argmax alone)
   ├─ random rows: / temperature -> top-k -> top-p -> softmax -> min-p
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprobs
+from engine.scheduler_output import DeviceTokens
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5
@@ -81,43 +82,36 @@ def _token_counts(
     return counts.view(num_rows, vocab_size)
 
 
-@dataclass(frozen=True)
-class PendingTokens:
-    """Output tokens sampled by a step that is still running (async scheduling), on the device:
-    batch row `rows[k]` has token `step_ids[sources[k]]` not yet in its output_token_ids."""
-
-    rows: list[int]
-    sources: list[int]
-    step_ids: torch.Tensor  # the running step's sampled ids, int64, on the logits' device
-
-
 def apply_penalties(
-    logits: torch.Tensor, requests: Sequence[Request], pending: PendingTokens | None = None
+    logits: torch.Tensor, requests: Sequence[Request], pending: DeviceTokens | None = None
 ) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens (divides positive logits, multiplies
     negative ones), then frequency and presence penalties over output tokens (vLLM order); a
-    request's output includes its pending token (`pending`, counted on the device). Only rows
-    with a penalty are touched; returns a new tensor when any row is."""
+    request's output includes its token still pending on the device (async scheduling: found
+    in `pending`, counted there). Only rows with a penalty are touched; returns a new tensor
+    when any row is."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
     if not rows:
         return logits
-    pending_at = {} if pending is None else {row: k for k, row in enumerate(pending.rows)}
-    for i in rows:
-        num_pending = requests[i].num_pending_tokens
-        if num_pending > 1 or (num_pending == 1) != (i in pending_at):
+    counted: list[tuple[int, int]] = []  # (penalized row, row in pending.token_ids)
+    for j, i in enumerate(rows):
+        request = requests[i]
+        if request.num_pending_tokens == 0:
+            continue
+        if request.num_pending_tokens > 1 or pending is None or request not in pending.rows:
             raise ValueError(
-                f"request {requests[i].request_id!r} has {num_pending} pending tokens; "
-                f"penalties need each of them (given: {int(i in pending_at)})"
+                f"request {request.request_id!r} has {request.num_pending_tokens} pending "
+                "tokens: penalties need each of them on the device (pending)"
             )
+        counted.append((j, pending.rows[request]))
     device, vocab_size = logits.device, logits.shape[1]
     params = [requests[i].sampling_params for i in rows]
     row_idx = _on_device(rows, device)
     penalized = logits[row_idx]  # [num_rows, vocab]
     output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
-    counted = [(j, pending_at[i]) for j, i in enumerate(rows) if i in pending_at]
     if counted:  # the pending tokens, still on the device: one more occurrence each
         at = _on_device([j for j, _ in counted], device)
-        token_ids = pending.step_ids[_on_device([pending.sources[k] for _, k in counted], device)]
+        token_ids = pending.token_ids[_on_device([k for _, k in counted], device)]
         ones = torch.ones(len(counted), dtype=output_counts.dtype, device=device)
         output_counts.index_put_((at, token_ids), ones, accumulate=True)
     output_seen = output_counts > 0  # [num_rows, vocab]
@@ -201,12 +195,12 @@ class Sampler:
         self,
         logits: torch.Tensor,
         requests: Sequence[Request],
-        pending: PendingTokens | None = None,
+        pending: DeviceTokens | None = None,
     ) -> PendingSample:
         """Queue the sampling of every row on the logits' device and the one copy of its
         results to the host; `PendingSample.result()` waits for them. Reads each request's
         params and `num_sampled_tokens` now (the caller may then mark the tokens pending);
-        `pending`: the tokens of rows with penalties whose last output is still on the device."""
+        `pending`: the previous step's ids, where a penalized request's pending token is."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [num_reqs, vocab] with one row per request; got shape "

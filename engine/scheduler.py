@@ -12,13 +12,13 @@ or `max_num_seqs` runs out. A running request that cannot get a block preempts t
 recently admitted running request (possibly itself); a preempted request keeps its output
 tokens and, when readmitted, recomputes the KV of prompt + output before sampling the next one.
 
-Async scheduling (`schedule_ahead`): while step n runs on the device, step n+1 may be chosen
-before n's tokens are on the host, when it is plain decodes of the running requests: each
-in-flight request's next input is the token step n samples, read on the device (`PENDING` in
-its chunk). `on_launched` advances a request when its step is queued (computed tokens, one
-more pending token); `update_from_output` lands the tokens when the step's results arrive. A
-request that stops at step n wastes its step n+1 slot (the result is dropped), and its blocks
-are freed only once no launched step writes them (`_free`).
+A step's life: `schedule()` -> the caller launches it -> `on_launched` (its requests' KV counts
+as computed, each sampled token as pending) -> `update_from_output` once its tokens are on the
+host (in launch order). Async scheduling (`schedule_ahead`): while step n runs on the device,
+step n+1 is chosen the same way before n's tokens are known, each such token `PENDING` in its
+decode (read on the device), without preemption (None instead). A request that stops at step n
+wastes its step n+1 slot (the result is dropped), and its blocks are freed only once no
+launched step writes them (`_free`).
 
 With chunked prefill disabled, a prompt waits until it fits the step's remaining budget whole;
 `max_num_batched_tokens >= max_model_len` is then required (checked at construction), so that
@@ -66,7 +66,8 @@ class Scheduler:
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
         self._prefilled: dict[str, Request] = {}  # prefill-only: blocks held until release()
         self._pending_outputs: list[StepOutput] = []  # finished outside a step
-        self._in_flight: deque[frozenset[Request]] = deque()  # launched steps' requests, FIFO
+        # launched steps not yet landed, oldest first, with their requests
+        self._in_flight: deque[tuple[SchedulerOutput, frozenset[Request]]] = deque()
         self._free_after_step: list[Request] = []  # stopped while a launched step writes its KV
 
     # ---- queues ---------------------------------------------------------------------------
@@ -167,11 +168,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks: running requests first, then waiting ones FCFS."""
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, preempt=True)
         # After a preemption the pool is short: admitting more would only preempt again.
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget)
         return output
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """Step n+1 while step n runs (async scheduling), or None when it must wait for n's
+        tokens and run `schedule()` then. Chosen as `schedule()` would, with the token step n
+        samples for a request as `PENDING` (its decode's input, read on the device), except
+        that None replaces any preemption (a launched step may still write the victim's KV)."""
+        if self.config.prefill_only:
+            return None
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, preempt=False)
+        if budget is None:
+            return None  # (the slots taken so far serve the next schedule() as well)
+        self._schedule_waiting(output, budget)
+        return output if output.chunks else None
 
     def on_launched(self, scheduler_output: SchedulerOutput) -> None:
         """The step is queued on the device: its requests' KV positions count as computed and
@@ -181,21 +196,19 @@ class Scheduler:
             chunk.request.num_computed_tokens = chunk.end_pos
             if chunk.sample:
                 chunk.request.num_pending_tokens += 1
-        self._in_flight.append(frozenset(c.request for c in scheduler_output.chunks))
+        requests = frozenset(c.request for c in scheduler_output.chunks)
+        self._in_flight.append((scheduler_output, requests))
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SampledTokens
     ) -> list[StepOutput]:
-        """The oldest launched step's results: append its sampled tokens, cache the blocks it
-        filled, apply stop checks. `sampled` holds one (token, logprobs) per chunk with
-        `sample=True`."""
+        """The oldest launched step's results (`on_launched` first): append its sampled tokens,
+        cache the blocks it filled, apply stop checks. `sampled` holds one (token, logprobs)
+        per chunk with `sample=True`."""
+        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
+            raise ValueError("update_from_output takes the oldest step passed to on_launched")
+        self._in_flight.popleft()
         outputs = self.drain_finished_outputs()
-        if not self._in_flight:  # run without on_launched (schedule -> run -> update)
-            self.on_launched(scheduler_output)
-        launched = self._in_flight.popleft()
-        assert launched == frozenset(c.request for c in scheduler_output.chunks), (
-            "update_from_output must follow the launch order"
-        )
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
@@ -211,42 +224,27 @@ class Scheduler:
                 self._free(request)
         return outputs
 
-    def schedule_ahead(self) -> SchedulerOutput | None:
-        """Step n+1 while step n runs (async scheduling), or None when it must wait for n's
-        tokens and run `schedule()` then. Chosen as `schedule()` would, with the token step n
-        samples for a request as `PENDING` (its decode's input, read on the device), except:
-        a request that stops at step n for certain (on length) is left out, and None when a
-        running request's slots cannot be had without preemption (its KV may be in flight)."""
-        if self.config.prefill_only:
-            return None
-        output = SchedulerOutput()
+    def _schedule_running(self, output: SchedulerOutput, preempt: bool) -> int | None:
+        """Chunks for the running requests, in admission order; the budget left. A request
+        whose pending token ends it for certain (on length) is left out. Without `preempt`,
+        None when a request's slots cannot be had."""
         budget = self.config.max_num_batched_tokens
-        for request in self._running.values():
-            if budget == 0 or len(output.chunks) == self.config.max_num_seqs:
-                break
-            pending = request.num_pending_tokens
-            params = request.sampling_params
-            if pending and (
-                request.num_sampled_tokens >= params.max_tokens
-                or request.num_tokens + pending >= self.max_model_len
-            ):
-                continue  # stops at the running step
-            num_new_tokens = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
-                return None  # (the slots taken so far serve the next schedule() as well)
-            output.chunks.append(self._make_chunk(request, num_new_tokens))
-            budget -= num_new_tokens
-        self._schedule_waiting(output, budget)
-        return output if output.chunks else None
-
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         for request in list(self._running.values()):
             if budget == 0 or len(output.chunks) == self.config.max_num_seqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 break  # preempted (from the back) to make room for an earlier request
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new_tokens, output):
+            pending = request.num_pending_tokens
+            if pending and (
+                request.num_sampled_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens + pending >= self.max_model_len
+            ):
+                continue  # stops at the running step
+            num_new_tokens = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            if not preempt:
+                if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+                    return None
+            elif not self._allocate_or_preempt(request, num_new_tokens, output):
                 break
             output.chunks.append(self._make_chunk(request, num_new_tokens))
             budget -= num_new_tokens
@@ -352,7 +350,7 @@ class Scheduler:
         """Free `request`'s blocks, or, while a launched step still writes its KV, once that
         step's results are in (a block handed out now could be filled by another stream, a KV
         transfer, before the step's late write lands)."""
-        if any(request in step for step in self._in_flight):
+        if any(request in requests for _, requests in self._in_flight):
             self._free_after_step.append(request)
         else:
             self.kv_cache_manager.free(request)

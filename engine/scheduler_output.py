@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import Request
 
+if TYPE_CHECKING:
+    import torch
+
 # A decode's input token that the previous step, still running, samples on the device (async
-# scheduling): the model runner reads it there.
+# scheduling): the model runner reads it there (`DeviceTokens`).
 PENDING = -1
+
+
+@dataclass(frozen=True)
+class DeviceTokens:
+    """A launched step's sampled ids, still on the device, and each request's row in them:
+    where the next step's `PENDING` inputs, and its penalties' pending tokens, are found."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64
+    rows: Mapping[Request, int]
 
 
 @dataclass(frozen=True)

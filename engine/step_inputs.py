@@ -19,14 +19,13 @@ context of one token, so they compute finite values that nobody reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.request import Request
-from engine.scheduler_output import PENDING, ScheduledChunk
+from engine.scheduler_output import PENDING, DeviceTokens, ScheduledChunk
 from kernels.attention import AttentionMetadata
 
 
@@ -43,14 +42,6 @@ class FlatBatch:
     @property
     def num_rows(self) -> int:  # padded rows included
         return int(self.meta.seq_lens.shape[0])
-
-
-@dataclass(frozen=True)
-class DeviceTokens:
-    """A launched step's sampled ids, still on the device, and each request's row in them."""
-
-    token_ids: torch.Tensor  # [num_sampled] int64
-    rows: Mapping[Request, int]
 
 
 class StepInputBuilder:

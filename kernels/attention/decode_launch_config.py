@@ -14,6 +14,7 @@ replayed with. Torch-only (no Triton import), so the policy is testable on CPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,7 @@ def decode_splits(
     return _cdiv(max(MIN_PARTITION_FLOOR, block_n), block_n) * block_n, max_splits
 
 
+@functools.cache  # called per layer in eager decode: one small object per (dtype, batch)
 def decode_launch_config(
     dtype: torch.dtype, num_decodes: int, num_kv_heads: int, num_sms: int
 ) -> DecodeLaunchConfig:

@@ -35,7 +35,8 @@ benchmarks/results/2026-12-02-h200-attention-split-sweep.txt): the fastest setti
 is 16-32 slices of 64-128 keys; at batch 8 4-8 slices; at batch 32 one or two; at batch 128
 no split at all (one program per (request, kv head) already makes 1024 programs: splitting
 only adds partial writes and the merge). The former policy (256-key slices, up to 16 per
-request, whatever the batch) cost 1.3x at batch 1 and 1.25x at batch 128 (context 1K).
+request, whatever the batch) cost 1.34x at batch 1 (11.7 vs 8.7 us) and 1.24x at batch 128
+(161.9 vs 130.1 us), context 1K.
 
 A request's result depends on its own context and the batch's launch config only: within one
 batch size (one graph) it is independent of the other requests, but the same request at two

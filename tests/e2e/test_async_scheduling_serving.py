@@ -4,13 +4,14 @@ stream cancelled while steps run ahead frees every block."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from router.client import GenerationClient
 from tests.e2e.conftest import _cluster
-from tests.e2e.test_serving import greedy, offline_reference  # noqa: F401 (a fixture)
+from tests.e2e.test_serving import (  # noqa: F401 (offline_reference: a fixture)
+    cancel_mid_stream,
+    greedy,
+    offline_reference,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,20 +44,7 @@ def test_async_nodes_equal_offline(cluster_1p1d_async, cluster_colocated_async, 
 
 
 def test_cancel_while_steps_run_ahead_frees_the_blocks(cluster_1p1d_async):
-    async def main():
-        async with GenerationClient(cluster_1p1d_async.router) as client:
-            seen = 0
-            async for chunk in client.generate(
-                "Write a very long story.", temperature=0.0, max_tokens=1000, ignore_eos=True,
-                timeout_s=120,
-            ):  # fmt: skip
-                seen += len(chunk.token_ids)
-                if seen >= 5:
-                    busy = cluster_1p1d_async.node_stats("decode-0")
-                    assert busy.num_free_kv_blocks < busy.num_kv_blocks
-                    break  # leaving the stream cancels the call
-
-    asyncio.run(asyncio.wait_for(main(), 120))
+    cancel_mid_stream(cluster_1p1d_async)
     stats = cluster_1p1d_async.wait_all_blocks_free(timeout_s=5)
     decode = stats["decode-0"]
     assert decode.num_free_kv_blocks == decode.num_kv_blocks, decode

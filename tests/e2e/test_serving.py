@@ -141,9 +141,12 @@ def test_bad_input_is_invalid_argument(cluster_1p1d, kwargs, message):
     assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.values()), stats
 
 
-def test_cancel_mid_stream_frees_decode_blocks_within_a_second(cluster_1p1d):
+def cancel_mid_stream(cluster) -> float:
+    """Stream a long greedy request, leave after 5 tokens (the decode node holding blocks for
+    it then), which cancels the call; when it was cancelled (time.monotonic())."""
+
     async def main():
-        async with GenerationClient(cluster_1p1d.router) as client:
+        async with GenerationClient(cluster.router) as client:
             seen = 0
             async for chunk in client.generate(
                 "Write a very long story.",
@@ -154,12 +157,16 @@ def test_cancel_mid_stream_frees_decode_blocks_within_a_second(cluster_1p1d):
             ):
                 seen += len(chunk.token_ids)
                 if seen >= 5:
-                    busy = cluster_1p1d.node_stats("decode-0")
+                    busy = cluster.node_stats("decode-0")
                     assert busy.num_free_kv_blocks < busy.num_kv_blocks
                     break  # leaving the stream cancels the call
             return time.monotonic()
 
-    cancelled_at = asyncio.run(asyncio.wait_for(main(), 120))
+    return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_cancel_mid_stream_frees_decode_blocks_within_a_second(cluster_1p1d):
+    cancelled_at = cancel_mid_stream(cluster_1p1d)
     stats = cluster_1p1d.wait_all_blocks_free(timeout_s=1.0)
     freed_after_s = time.monotonic() - cancelled_at
     decode = stats["decode-0"]

@@ -215,19 +215,25 @@ def test_auto_is_off_on_cpu_and_for_the_prefill_role(checkpoint):
     assert make_core(checkpoint, "on").async_scheduling
 
 
-def test_prompts_are_admitted_and_chunked_in_steps_scheduled_ahead(checkpoint):
-    """Ahead steps are not only steady decodes: waiting prompts are admitted and chunked
-    prefills continue in them, next to decodes whose inputs are still on the device."""
-    llm = make_llm(checkpoint, "on", max_num_batched_tokens=8, max_num_seqs=6)
+def record_steps_scheduled_ahead(llm: LLM) -> list:
+    """Every SchedulerOutput (or None) the engine's schedule_ahead returns from now on."""
     chosen: list = []
     schedule_ahead = llm.engine.scheduler.schedule_ahead
 
-    def spy():
+    def recorded():
         output = schedule_ahead()
         chosen.append(output)
         return output
 
-    llm.engine.scheduler.schedule_ahead = spy
+    llm.engine.scheduler.schedule_ahead = recorded
+    return chosen
+
+
+def test_prompts_are_admitted_and_chunked_in_steps_scheduled_ahead(checkpoint):
+    """Ahead steps are not only steady decodes: waiting prompts are admitted and chunked
+    prefills continue in them, next to decodes whose inputs are still on the device."""
+    llm = make_llm(checkpoint, "on", max_num_batched_tokens=8, max_num_seqs=6)
+    chosen = record_steps_scheduled_ahead(llm)
     prompts = random_prompts(12, VOCAB, seed=5, min_len=3, max_len=30)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     llm.engine.check_no_leaks()
@@ -247,15 +253,7 @@ def test_requests_with_penalties_decode_ahead_with_the_pending_token_counted(che
                             repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)  # fmt: skip
     expected = [o.token_ids for o in make_llm(checkpoint, "off").generate(prompts, params)]
     llm = make_llm(checkpoint, "on")
-    chosen: list = []
-    schedule_ahead = llm.engine.scheduler.schedule_ahead
-
-    def spy():
-        output = schedule_ahead()
-        chosen.append(output)
-        return output
-
-    llm.engine.scheduler.schedule_ahead = spy
+    chosen = record_steps_scheduled_ahead(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     llm.engine.check_no_leaks()
     pending_decodes = [

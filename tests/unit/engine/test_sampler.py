@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import PendingTokens, Sampler, apply_min_tokens, apply_penalties
+from engine.sampler import Sampler, apply_min_tokens, apply_penalties
+from engine.scheduler_output import DeviceTokens
 from pdserve.sampling_params import SamplingParams
 
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -85,7 +86,7 @@ def test_penalties_count_a_token_still_pending_on_the_device(device: str) -> Non
     for request in pending:
         request.num_pending_tokens = 1
     step_ids = torch.tensor([4, 9, 7], device=device)  # the running step sampled 9 and 7
-    given = PendingTokens(rows=[0, 1], sources=[2, 1], step_ids=step_ids)
+    given = DeviceTokens(step_ids, {pending[0]: 2, pending[1]: 1})
     torch.testing.assert_close(
         apply_penalties(logits, pending, given), apply_penalties(logits, landed)
     )

@@ -43,11 +43,10 @@ def make_request(request_id: str, prompt: int | list[int], **params) -> Request:
     return Request(request_id, prompt_token_ids, SamplingParams(**params), eos_token_ids=(EOS,))
 
 
-def step(
-    scheduler: Scheduler, sampler: Sampler = fake_token
-) -> tuple[SchedulerOutput, list[StepOutput]]:
-    output = scheduler.schedule()
-    sampled = {
+def fake_sampled(output: SchedulerOutput, sampler: Sampler = fake_token) -> dict:
+    """What a step's sampler would give: a token per sampling chunk, at each request's next
+    output index (pending tokens are landed first, in launch order)."""
+    return {
         chunk.request.request_id: (
             sampler(chunk.request.request_id, len(chunk.request.output_token_ids)),
             None,
@@ -55,7 +54,14 @@ def step(
         for chunk in output.chunks
         if chunk.sample
     }
-    return output, scheduler.update_from_output(output, sampled)
+
+
+def step(
+    scheduler: Scheduler, sampler: Sampler = fake_token
+) -> tuple[SchedulerOutput, list[StepOutput]]:
+    output = scheduler.schedule()
+    scheduler.on_launched(output)
+    return output, scheduler.update_from_output(output, fake_sampled(output, sampler))
 
 
 def run_to_completion(
@@ -287,6 +293,7 @@ def test_abort_while_the_step_runs_drops_its_result():
     scheduler.add_request(make_request("a", 5))
     scheduler.add_request(make_request("b", 5))
     output = scheduler.schedule()
+    scheduler.on_launched(output)
     scheduler.abort("a")
     step_outputs = scheduler.update_from_output(output, {"a": (7, None), "b": (8, None)})
     assert [o.request_id for o in step_outputs] == ["b"]

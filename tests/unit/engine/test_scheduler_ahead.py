@@ -8,7 +8,12 @@ from engine.outputs import StepOutput
 from engine.request import FinishReason
 from engine.scheduler import Scheduler
 from engine.scheduler_output import PENDING, SchedulerOutput
-from tests.unit.engine.test_scheduler import fake_token, make_request, make_scheduler
+from tests.unit.engine.test_scheduler import (
+    fake_sampled,
+    fake_token,
+    make_request,
+    make_scheduler,
+)
 
 
 def launch(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutput:
@@ -18,15 +23,7 @@ def launch(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutput:
 
 def land(scheduler: Scheduler, output: SchedulerOutput) -> list[StepOutput]:
     """The launched step's results, sampled by fake_token at each request's output index."""
-    sampled = {
-        c.request.request_id: (
-            fake_token(c.request.request_id, len(c.request.output_token_ids)),
-            None,
-        )
-        for c in output.chunks
-        if c.sample
-    }
-    return scheduler.update_from_output(output, sampled)
+    return scheduler.update_from_output(output, fake_sampled(output))
 
 
 def test_schedule_ahead_decodes_pending_tokens_and_leaves_out_length_stops() -> None:
