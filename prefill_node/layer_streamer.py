@@ -1,11 +1,15 @@
 """`LayerStreamer`: the prefill engine's per-layer hook, turned into KV sends.
 
-    event loop     open(request_id, sender)                     before the engine sees the request
+    event loop     open(request_id, num_tokens)                 before the engine sees the request
+    event loop     attach(request_id, sender)                   once its ticket is in: at once,
+                                                                or later (the router starts the
+                                                                prefill before it has the ticket)
     engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is queued
-                     a request's first chunk: loop.call_soon_threadsafe(sender.start): the
-                       handshake and the transfer's deadline start with the prefill, not
-                       while the request queues
-                     for each chunk that ends its prompt, of a request with a live sender:
+                     a request's first chunk: loop.call_soon_threadsafe: sender.start() (or at
+                       attach): the handshake and the transfer's deadline start with the
+                       prefill, not while the request queues
+                     for each chunk that ends its prompt, of a request whose sender is live
+                     or not attached yet (its layers wait, packed, in its queue):
                        CUDA: record an event on the compute stream; on the pack stream wait
                              for it and pack (one kernel, K and V); record `packed`. Nothing
                              waits on the host: the forward is never stalled.
@@ -18,6 +22,7 @@
                    in flight. On the receiver's own GPU (the ticket's kv_device): the drain
                    starts with the last layer and sends every layer as one message, so the
                    decode process puts no work on the shared GPU during the forward
+                   attach: the layers queued so far go out as above (the drain starts)
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
@@ -41,7 +46,7 @@ from typing import Any
 
 import torch
 
-from cache_transfer import KVSender, TransferState, pack_layer
+from cache_transfer import KVLayout, KVSender, TransferState, pack_layer
 from cache_transfer.layout import kv_device_id
 from cache_transfer.packing import CheckedIds, check_block_ids
 from cache_transfer.transports.cuda_waits import wait_event
@@ -93,17 +98,20 @@ class _PackedLayer:
 
 @dataclass
 class _Outgoing:
-    """One request's sends. `broken` and `src_ids` are the engine thread's, the rest the
-    event loop's."""
+    """One request's sends. `broken`, `computing` and `src_ids` are the engine thread's, the
+    rest the event loop's (the engine thread reads `sender`)."""
 
-    sender: KVSender
     trace: TransferTrace
+    num_blocks: int  # the prompt's blocks, each layer's packed size
+    sender: KVSender | None = None  # None until attach (the ticket follows the call)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # the drain task and sends
     queued: deque[_PackedLayer] = field(default_factory=deque)  # not yet handed to the sender
     draining: bool = False  # a drain task runs
     broken: bool = False  # packing a layer failed: later layers are not sent
-    started: bool = False  # the engine computed a chunk of it: sender.start() is scheduled
-    send_at_end: bool = False  # the receiver shares our GPU: all layers in one message, last
+    computing: bool = False  # (engine thread) the engine computed a chunk of it
+    started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
+    send_at_end: bool = False  # the receiver shares our GPU (known at attach): all layers in
+    # one message, after the last
     src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
 
 
@@ -111,14 +119,17 @@ class LayerStreamer:
     def __init__(
         self,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        layout: KVLayout,
         loop: asyncio.AbstractEventLoop,
         max_traces: int = MAX_TRACES,
         kv_device: str | None = None,
     ) -> None:
-        """`kv_caches`: the engine's per-layer `(k_cache, v_cache)`; `loop`: where sends run;
-        `kv_device`: this cache's device as tickets name it (default: `kv_device_id`)."""
+        """`kv_caches`: the engine's per-layer `(k_cache, v_cache)`, of `layout`; `loop`: where
+        sends run; `kv_device`: this cache's device as tickets name it (default:
+        `kv_device_id`)."""
         self.traces: OrderedDict[str, TransferTrace] = OrderedDict()  # by transfer_id
         self._kv_caches = kv_caches
+        self._layout = layout
         self._loop = loop
         self._max_traces = max_traces
         self._outgoing: dict[str, _Outgoing] = {}  # by request_id
@@ -133,22 +144,46 @@ class LayerStreamer:
         # engine thread, CUDA: this step's newest pack event per layer streamed so far
         self._layers_queued: deque[torch.cuda.Event] = deque()
 
-    def open(self, request_id: str, sender: KVSender) -> TransferTrace:
-        """Send `request_id`'s KV through `sender` as the engine computes it."""
+    def open(self, request_id: str, num_tokens: int) -> TransferTrace:
+        """Pack `request_id`'s KV (`num_tokens` prompt tokens) as the engine computes it; it
+        goes out through the sender `attach` gives (layers computed before wait for it)."""
         if request_id in self._outgoing:
             raise ValueError(f"request {request_id!r} is already sending its KV")
         num_layers = len(self._kv_caches)
-        trace = TransferTrace(
-            sender.transfer_id, request_id, [None] * num_layers, [None] * num_layers
-        )
+        trace = TransferTrace("", request_id, [None] * num_layers, [None] * num_layers)
+        num_blocks = self._layout.num_blocks_for(num_tokens)
+        self._outgoing[request_id] = _Outgoing(trace, num_blocks)
+        return trace
+
+    def attach(self, request_id: str, sender: KVSender) -> None:
+        """(event loop) Send `request_id`'s KV through `sender` (its ticket is in): the layers
+        packed so far go out now, the rest as they are computed."""
+        outgoing = self._outgoing.get(request_id)
+        if outgoing is None:
+            raise ValueError(f"request {request_id!r} is not open")
+        if outgoing.sender is not None:
+            raise ValueError(f"request {request_id!r} already has a sender")
+        if sender.num_blocks != outgoing.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: a sender of {sender.num_blocks} blocks for a prompt "
+                f"of {outgoing.num_blocks}"
+            )
+        trace = outgoing.trace
+        trace.transfer_id = sender.transfer_id
         self.traces[sender.transfer_id] = trace
         while len(self.traces) > self._max_traces:
             self.traces.popitem(last=False)
         # Two processes on one GPU time-slice it: a receive per layer on the decode side would
         # interrupt this forward once or twice per layer (~0.3 ms each, measured)
-        same_gpu = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
-        self._outgoing[request_id] = _Outgoing(sender, trace, send_at_end=same_gpu)
-        return trace
+        outgoing.send_at_end = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
+        outgoing.sender = sender
+        if outgoing.started:
+            sender.start()
+        if outgoing.queued and not outgoing.draining:
+            last = outgoing.queued[-1].layer_idx == len(self._kv_caches) - 1
+            if last or not outgoing.send_at_end:
+                outgoing.draining = True
+                self._track(outgoing, self._drain(outgoing))
 
     def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
@@ -159,13 +194,14 @@ class LayerStreamer:
             outgoing = self._outgoing.get(request.request_id)
             if outgoing is None:
                 continue
-            if not outgoing.started:  # its prefill started (this step): so does the transfer
-                outgoing.started = True
+            if not outgoing.computing:  # its prefill started (this step): so does the transfer
+                outgoing.computing = True
                 outgoing.trace.mark("computing")
-                self._loop.call_soon_threadsafe(outgoing.sender.start)
+                self._loop.call_soon_threadsafe(self._start, outgoing)
             if chunk.end_pos != request.prompt_len:
                 continue
-            if outgoing.broken or outgoing.sender.finished:
+            sender = outgoing.sender  # (set by the event loop: read once)
+            if outgoing.broken or (sender is not None and sender.finished):
                 continue
             try:
                 layer = self._pack(outgoing, chunk, layer_idx)
@@ -211,6 +247,8 @@ class LayerStreamer:
         result (within the sender's deadline); the finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
+        if sender is None:
+            raise ValueError(f"request {request_id!r} has no sender (attach) to finish")
         sender.start()  # (the engine's hook started it unless no layer ran, e.g. no hook)
         while outgoing.tasks and sender.remaining_s > 0:  # a drain task may start more sends
             await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
@@ -226,7 +264,7 @@ class LayerStreamer:
     def abort(self, request_id: str, reason: str) -> bool:
         """Fail the request's transfer (the receiver is told); False when none is open."""
         outgoing = self._outgoing.get(request_id)
-        if outgoing is None:
+        if outgoing is None or outgoing.sender is None:
             return False
         outgoing.sender.abort(reason)
         return True
@@ -235,7 +273,7 @@ class LayerStreamer:
         """Forget the request; fail its sender if it is still live. Sends in progress end on
         their own (a failed sender sends nothing more)."""
         outgoing = self._outgoing.pop(request_id, None)
-        if outgoing is not None and not outgoing.sender.finished:
+        if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
             outgoing.sender.abort(reason)
 
     def _pack(self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int) -> _PackedLayer:
@@ -243,11 +281,10 @@ class LayerStreamer:
         on CUDA queued on the pack stream behind the compute stream's KV write, with the
         event that marks it packed."""
         k_cache, v_cache = self._kv_caches[layer_idx]
-        sender = outgoing.sender
         if outgoing.src_ids is None:
-            block_ids = chunk.block_ids[: sender.num_blocks]
+            block_ids = chunk.block_ids[: outgoing.num_blocks]
             outgoing.src_ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device)
-        num_bytes = sender.layout.layer_bytes(sender.num_blocks)
+        num_bytes = self._layout.layer_bytes(outgoing.num_blocks)
         if self._pack_stream is None:
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             return _PackedLayer(
@@ -272,11 +309,19 @@ class LayerStreamer:
             torch.cuda.set_stream(self._send_stream)
             self._loop_stream_bound = True
         outgoing.queued.append(layer)
+        if outgoing.sender is None:
+            return  # attach drains the queue
         if outgoing.send_at_end and layer.layer_idx != len(self._kv_caches) - 1:
             return  # goes with the last layer
         if not outgoing.draining:
             outgoing.draining = True
             self._track(outgoing, self._drain(outgoing))
+
+    def _start(self, outgoing: _Outgoing) -> None:
+        """(event loop) The request's prefill started: so does its transfer, once attached."""
+        outgoing.started = True
+        if outgoing.sender is not None:
+            outgoing.sender.start()
 
     def _track(self, outgoing: _Outgoing, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)

@@ -29,7 +29,9 @@ class PrefillServer(RoleServer):
     prefill_only = True
 
     def make_servicer(self) -> PrefillServicer:
-        self.streamer = LayerStreamer(self.core.pool.kv_caches, asyncio.get_running_loop())
+        self.streamer = LayerStreamer(
+            self.core.pool.kv_caches, self.layout, asyncio.get_running_loop()
+        )
         self.core.on_layer_done = self.streamer.on_layer_done
         return PrefillServicer(self, self.streamer)
 

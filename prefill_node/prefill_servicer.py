@@ -1,14 +1,18 @@
-"""`PrefillServicer`: the `PrefillNode.Prefill` RPC.
+"""`PrefillServicer`: the `PrefillNode.Prefill` and `PrefillNode.AttachTicket` RPCs.
 
-check the ticket (layout hash: FAILED_PRECONDITION; shape: INVALID_ARGUMENT)
-build the Request (bad params: INVALID_ARGUMENT)
-create_sender(ticket, the request's transfer_timeout_s capped by the node's)  (its handshake
-    and deadline start with the prefill: LayerStreamer)
-LayerStreamer.open ── AsyncEngine.generate: one StepOutput (prefill_done, or finished)
-    the sender fails first (not started within transfer_timeout_s, the decode side failed it,
-    the connection broke) ──► abort the prefill ──► ABORTED (the router cancels D's side)
+check the request, and its ticket if it carries one (layout hash: FAILED_PRECONDITION; shape:
+    INVALID_ARGUMENT); build the Request (bad params: INVALID_ARGUMENT)
+LayerStreamer.open(request_id, prompt_len)
+hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
+    timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► create_sender(ticket, the
+    request's transfer_timeout_s capped by the node's) ─► LayerStreamer.attach   (the sender's
+    handshake and deadline start with the prefill, or at attach if that comes later)
+AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile, concurrently)
+    the hand-off fails first (no or bad ticket; the sender fails: not started within
+    transfer_timeout_s, the decode side failed it, the connection broke) ──► abort the
+    prefill ──► the ticket's status, or ABORTED (the router cancels D's side)
 ──► PrefillFirstToken                                     at once
-LayerStreamer.finish: layers sent, first token sent, the receiver's result awaited
+await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
 EngineCore.release (held blocks) ──► PrefillTransferResult
 cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held
 """
@@ -31,9 +35,18 @@ from node_common.role_server import RoleServer
 from node_common.role_servicer import NodeCounters, RoleServicer
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.layer_streamer import LayerStreamer, TransferTrace
+from prefill_node.layer_streamer import LayerStreamer
+from prefill_node.ticket_box import PutResult, TicketBox
 
 logger = logging.getLogger(__name__)
+
+
+class TicketError(Exception):
+    """The hand-off cannot start: no ticket in time, or a ticket this node refuses."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
@@ -43,35 +56,58 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._streamer = streamer
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
+        self._tickets = TicketBox()
         self._aborts: set[asyncio.Task[None]] = set()  # prefills whose transfer failed first
+
+    async def AttachTicket(
+        self, request: node_pb2.AttachTicketRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.AttachTicketResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        result = self._tickets.put(request.request_id, request.ticket)
+        if result == PutResult.DUPLICATE:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} has its ticket"
+            )
+        if result == PutResult.FULL:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too many tickets wait for a Prefill call that has not arrived",
+            )
+        return node_pb2.AttachTicketResponse()
 
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.PrefillResponse]:
         arrived_s = time.monotonic()
-        set_request_id(request.request_id)  # this call's log lines carry the request id
-        await self._check_ticket(request, context)
-        engine_request = await to_engine_request(self._engine, request, context)
         request_id = request.request_id
-        sender, trace = await self._open_sender(request, context)
+        set_request_id(request_id)  # this call's log lines carry the request id
+        await self._check_request(request, context)
+        engine_request = await to_engine_request(self._engine, request, context)
+        try:
+            trace = self._streamer.open(request_id, engine_request.prompt_len)
+        except ValueError as error:  # the request id is already prefilling here
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
         trace.marks_s["rpc"] = arrived_s
+        handoff = asyncio.create_task(self._attach(request))
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
         num_queued = engine_request.prompt_len  # load, reported until the prefill ends
         self.counters.num_queued_prefill_tokens += num_queued
         try:
-            first = await self._prefill(engine_request, sender)
+            first = await self._prefill(engine_request, handoff)
             self.counters.num_queued_prefill_tokens -= num_queued
             num_queued = 0
             if first is None:
-                why = f": its KV transfer failed ({sender.error})" if sender.error else ""
-                await context.abort(
-                    grpc.StatusCode.ABORTED, f"request {request_id} was aborted{why}"
-                )
+                await _abort_call(context, request_id, handoff)
             held = first.prefill_done
             first_token = _first_token(first)
             trace.mark("first_token")
             yield node_pb2.PrefillResponse(first_token=first_token)
             self.counters.num_finished_requests += 1
+            try:
+                await handoff
+            except TicketError as error:  # after the first token: the router tells D
+                await context.abort(error.code, str(error))
             sender = await self._streamer.finish(
                 request_id,
                 first_token.token_id,
@@ -90,22 +126,16 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             )  # fmt: skip
             yield node_pb2.PrefillResponse(transfer_result=result)
         finally:
+            handoff.cancel()
+            self._tickets.drop(request_id)
             self.counters.num_queued_prefill_tokens -= num_queued
             self._streamer.close(request_id, "the prefill call ended before the hand-off")
             if held:  # cancelled while the transfer was pending
                 self._engine.post(lambda core: core.abort(request_id))
 
-    async def _check_ticket(
+    async def _check_request(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        ticket = request.ticket
-        if ticket.layout_hash != self._layout_hash:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
-                f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
-                "model, dtype and block size",
-            )
         problem = None
         if not request.request_id:
             problem = "request_id is empty"
@@ -114,7 +144,25 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 f"transfer_timeout_s must be >= 0 (0: the node's default), got "
                 f"{request.transfer_timeout_s}"
             )
-        elif not ticket.transfer_id or not ticket.dst_address:
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
+        if request.HasField("ticket"):  # refused before any work
+            try:
+                self._check_ticket(request, request.ticket)
+            except TicketError as error:
+                await context.abort(error.code, str(error))
+
+    def _check_ticket(self, request: node_pb2.PrefillRequest, ticket: node_pb2.TransferTicket):
+        """Raises TicketError if this node cannot send the request's KV on `ticket`."""
+        if ticket.layout_hash != self._layout_hash:
+            raise TicketError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
+                f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
+                "model, dtype and block size",
+            )
+        problem = None
+        if not ticket.transfer_id or not ticket.dst_address:
             problem = "the ticket needs a transfer_id and a dst_address"
         elif ticket.num_tokens != len(request.prompt_token_ids):
             problem = (
@@ -127,29 +175,37 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 f"{ticket.num_tokens} tokens need {self._layout.num_blocks_for(ticket.num_tokens)}"
             )
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
+            raise TicketError(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
 
-    async def _open_sender(
-        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[KVSender, TransferTrace]:
+    async def _attach(self, request: node_pb2.PrefillRequest) -> KVSender:
+        """The request's sender, attached to the streamer: on its inline ticket, or on the one
+        AttachTicket brings within the transfer timeout. Raises TicketError."""
+        request_id = request.request_id
+        timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
+        ticket = request.ticket
+        if not request.HasField("ticket"):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ticket = await self._tickets.expect(request_id)
+            except TimeoutError:
+                raise TicketError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
+                ) from None
+            self._check_ticket(request, ticket)
         try:
-            timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
-            sender = self._manager.create_sender(
-                request.ticket, timeout_s, start_timeout_s=timeout_s
-            )
+            sender = self._manager.create_sender(ticket, timeout_s, start_timeout_s=timeout_s)
         except ValueError as error:  # the transfer id is already in progress here
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+            raise TicketError(grpc.StatusCode.ALREADY_EXISTS, str(error)) from None
         sender.add_finish_callback(self._metrics.transfer_finished)
-        try:
-            trace = self._streamer.open(request.request_id, sender)
-        except ValueError as error:  # the request id is already prefilling here
-            sender.abort(str(error))
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
-        return sender, trace
+        self._streamer.attach(request_id, sender)
+        return sender
 
-    async def _prefill(self, request: Request, sender: KVSender) -> StepOutput | None:
+    async def _prefill(
+        self, request: Request, handoff: asyncio.Task[KVSender]
+    ) -> StepOutput | None:
         """Run the prefill; its one output (prefill done, or finished by the first token), or
-        None when the request was aborted (also when its transfer failed first: nobody would
+        None when the request was aborted (also when its hand-off failed first: nobody would
         receive the KV)."""
         first = None
         request_id = request.request_id
@@ -160,21 +216,57 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             except Exception:  # the engine stopped: the request went with it
                 logger.exception("request %s: could not abort the prefill", request_id)
 
-        def on_failed(session: KVSender) -> None:
-            if session.state == TransferState.FAILED and first is None:
+        def abort_soon() -> None:
+            if first is None:
                 task = asyncio.get_running_loop().create_task(abort())
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)
 
-        if sender.state == TransferState.FAILED:  # before the prefill was even queued
+        def on_failed(session: KVSender) -> None:
+            if session.state == TransferState.FAILED:
+                abort_soon()
+
+        def on_handoff(task: asyncio.Task[KVSender]) -> None:
+            if _handoff_failed(task):
+                abort_soon()
+            elif not task.cancelled():
+                task.result().add_finish_callback(on_failed)
+
+        handoff.add_done_callback(on_handoff)
+        await asyncio.sleep(0)  # the hand-off task runs: on an inline ticket it is done now
+        if _handoff_failed(handoff):  # before the prefill was even queued
             return None
-        sender.add_finish_callback(on_failed)
         async for out in self._engine.generate(request):
             first = out
         if first is None or first.finish_reason == FinishReason.ABORT or not first.new_token_ids:
-            sender.abort("the request was aborted on the prefill node")
+            if handoff.done() and not handoff.cancelled() and handoff.exception() is None:
+                handoff.result().abort("the request was aborted on the prefill node")
             return None
         return first
+
+
+def _handoff_failed(handoff: asyncio.Task[KVSender]) -> bool:
+    """The hand-off ended without a live sender: no or a bad ticket, or its sender failed."""
+    if not handoff.done() or handoff.cancelled():
+        return False
+    return handoff.exception() is not None or handoff.result().state == TransferState.FAILED
+
+
+async def _abort_call(
+    context: grpc.aio.ServicerContext, request_id: str, handoff: asyncio.Task[KVSender]
+) -> None:
+    """End the call of a prefill that was aborted, with the hand-off's failure if it failed."""
+    if handoff.done() and not handoff.cancelled():
+        error = handoff.exception()
+        if isinstance(error, TicketError):
+            await context.abort(error.code, str(error))
+        if error is None and handoff.result().error:
+            why = handoff.result().error
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"request {request_id} was aborted: its KV transfer failed ({why})",
+            )
+    await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
 
 
 def _first_token(out: StepOutput) -> node_pb2.PrefillFirstToken:

@@ -100,6 +100,13 @@ class NodeClient:
         response = await self.decode_stub.CancelTransfer(request, timeout=timeout_s)
         return response.found
 
+    async def attach_ticket(
+        self, request_id: str, ticket: node_pb2.TransferTicket, timeout_s: float
+    ) -> None:
+        """Hands a prefill node the ticket of its Prefill call sent without one."""
+        request = node_pb2.AttachTicketRequest(request_id=request_id, ticket=ticket)
+        await self.prefill_stub.AttachTicket(request, timeout=timeout_s)
+
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         """Ends the request on the node; True if the node held it."""
         request = node_pb2.AbortRequest(request_id=request_id)

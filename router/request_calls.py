@@ -3,10 +3,13 @@
 ```
 stream()
   D.Decode(DISAGGREGATED | LOCAL_PREFILL)     ─ read ticket first (ticket_timeout_s) when P
-  P.Prefill(request, ticket)                  ─ started once the ticket is in
-  _read_prefill task: PrefillFirstToken -> NodeTokens(0); PrefillTransferResult (logged)
+  P.Prefill(request)                          ─ at once, beside D.Decode: P computes while D
+                                                reserves (the ticket is not in yet)
+  _read_prefill task: P.AttachTicket(ticket) once D's ticket is in (node_rpc_timeout_s);
+                      PrefillFirstToken -> NodeTokens(0); PrefillTransferResult (logged)
                       P unreachable before its first token: Prefill on another prefill node
-                      (retry_prefill), once; P failed otherwise, or reported a failed
+                      (retry_prefill, the ticket inline), once; P failed otherwise (its
+                      AttachTicket too), or reported a failed
                       transfer: D.CancelTransfer (D frees the reservation and prefills
                       locally at once, not at its transfer deadline)
   _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
@@ -77,6 +80,7 @@ class RequestCalls:
         self._tasks: list[asyncio.Task] = []
         self._decode_call: grpc.aio.UnaryStreamCall | None = None
         self._prefill_call: grpc.aio.UnaryStreamCall | None = None
+        self._ticket_sent = False  # the current Prefill call has the ticket (inline or attached)
         self._decode_ended = False  # D's stream delivered its finish or failed
         self._num_yielded = 0
         self._prefill_sent_first = False  # P's first token is in the queue
@@ -100,8 +104,8 @@ class RequestCalls:
             timeout=self._timeout_s,
         )
         if disaggregated:
+            self._start_prefill(None)  # close() cancels it if D sends no ticket
             ticket = await self._read_ticket()
-            self._start_prefill(ticket)
             self._tasks.append(asyncio.create_task(self._read_prefill(ticket)))
         self._tasks.append(asyncio.create_task(self._read_decode()))
         while True:
@@ -202,7 +206,8 @@ class RequestCalls:
             "finish_reason",
         )
 
-    def _start_prefill(self, ticket: node_pb2.TransferTicket) -> None:
+    def _start_prefill(self, ticket: node_pb2.TransferTicket | None) -> None:
+        """P.Prefill, with `ticket` inline, or (None) to be attached by _forward_prefill."""
         # P starts the prefill within transfer_timeout_s and ends the hand-off within
         # transfer_timeout_s of that (as D waits): the call outlives neither.
         timeout_s = 2 * self._config.transfer_timeout_s
@@ -221,6 +226,7 @@ class RequestCalls:
             ),
             timeout=timeout_s,
         )
+        self._ticket_sent = ticket is not None
 
     async def _read_prefill(self, ticket: node_pb2.TransferTicket) -> None:
         """Forwards P's first token; if P is unreachable before it, runs the Prefill on another
@@ -240,13 +246,14 @@ class RequestCalls:
             failure,
             self._decode.address,
         )
+        self._prefill_call.cancel()  # (P may still wait for its ticket, holding blocks)
         await self._cancel_transfer(ticket.transfer_id, f"prefill node failed: {failure}")
 
     async def _forward_prefill_with_retry(self, ticket: node_pb2.TransferTicket) -> str | None:
         """`_forward_prefill`, once more on another prefill node if the first was unreachable
         before its first token; why the hand-off failed, or None."""
         try:
-            return await self._forward_prefill()
+            return await self._forward_prefill(ticket)
         except grpc.aio.AioRpcError as error:
             failure = _describe(error)
             other = None
@@ -262,13 +269,18 @@ class RequestCalls:
         self._prefill = other
         self._start_prefill(ticket)
         try:
-            return await self._forward_prefill()
+            return await self._forward_prefill(ticket)
         except grpc.aio.AioRpcError as error:
             return _describe(error)
 
-    async def _forward_prefill(self) -> str | None:
-        """Reads P's two messages; returns why the hand-off failed (P's stream, or the
-        transfer P reports failed), or None."""
+    async def _forward_prefill(self, ticket: node_pb2.TransferTicket) -> str | None:
+        """Attaches the ticket if P's call went without it, reads P's two messages; returns
+        why the hand-off failed (P's stream, or the transfer P reports failed), or None."""
+        if not self._ticket_sent:
+            self._ticket_sent = True
+            await self._prefill.attach_ticket(
+                self._request.request_id, ticket, self._config.node_rpc_timeout_s
+            )
         message = await self._prefill_call.read()
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
             return "its stream did not start with the first token"

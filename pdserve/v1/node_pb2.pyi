@@ -142,6 +142,18 @@ class PrefillRequest(_message.Message):
     transfer_timeout_s: float
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
+class AttachTicketRequest(_message.Message):
+    __slots__ = ("request_id", "ticket")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ticket: TransferTicket
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ...) -> None: ...
+
+class AttachTicketResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_result")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]

@@ -247,6 +247,11 @@ class PrefillNodeStub:
                 request_serializer=pdserve_dot_v1_dot_node__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_node__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.AttachTicket = channel.unary_unary(
+                '/pdserve.v1.PrefillNode/AttachTicket',
+                request_serializer=pdserve_dot_v1_dot_node__pb2.AttachTicketRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_node__pb2.AttachTicketResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -261,6 +266,16 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachTicket(self, request, context):
+        """The ticket of a Prefill call sent without one: the router starts the prefill at once and
+        hands the decode node's ticket over when it has it, so the reservation's round trip hides
+        behind the forward (layers computed before it wait, packed). A ticket for a call not yet
+        seen waits for it briefly; the call waits for its ticket up to its transfer timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -268,6 +283,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_node__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_node__pb2.PrefillResponse.SerializeToString,
+            ),
+            'AttachTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachTicket,
+                    request_deserializer=pdserve_dot_v1_dot_node__pb2.AttachTicketRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_node__pb2.AttachTicketResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -297,6 +317,33 @@ class PrefillNode:
             '/pdserve.v1.PrefillNode/Prefill',
             pdserve_dot_v1_dot_node__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_node__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/AttachTicket',
+            pdserve_dot_v1_dot_node__pb2.AttachTicketRequest.SerializeToString,
+            pdserve_dot_v1_dot_node__pb2.AttachTicketResponse.FromString,
             options,
             channel_credentials,
             insecure,

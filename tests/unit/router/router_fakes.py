@@ -130,10 +130,15 @@ class FakeNode(
         self.cancelled: list[str] = []  # request ids whose call the router cancelled
         self.aborted: list[str] = []  # request ids of Abort calls
         self.cancelled_transfers: list[str] = []  # transfer ids of CancelTransfer calls
+        self.attached: list[node_pb2.AttachTicketRequest] = []  # AttachTicket calls
+        self._tickets: dict[str, asyncio.Future] = {}  # P: request id -> its attached ticket
         self.fail_code: grpc.StatusCode | None = None  # Prefill/Decode fail at once with it
         self.transfer_error = ""  # P: the KV never reaches D; P's result reports this error
         self.gate = asyncio.Event()  # D: chunks from index `hold_at` on wait for it; P: the result
         self.gate.set()
+        self.ticket_gate = asyncio.Event()  # D: the ticket waits for it
+        self.ticket_gate.set()
+        self.attach_fail_code: grpc.StatusCode | None = None  # P: AttachTicket fails with it
         self.hold_at = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -168,15 +173,33 @@ class FakeNode(
         self.cancelled_transfers.append(request.transfer_id)
         return node_pb2.CancelTransferResponse(found=self.model.deliver(request.transfer_id, None))
 
+    async def AttachTicket(self, request, context):
+        self.attached.append(request)
+        if self.attach_fail_code is not None:
+            await context.abort(self.attach_fail_code, "scripted AttachTicket failure")
+        future = self._ticket_of(request.request_id)
+        if future.done():
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the call has its ticket")
+        future.set_result(request.ticket)
+        return node_pb2.AttachTicketResponse()
+
+    def _ticket_of(self, request_id: str) -> asyncio.Future:
+        return self._tickets.setdefault(request_id, asyncio.get_running_loop().create_future())
+
     async def Prefill(self, request, context):
         self.requests.append(request)
         try:
             if self.fail_code is not None:
                 await context.abort(self.fail_code, "scripted prefill failure")
+            ticket = request.ticket
+            if not request.HasField("ticket"):  # the router attaches it
+                ticket = await asyncio.wait_for(
+                    self._ticket_of(request.request_id), TEST_TIMEOUT_S
+                )
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
             if not self.transfer_error:
-                self.model.deliver(request.ticket.transfer_id, first_token)
+                self.model.deliver(ticket.transfer_id, first_token)
             first = node_pb2.PrefillFirstToken(
                 token_id=first_token,
                 finish_reason=finish_reason,
@@ -204,6 +227,7 @@ class FakeNode(
                 ticket = node_pb2.TransferTicket(
                     transfer_id=transfer_id, num_tokens=len(request.prompt_token_ids)
                 )
+                await self.ticket_gate.wait()
                 await context.write(node_pb2.DecodeResponse(ticket=ticket))
                 await self.model.wait_transfer(transfer_id, request.transfer_timeout_s)
             await self._stream_chunks(request, context)

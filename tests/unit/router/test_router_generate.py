@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from router_fakes import RouterHarness, run
+from router_fakes import TEST_TIMEOUT_S, RouterHarness, run
 
 from pdserve.v1 import node_pb2
 from tests.waiting import wait_until
@@ -45,7 +45,10 @@ def test_disaggregated_stream_is_complete_and_decodes_to_the_text(
     (decode_request,) = h.decode[0].requests
     (prefill_request,) = h.prefill[0].requests
     assert decode_request.mode == node_pb2.DECODE_MODE_DISAGGREGATED
-    assert prefill_request.ticket.num_tokens == len(decode_request.prompt_token_ids)
+    assert not prefill_request.HasField("ticket")  # P started before D's ticket was in
+    (attached,) = h.prefill[0].attached
+    assert attached.ticket.num_tokens == len(decode_request.prompt_token_ids)
+    assert attached.request_id == prefill_request.request_id
     assert prefill_request.request_id == decode_request.request_id == chunks[0].request_id
     assert h.router.stats.finish_reasons == {"length": 1}
 
@@ -65,6 +68,47 @@ def test_first_token_is_emitted_before_the_decode_node_streams(tokenizer_files, 
     assert list(first.token_ids) == output_ids[:1]
     assert [t for c in rest for t in c.token_ids] == output_ids[1:6]
     assert rest[-1].finish_reason == "length"
+
+
+def test_the_prefill_starts_before_the_decode_node_has_sent_its_ticket(
+    tokenizer_files, output_ids
+) -> None:
+    """The router calls P at once, beside D: D's reservation round trip hides behind P's
+    forward; the ticket follows in AttachTicket."""
+
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids) as h:
+            h.decode[0].ticket_gate.clear()  # D reserves, but holds its ticket
+            task = asyncio.create_task(h.client.generate_all("hello", max_tokens=4))
+            await wait_until(lambda: h.prefill[0].requests, TEST_TIMEOUT_S)
+            attached_before_ticket = list(h.prefill[0].attached)
+            h.decode[0].ticket_gate.set()
+            return await asyncio.wait_for(task, TEST_TIMEOUT_S), attached_before_ticket, h
+
+    result, attached_before_ticket, h = run(body())
+
+    assert result.token_ids == output_ids[:4] and result.finish_reason == "length"
+    assert attached_before_ticket == []  # P was called while D still held the ticket
+    (attached,) = h.prefill[0].attached
+    assert not h.decode[0].cancelled_transfers and h.router.stats.num_prefill_failures == 0
+
+
+def test_a_failed_attach_ticket_cancels_the_transfer_and_the_prefill_call(
+    tokenizer_files, output_ids
+) -> None:
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids, transfer_timeout_s=30.0) as h:
+            h.prefill[0].attach_fail_code = grpc.StatusCode.INTERNAL
+            result = await h.client.generate_all("hello", max_tokens=5)
+            await wait_until(lambda: h.prefill[0].cancelled, TEST_TIMEOUT_S)  # reaches P
+            return result, h
+
+    result, h = run(body())
+
+    assert result.token_ids == output_ids[:5] and result.finish_reason == "length"
+    assert len(h.decode[0].cancelled_transfers) == 1  # D prefilled locally at once
+    assert h.prefill[0].cancelled == [h.prefill[0].requests[0].request_id]
+    assert h.router.stats.num_prefill_failures == 1
 
 
 def test_prefill_failure_cancels_the_transfer_and_the_output_is_complete(
@@ -102,7 +146,8 @@ def test_a_failed_transfer_prefill_reports_cancels_the_decode_side_at_once(
     assert result.token_ids == output_ids[:5] and result.finish_reason == "length"
     (transfer_id,) = h.decode[0].cancelled_transfers
     (prefill_request,) = h.prefill[0].requests
-    assert transfer_id == prefill_request.ticket.transfer_id
+    (attached,) = h.prefill[0].attached
+    assert transfer_id == attached.ticket.transfer_id
     assert prefill_request.transfer_timeout_s == 30.0  # one timeout: P gets D's
     assert h.router.stats.num_prefill_failures == 1
 
