@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks import transfer_ceilings
+from benchmarks.transfer_ceilings import PackRates
 from benchmarks.transfer_decode import TIMEOUT_S
 from benchmarks.transfer_peer import DecodePeer
 from benchmarks.transfer_spec import TransferSpec, layout_for
@@ -142,7 +143,7 @@ def print_report(
     device: str,
     runs: dict[str, list[Run]],
     ceilings: list[tuple[str, float | None]],
-    pack_unpack: dict[str, tuple[float, float]],
+    pack_unpack: dict[str, tuple[PackRates, PackRates, float | None]],
 ) -> bool:
     """Print the table; True when every request landed byte-exact."""
     iters = len(runs[MODES[0]])
@@ -164,9 +165,12 @@ def print_report(
             p50_ms, max_ms = statistics.median(best.layer_s) * 1e3, max(best.layer_s) * 1e3
             latency = f"{p50_ms:>14.2f}{max_ms:>9.2f}"
         row(f"{spec.transport}: pack+send+unpack, {mode}", best.gbps, latency)
-    for impl, (pack_gbps, unpack_gbps) in pack_unpack.items():
-        print(f"{f'pack_layer (gather, in process, {impl})':<52}{pack_gbps:>8.2f}")
-        print(f"{f'unpack_layer (scatter, in process, {impl})':<52}{unpack_gbps:>8.2f}")
+    for impl, (pack, unpack, copy_gbps) in pack_unpack.items():
+        for name, rate in ((f"pack_layer (gather, {impl})", pack), (f"unpack_layer (scatter, {impl})", unpack)):  # fmt: skip
+            print(f"{f'{name}, per call':<52}{rate.per_call:>8.2f}")
+            if rate.on_gpu is not None and copy_gbps:
+                share = f"{100 * rate.on_gpu / copy_gbps:>10.0f}% of a device copy of the same bytes ({copy_gbps:.0f} GB/s)"  # fmt: skip
+                print(f"{f'{name}, on the GPU (graph replay)':<52}{rate.on_gpu:>8.2f}{share}")
     raw = dict(ceilings).get(RAW_UCX_ROW)
     if raw:
         for mode, mode_runs in runs.items():

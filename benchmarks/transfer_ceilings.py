@@ -5,7 +5,9 @@
     peer_copy_gbps      a torch copy of the same bytes, layer by layer, between two devices
                         (GPU0 -> GPU1: the NVLink ceiling; host -> host: memcpy)
     pack_unpack_gbps    pack_layer and unpack_layer alone, in process (on CUDA: the Triton
-                        kernel and torch's index_select / index_copy_)
+                        kernel and torch's index_select / index_copy_), per call (host
+                        included) and, on CUDA, on the GPU (graph replay) beside a plain
+                        device copy of the same bytes timed the same way
     (raw ucxx sends between the two processes: transfer_raw_ucx.py)
 
 The plain-socket ceiling needs the decode process: bench_transfer.py drives it.
@@ -20,6 +22,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,26 +113,65 @@ def peer_copy_gbps(spec: TransferSpec, src: torch.device, dst: torch.device) -> 
     return spec.request_bytes / best_s / 1e9
 
 
+@dataclass
+class PackRates:
+    """GB/s (bytes of the packed layer per second) of one in-process op on one layer."""
+
+    per_call: float  # wall clock of back-to-back calls: host dispatch and launch included
+    on_gpu: float | None  # CUDA: the same calls replayed from a CUDA graph (the GPU's time)
+
+
 def pack_unpack_gbps(
     spec: TransferSpec, device: torch.device, impl: str = "auto", reps: int = 20
-) -> tuple[float, float]:
-    """GB/s of pack_layer and unpack_layer on one layer of the request (warm buffers, block
-    ids checked and on the device once, as the node does per request; launch costs
-    included)."""
+) -> tuple[PackRates, PackRates, float | None]:
+    """pack_layer's and unpack_layer's rates on one layer of the request (warm buffers, block
+    ids checked and on the device once, as the node does per request), and, on CUDA, a plain
+    device copy of the same bytes timed the same way (graph replay): their ceiling."""
     k_cache, v_cache = spec.src_layer(spec.base_layer(device), 0)
     block_ids = random.Random(0).sample(range(spec.num_pool_blocks), spec.num_blocks)
     ids = check_block_ids(block_ids, k_cache.shape[0], device, unique=True)
     staging = torch.empty(spec.layer_bytes, dtype=torch.uint8, device=device)
-    rates = []
-    for op in (
+    ops = (
         lambda: pack_layer(k_cache, v_cache, ids, staging, impl),
         lambda: unpack_layer(staging, k_cache, v_cache, ids, impl),
-    ):
+    )
+    rates = [PackRates(_wall_gbps(op, spec.layer_bytes, device, reps), None) for op in ops]
+    if device.type != "cuda":
+        return rates[0], rates[1], None
+    for rate, op in zip(rates, ops):
+        rate.on_gpu = _graph_gbps(op, spec.layer_bytes, reps)
+    copy_dst = torch.empty_like(staging)
+    copy_gbps = _graph_gbps(lambda: copy_dst.copy_(staging), spec.layer_bytes, reps)
+    return rates[0], rates[1], copy_gbps
+
+
+def _wall_gbps(op: Callable[[], object], num_bytes: int, device: torch.device, reps: int) -> float:
+    op()
+    synchronize(device)
+    start_s = time.perf_counter()
+    for _ in range(reps):
         op()
-        synchronize(device)
-        start_s = time.perf_counter()
+    synchronize(device)
+    return reps * num_bytes / (time.perf_counter() - start_s) / 1e9
+
+
+def _graph_gbps(op: Callable[[], object], num_bytes: int, reps: int) -> float:
+    """`reps` calls of `op` captured in one CUDA graph, best of 5 replays (GPU time only)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (Triton compiles, caches fill)
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(reps):
             op()
-        synchronize(device)
-        rates.append(reps * spec.layer_bytes / (time.perf_counter() - start_s) / 1e9)
-    return rates[0], rates[1]
+    best_s = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best_s = min(best_s, start.elapsed_time(end) / 1e3)
+    return reps * num_bytes / best_s / 1e9

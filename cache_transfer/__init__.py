@@ -3,6 +3,7 @@
 from cache_transfer.kv_transfer_manager import KVTransferManager
 from cache_transfer.layout import KVLayout
 from cache_transfer.packing import pack_layer, unpack_layer
+from cache_transfer.pool_sharing import CudaIpcSharing, InProcessSharing, PoolSharing
 from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.state import TransferState
@@ -14,11 +15,14 @@ from cache_transfer.transports import (
 )
 
 __all__ = [
+    "CudaIpcSharing",
+    "InProcessSharing",
     "KVLayout",
     "KVReceiver",
     "KVSender",
     "KVTransferManager",
     "KVTransport",
+    "PoolSharing",
     "TransferState",
     "TransportBindError",
     "TransportError",

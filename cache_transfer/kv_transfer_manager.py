@@ -27,8 +27,9 @@ from typing import TypeVar
 import torch
 
 from cache_transfer import protocol
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import KVLayout, kv_device_id
 from cache_transfer.packing import check_kv_cache
+from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.receiver import KVCaches, KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
@@ -55,12 +56,18 @@ class KVTransferManager:
         kv_caches: KVCaches | None = None,
         max_idle_staging_bytes: int = 512 << 20,
         auth: ClusterAuth | None = None,
+        sharing: PoolSharing | None = None,
+        kv_device: torch.device | None = None,
+        kv_device_name: str | None = None,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
         may omit it. Staging buffers are pooled across transfers, up to
         `max_idle_staging_bytes` kept idle. With `auth` (the cluster secret), tickets are
-        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth)."""
+        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth).
+        With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
+        whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
+        write into a receiver there."""
         if kv_caches is not None:
             if len(kv_caches) != layout.num_layers:
                 raise ValueError(
@@ -76,10 +83,21 @@ class KVTransferManager:
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
+        # failed receivers granted in place, until their sender's writes are settled
+        self._quarantined: dict[str, KVReceiver] = {}
+        self._sharing = sharing
+        self._kv_device = kv_device
+        self._kv_device_name = kv_device_name
+        if kv_device_name is None:
+            device = kv_device or (kv_caches[0][0].device if kv_caches else None)
+            self._kv_device_name = kv_device_id(device) if device is not None else ""
+        self._pool_export: transfer_pb2.KVPoolExport | None = None
+        if sharing is not None and kv_caches is not None:
+            self._pool_export = sharing.export(kv_caches)
         self._senders: dict[str, KVSender] = {}
         # receiver transfer id -> (why it ended, its ticket)
         self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
-        self._refusals: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
 
@@ -126,6 +144,8 @@ class KVTransferManager:
             timeout_s,
             auth=self.auth,
             start_timeout_s=start_timeout_s,
+            pool_export=self._pool_export,
+            kv_device=self._kv_device_name,
         )
         return self._register(receiver, self._receivers)
 
@@ -147,6 +167,9 @@ class KVTransferManager:
             timeout_s,
             auth=self.auth,
             start_timeout_s=start_timeout_s,
+            sharing=self._sharing,
+            kv_device=self._kv_device_name,
+            device=self._kv_device,
         )
         return self._register(sender, self._senders)
 
@@ -213,6 +236,8 @@ class KVTransferManager:
             session = self._receivers.get(msg.transfer_id)
         if session is None and kind in protocol.TO_SENDER_KINDS:
             session = self._senders.get(msg.transfer_id)
+        if session is None and kind == "result" and msg.result.writes_drained:
+            session = self._quarantined.get(msg.transfer_id)
         if session is None:
             stray = self.get(msg.transfer_id)
             if stray is not None:
@@ -245,10 +270,24 @@ class KVTransferManager:
         table.pop(session.transfer_id, None)
         self._count(session)
         if isinstance(session, KVReceiver):
+            if not session.writes_settled.is_set():
+                self._quarantine(session)
             why = session.error or session.state.name
             self._finished[session.transfer_id] = (why, session.ticket())
             while len(self._finished) > MAX_FINISHED_REMEMBERED:
                 self._finished.popitem(last=False)
+
+    def _quarantine(self, receiver: KVReceiver) -> None:
+        """Keep routing its sender's drained notice to it until its writes are settled."""
+        self._quarantined[receiver.transfer_id] = receiver
+
+        async def settled() -> None:
+            await receiver.writes_settled.wait()  # bounded: the receiver's quarantine timer
+            self._quarantined.pop(receiver.transfer_id, None)
+
+        task = asyncio.get_running_loop().create_task(settled())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """Tell a sender whose receiver finished before its handshake (best effort)."""
@@ -276,8 +315,8 @@ class KVTransferManager:
                 logger.info("could not refuse transfer %s: %s", msg.transfer_id, error)
 
         task = asyncio.get_running_loop().create_task(send())
-        self._refusals.add(task)
-        task.add_done_callback(self._refusals.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _count(self, session: TransferSession) -> None:
         if session.state == TransferState.SUCCESS:

@@ -8,6 +8,14 @@
     ──► FAILED (blocks untouched since; the node frees them once wait() returns)
     add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
+Writes in place (given `pool_export`, the node's caches as a CUDA IPC export): a sender on
+this very GPU that asks (handshake.write_in_place, its kv_device = the ticket's) is granted the
+export in the ack and writes each layer into `dst_block_ids` itself; its manifests then carry
+written_in_place and no payload, and are checked exactly like payloads. Such a sender may still
+be writing when the session fails, so `writes_settled` is set only once it says it drained
+(TransferResult.writes_drained), or once its own deadline (handshake.timeout_s, from before the
+handshake) is past by QUARANTINE_MARGIN_S: the node reuses the blocks only then.
+
 Every message is checked against the ticket before its payload lands: the peer that
 handshook, the sequence number, the layer index, the exact token span and block range, the
 byte count. Payloads are scattered only into this session's own `dst_block_ids`.
@@ -15,6 +23,7 @@ byte count. Payloads are scattered only into this session's own `dst_block_ids`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -35,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 LayerCallback = Callable[[int, int], None]  # (layer_idx, token_end) of a layer that landed
+# After a failed transfer written in place: how long past the sender's own deadline its last
+# launched write may still land (the deadline stops new writes; one kernel takes microseconds).
+QUARANTINE_MARGIN_S = 2.0
 
 
 class KVReceiver(TransferSession):
@@ -52,8 +64,11 @@ class KVReceiver(TransferSession):
         timeout_s: float,
         auth: ClusterAuth | None = None,
         start_timeout_s: float | None = None,
+        pool_export: transfer_pb2.KVPoolExport | None = None,
+        kv_device: str | None = None,
     ) -> None:
-        """`dst_block_ids`: every block reserved for the request (the first
+        """`pool_export`: grant writes in place to a sender on `kv_device` (default: the
+        caches' device, kv_device_id) that asks. `dst_block_ids`: every block reserved for the request (the first
         ceil(num_tokens / block_size) receive the KV); `num_tokens`: prompt tokens to receive.
         With `auth` the ticket is signed and only a handshake proving the cluster secret is
         heard (any other is ignored and logged: it neither feeds nor fails the session).
@@ -81,8 +96,14 @@ class KVReceiver(TransferSession):
             dst_block_ids=self.dst_block_ids,
             layout_hash=self.layout.layout_hash(),
             num_tokens=self.num_tokens,
-            kv_device=kv_device_id(kv_caches[0][0].device),
+            kv_device=kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device,
         )
+        self._pool_export = pool_export
+        self.in_place = False  # the sender was granted writes in place
+        self.writes_settled = asyncio.Event()  # no write of the sender can land any more
+        self.writes_settled.set()  # (until a grant)
+        self._quarantine_timer: asyncio.TimerHandle | None = None
+        self.add_finish_callback(lambda _: self._on_finished())
         if auth is not None:
             sign_ticket(auth, self._ticket, timeout_s)
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
@@ -108,6 +129,8 @@ class KVReceiver(TransferSession):
         if reason is None:
             if kind_of(msg) != "layer_manifest":
                 reason = f"a {kind_of(msg)} message must not carry a payload"
+            elif msg.layer_manifest.written_in_place:
+                reason = "a layer written in place must not carry a payload"
             else:
                 reason = self._check_layer(msg.layer_manifest, payload_bytes)
         if reason is not None:
@@ -126,11 +149,22 @@ class KVReceiver(TransferSession):
             return
         if self._ignored(peer_id, msg):
             return
+        if self.finished and kind == "result" and msg.result.writes_drained:
+            self._on_writes_drained(peer_id)
+            return
         reason = self._check_sender(peer_id, msg)
         if reason is None and kind == "layer_manifest":
-            reason = "a layer manifest without its payload"
+            manifest = msg.layer_manifest
+            if not manifest.written_in_place:
+                reason = "a layer manifest without its payload"
+            elif not self.in_place:
+                reason = "a layer written in place, which this receiver did not grant"
+            else:
+                reason = self._check_layer(manifest, manifest.num_bytes)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
+        elif kind == "layer_manifest":
+            self._land_in_place(msg.layer_manifest)
         elif kind == "handshake":
             self._on_handshake(peer_id, msg.handshake)
         elif kind == "first_token":
@@ -139,6 +173,8 @@ class KVReceiver(TransferSession):
             self.fail("refused the sender's result: only the receiver reports success")
         else:
             self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False)
+            if msg.result.writes_drained:
+                self._on_writes_drained(peer_id)
 
     def abandon(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor) -> None:
         """A layer prepare() accepted will never land: its connection broke mid-way."""
@@ -220,7 +256,49 @@ class KVReceiver(TransferSession):
         self.start()
         self._advance(TransferState.WAITING)
         ack = transfer_pb2.HandshakeAck(accepted=True, protocol_version=PROTOCOL_VERSION)
+        if self._grants_in_place(handshake):
+            self.in_place = True
+            self.writes_settled.clear()
+            # the sender started before we heard it: its deadline is before this one
+            self._quarantine_until_s = self._loop.time() + handshake.timeout_s
+            ack.pool.CopyFrom(self._pool_export)
         self.spawn(self._send(handshake_ack=ack))
+
+    def _grants_in_place(self, handshake: transfer_pb2.TransferHandshake) -> bool:
+        return (
+            handshake.write_in_place
+            and self._pool_export is not None
+            and bool(self._ticket.kv_device)
+            and handshake.kv_device == self._ticket.kv_device
+            and 0 < handshake.timeout_s < float("inf")
+        )
+
+    def _on_finished(self) -> None:
+        """A failed session granted in place: quarantine until the sender drained (or its
+        deadline is well past); a successful one has every write behind it."""
+        if self.writes_settled.is_set():
+            return
+        if self.state == TransferState.SUCCESS:
+            self.writes_settled.set()
+            return
+        delay_s = max(0.0, self._quarantine_until_s + QUARANTINE_MARGIN_S - self._loop.time())
+        self._quarantine_timer = self._loop.call_later(delay_s, self._on_quarantine_deadline)
+
+    def _on_quarantine_deadline(self) -> None:
+        logger.warning(
+            "receiver %s: the in-place sender never said it drained; its deadline is past, so "
+            "its blocks are reused", self.transfer_id,
+        )  # fmt: skip
+        self.writes_settled.set()
+
+    def _on_writes_drained(self, peer_id: str) -> None:
+        if peer_id != self._peer_id or not self.in_place:
+            logger.warning("receiver %s: ignored a drained notice from %s",
+                           self.transfer_id, peer_id)  # fmt: skip
+            return
+        if self._quarantine_timer is not None:
+            self._quarantine_timer.cancel()
+        self.writes_settled.set()
 
     def _check_handshake(self, handshake: transfer_pb2.TransferHandshake) -> str | None:
         expected = {
@@ -267,6 +345,15 @@ class KVReceiver(TransferSession):
                 self._maybe_succeed()
         finally:
             self._staging.give_back(payload)
+
+    def _land_in_place(self, manifest: transfer_pb2.LayerManifest) -> None:
+        """A layer the sender wrote into our blocks itself (its write completed before it
+        sent the manifest)."""
+        self._layer_token_end[manifest.layer_idx] = manifest.token_end
+        self.num_bytes_received += manifest.num_bytes
+        self._advance(TransferState.TRANSFERRING)
+        self._notify_layer(manifest)
+        self._maybe_succeed()
 
     def _notify_layer(self, manifest: transfer_pb2.LayerManifest) -> None:
         for callback in self._layer_callbacks:

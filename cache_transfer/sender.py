@@ -11,25 +11,37 @@
 
 Layers wait for the handshake's ack before they are packed, so a refused layout costs no
 bandwidth. The node releases the request's blocks once `wait()` returns.
+
+Writes in place (given `sharing`, `kv_device`): a receiver on our own GPU that grants it gets
+each packed layer written into its blocks by us (`InPlaceWriter`), then a manifest without
+payload; a granted sender that fails says so once its writes drained (cache_transfer/README.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
+from cache_transfer.in_place_writer import InPlaceWriter
 from cache_transfer.layout import KVLayout
 from cache_transfer.packing import check_kv_cache, pack_layer
+from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.ticket_auth import check_ticket, handshake_proof
 from cache_transfer.transports.base import KVTransport, check_payload
+from cache_transfer.transports.cuda_waits import wait_event
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 10.0  # a failed in-place sender waits this long for its launched writes
 
 
 class KVSender(TransferSession):
@@ -44,8 +56,13 @@ class KVSender(TransferSession):
         timeout_s: float,
         auth: ClusterAuth | None = None,
         start_timeout_s: float | None = None,
+        sharing: PoolSharing | None = None,
+        kv_device: str = "",
+        device: torch.device | None = None,
     ) -> None:
-        """With `auth`, a ticket whose signature does not verify fails the session at once and
+        """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
+        `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
+        With `auth`, a ticket whose signature does not verify fails the session at once and
         nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
         The handshake goes out at the start (TransferSession)."""
         super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
@@ -62,6 +79,11 @@ class KVSender(TransferSession):
         self._first_token_sent = False
         self._sending: set[asyncio.Future[None]] = set()  # send_layer calls in progress
         self._staging = staging
+        self._sharing = sharing
+        self._kv_device = kv_device
+        self._device = device
+        self.in_place = False  # the receiver granted writes in place
+        self._writer: InPlaceWriter | None = None  # ... and its pool is mapped here
         forged = check_ticket(auth, ticket) if auth is not None else None
         reason = self._check_ticket(ticket)
         if forged is not None:
@@ -76,8 +98,30 @@ class KVSender(TransferSession):
         """The device the receiver's KV cache lives on, as its ticket names it ("" unknown)."""
         return self._ticket.kv_device
 
+    @property
+    def may_write_in_place(self) -> bool:
+        """Whether the handshake asks to write in place (the receiver is on our GPU)."""
+        ours = self._kv_device
+        return self._sharing is not None and bool(ours) and ours == self._ticket.kv_device
+
     def _on_start(self) -> None:
         self.spawn(self._handshake())
+
+    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
+        """As any session; granted writes in place, the receiver hears only once every write
+        this sender launched is done (writes_drained), whoever ended the transfer."""
+        if self.finished or not self.in_place:
+            super().fail(reason, notify_peer=notify_peer)
+            return
+        super().fail(reason, notify_peer=False)
+        if self._peer_address is not None:
+            self.spawn(self._drain_then_notify(reason))
+
+    async def _drain_then_notify(self, reason: str) -> None:
+        if self._writer is not None and not await self._writer.drain(DRAIN_TIMEOUT_S):
+            return  # the receiver keeps its blocks until our deadline is past
+        result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
+        await self._notify(result=result)
 
     async def send_layer(
         self,
@@ -245,6 +289,12 @@ class KVSender(TransferSession):
         try:
             if not await self._wait_acked():
                 return
+            if self._writer is not None and all(
+                isinstance(source, torch.Tensor) and source.device == self._writer.device
+                for source in sources
+            ):
+                await self._write_in_place(manifests, sources)  # type: ignore[arg-type]
+                return
             staging_device = self._transport.buffer_device(device)
             staged: list[torch.Tensor] = []
             sent = False
@@ -278,6 +328,27 @@ class KVSender(TransferSession):
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
         return sent
 
+    async def _write_in_place(
+        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[torch.Tensor]
+    ) -> None:
+        """Land packed layers in the receiver's blocks ourselves; once written, tell it (one
+        header-only manifest per layer)."""
+        assert self._writer is not None
+        self._advance(TransferState.TRANSFERRING)
+        written = self._writer.write(manifests, payloads)
+        if written is not None:
+            try:
+                await wait_event(written, self.remaining_s)
+            except Exception as error:  # the deadline, or a CUDA error
+                self.fail(f"an in-place write did not complete: {error!r}")
+                return
+            self._writer.written(written)
+        for manifest in manifests:
+            manifest.written_in_place = True
+            if not await self._send(layer_manifest=manifest):
+                return
+            self.num_bytes_sent += manifest.num_bytes
+
     async def _handshake(self) -> None:
         handshake = transfer_pb2.TransferHandshake(
             protocol_version=PROTOCOL_VERSION,
@@ -286,6 +357,9 @@ class KVSender(TransferSession):
             num_layers=self.layout.num_layers,
             num_tokens=self.num_tokens,
             num_blocks=self.num_blocks,
+            kv_device=self._kv_device,
+            write_in_place=self.may_write_in_place,
+            timeout_s=self.timeout_s,
         )
         if self._auth is not None:
             handshake.proof = handshake_proof(self._auth, self._ticket, handshake.src_address)
@@ -306,5 +380,21 @@ class KVSender(TransferSession):
         elif not ack.accepted:
             self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
         else:
+            if ack.HasField("pool"):
+                self._map_pool(ack.pool)
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
+
+    def _map_pool(self, export: transfer_pb2.KVPoolExport) -> None:
+        """The receiver granted writes in place: map its caches (or send payloads after all,
+        which it accepts too, if they cannot be mapped here)."""
+        if not self.may_write_in_place or self._device is None:
+            self.fail("refused writes in place this sender did not ask for")
+            return
+        self.in_place = True
+        try:
+            dst_block_ids = self._ticket.dst_block_ids[: self.num_blocks]
+            self._writer = InPlaceWriter(self._sharing, export, dst_block_ids, self._device)
+        except Exception as error:  # noqa: BLE001 - the payload path still works
+            logger.warning("sender %s: cannot map the receiver's KV pool (%r); sending payloads",
+                           self.transfer_id, error)  # fmt: skip

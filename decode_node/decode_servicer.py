@@ -16,6 +16,7 @@ Abort (Node service) / the router cancels the call ──► fail the receiver, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -64,6 +65,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         super().__init__(node, DecodeCounters())
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
+        self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
         config = node.config
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
@@ -191,7 +193,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if state == TransferState.SUCCESS and not job.aborted:
             return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
         request_id = request.request_id
-        await self._engine.call(lambda core: core.abort(request_id))  # the reservation
+        self._release_reservation(request_id, receiver)
         if not job.aborted:
             logger.warning(
                 "request %s: KV transfer %s failed (%s); prefilling locally",
@@ -288,11 +290,29 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if job.hold is not None:
             job.hold.release()
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
-        if job.receiver is not None:
-            job.receiver.abort("the decode call ended")
+        receiver = job.receiver
+        if receiver is not None:
+            receiver.abort("the decode call ended")
         if not job.finished:
-            request_id = job.request_id
+            self._release_reservation(job.request_id, receiver)
+
+    def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
+        """Free the request's reserved blocks (or abort it, past its reservation) now; those
+        of a transfer written in place only once its sender cannot write any more (its
+        drained notice, or its deadline: KVReceiver.writes_settled)."""
+        if receiver is None or receiver.writes_settled.is_set():
             self._engine.post(lambda core: core.abort(request_id))
+            return
+
+        async def free_when_settled() -> None:
+            blocks = await self._engine.call(lambda core: core.detach_reservation(request_id))
+            await receiver.writes_settled.wait()  # bounded by the receiver's quarantine timer
+            await self._engine.call(lambda core: core.free_blocks(blocks))
+            self.admission.notify()
+
+        task = asyncio.get_running_loop().create_task(free_when_settled())
+        self._quarantines.add(task)
+        task.add_done_callback(self._quarantines.discard)
 
 
 class _Refused(Exception):

@@ -221,6 +221,15 @@ class EngineCore:
             return True
         return self.scheduler.abort(request_id) is not None
 
+    def detach_reservation(self, request_id: str) -> list[int]:
+        """Take `request_id`'s reserved blocks away from it without freeing them (a KV writer
+        may still land in them); give them back with `free_blocks`. [] if it has none."""
+        return self._reservations.pop(request_id, [])
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Free blocks `detach_reservation` handed out."""
+        self.kv_cache_manager.free_blocks(block_ids)
+
     def release(self, request_id: str) -> None:
         """Prefill-only mode: the transfer resolved; free the request's held blocks."""
         self.scheduler.release(request_id)

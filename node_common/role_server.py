@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import grpc
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
+from cache_transfer.pool_sharing import CudaIpcSharing
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from node_common.node_messages import read_tokenizer_files
@@ -72,9 +73,14 @@ class RoleServer(abc.ABC):
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        self.manager = KVTransferManager(
-            transport, self.layout, self.receive_into(), auth=self.auth
+        kv_device = core.pool.buffer.device
+        sharing = (
+            CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
         )
+        self.manager = KVTransferManager(
+            transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
+            kv_device=kv_device,
+        )  # fmt: skip
         self.servicer = self.make_servicer()
         self._node_info = self._make_node_info()
         tokenizer_dir = core.loaded.tokenizer_dir

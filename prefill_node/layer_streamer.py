@@ -174,8 +174,10 @@ class LayerStreamer:
         while len(self.traces) > self._max_traces:
             self.traces.popitem(last=False)
         # Two processes on one GPU time-slice it: a receive per layer on the decode side would
-        # interrupt this forward once or twice per layer (~0.3 ms each, measured)
-        outgoing.send_at_end = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
+        # interrupt this forward once or twice per layer (~0.3 ms each, measured), unless we
+        # write the layers into its blocks ourselves (in place: the decode side does nothing)
+        same_gpu = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
+        outgoing.send_at_end = same_gpu and not sender.may_write_in_place
         outgoing.sender = sender
         if outgoing.started:
             sender.start()

@@ -1,8 +1,9 @@
 from pdserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -33,7 +34,7 @@ class TransferMessage(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class TransferHandshake(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof")
+    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +42,9 @@ class TransferHandshake(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
     src_address: str
@@ -48,31 +52,66 @@ class TransferHandshake(_message.Message):
     num_tokens: int
     num_blocks: int
     proof: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    kv_device: str
+    write_in_place: bool
+    timeout_s: float
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class KVPoolExport(_message.Message):
+    __slots__ = ("ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "dtype", "shape", "stride", "k_offsets", "v_offsets")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    K_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    V_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    k_offsets: _containers.RepeatedScalarFieldContainer[int]
+    v_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., k_offsets: _Optional[_Iterable[int]] = ..., v_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandshakeAck(_message.Message):
-    __slots__ = ("accepted", "reason", "protocol_version")
+    __slots__ = ("accepted", "reason", "protocol_version", "pool")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     protocol_version: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    pool: KVPoolExport
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pool: _Optional[_Union[KVPoolExport, _Mapping]] = ...) -> None: ...
 
 class LayerManifest(_message.Message):
-    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end")
+    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end", "written_in_place")
     LAYER_IDX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     layer_idx: int
     block_offset: int
     num_blocks: int
     num_bytes: int
     token_end: int
-    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
+    written_in_place: bool
+    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "finish_reason")
@@ -85,9 +124,11 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "writes_drained")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DRAINED_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    writes_drained: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., writes_drained: _Optional[bool] = ...) -> None: ...

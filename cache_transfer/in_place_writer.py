@@ -1,0 +1,72 @@
+"""`InPlaceWriter`: a sender's writes into a receiver's KV caches, mapped in this process.
+
+    InPlaceWriter(sharing, export, dst_block_ids, device)   maps the receiver's pool (cached by
+                                                            `sharing`); ValueError if it cannot
+    write(manifests, payloads) -> event | None   unpack_layer of each packed layer into its
+                                                 dst blocks, on the current stream; CUDA: the
+                                                 event that marks them written (tracked)
+    written(event)                               the caller saw it complete
+    await drain(timeout_s) -> bool               every write launched is done
+
+Only the ticket's dst_block_ids are ever written (the ids are checked against the mapped pool
+once, distinct). What mapping a pool trusts: cache_transfer/README.md, "Writes in place".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from cache_transfer.packing import check_block_ids, unpack_layer
+from cache_transfer.pool_sharing import PoolSharing
+from cache_transfer.transports.cuda_waits import wait_event
+from pdserve.v1 import transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class InPlaceWriter:
+    def __init__(
+        self,
+        sharing: PoolSharing,
+        export: transfer_pb2.KVPoolExport,
+        dst_block_ids: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self._caches = sharing.open(export, device)
+        self._dst_ids = check_block_ids(
+            dst_block_ids, self._caches[0][0].shape[0], device, unique=True
+        )
+        self.device = device
+        self._pending: set[torch.cuda.Event] = set()
+
+    def write(
+        self, manifests: Sequence[transfer_pb2.LayerManifest], payloads: Sequence[torch.Tensor]
+    ) -> torch.cuda.Event | None:
+        for manifest, payload in zip(manifests, payloads, strict=True):
+            k_cache, v_cache = self._caches[manifest.layer_idx]
+            first = manifest.block_offset
+            dst_ids = self._dst_ids[first : first + manifest.num_blocks]
+            unpack_layer(payload, k_cache, v_cache, dst_ids)
+        if self.device.type != "cuda":
+            return None  # done already
+        written = torch.cuda.Event()
+        written.record()
+        self._pending.add(written)
+        return written
+
+    def written(self, event: torch.cuda.Event) -> None:
+        self._pending.discard(event)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """True once every write launched has completed; False if one did not in time."""
+        for event in list(self._pending):
+            try:
+                await wait_event(event, timeout_s)
+            except Exception as error:  # noqa: BLE001 - reported as "not drained"
+                logger.error("an in-place write did not complete: %r", error)
+                return False
+            self._pending.discard(event)
+        return True
