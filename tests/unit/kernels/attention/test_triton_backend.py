@@ -142,3 +142,65 @@ def test_batch_1_default_launch_cuts_small_slices_fp32() -> None:
         device=DEVICE, seed=3,
     )  # fmt: skip
     compare(batch, TritonAttentionBackend(), atol=1e-5, rtol=1e-5)
+
+
+def test_one_launch_merge_equals_reference_call_after_call() -> None:
+    """Split decodes merged by their last program: mixed contexts (shorter than one slice, one
+    slice, many), five calls in a row with new lengths, each equal to the reference, and the
+    merge counters back at zero after every call (what the next launch or graph replay needs)."""
+    capacity = [400, 300, 257, 200, 100, 33, 20]
+    batch = make_batch(
+        [1] * len(capacity), [n - 1 for n in capacity], len(capacity), num_heads=6,
+        num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE, seed=21,
+    )  # fmt: skip
+    backend = TritonAttentionBackend(decode_config=DecodeLaunchConfig(32, 7, 32, 4, 2))
+    args = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)
+    for call in range(5):
+        seq_lens = tuple(max(1, n - 61 * call) for n in capacity)  # 1 .. 400 keys
+        meta = dataclasses.replace(
+            batch.meta, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens),
+        )  # fmt: skip
+        expected = TorchAttentionBackend().forward(*args, meta, batch.scale, kv_written=True)
+        out = backend.forward(*args, meta, batch.scale, kv_written=True)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        counters = backend.merge_counters.get(out.device, len(seq_lens) * 2)
+        assert not counters.any(), f"call {call}: counters left at {counters.nonzero()}"
+
+
+def test_split_decode_is_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch cut into slices runs one Triton kernel: no separate merge launch."""
+    from kernels.attention import triton_paged_attention
+
+    kernel_type = type(triton_paged_attention.paged_decode_kernel)
+    run = kernel_type.run
+    launches: list[str] = []
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", counting_run)
+    batch = make_batch(
+        [1, 1], [299, 40], 2, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+        device=DEVICE, seed=4,
+    )  # fmt: skip
+    config = DecodeLaunchConfig(32, 8, 32, 4, 2)
+    assert config.num_slices(300) == 5 and config.num_slices(41) == 2
+    compare(batch, TritonAttentionBackend(decode_config=config), atol=1e-5, rtol=1e-5)
+    assert launches == ["paged_decode_kernel"]
+
+
+def test_merge_counters_grow_and_keep_outgrown_buffers() -> None:
+    """One zeroed buffer per device, reused while large enough; a larger batch gets a new
+    one and the old stays referenced (a graph captured before may still use it)."""
+    from kernels.attention.triton_backend import MIN_MERGE_COUNTERS, MergeCounters
+
+    counters = MergeCounters()
+    cpu = torch.device("cpu")
+    first = counters.get(cpu, 16)
+    assert first.numel() == MIN_MERGE_COUNTERS and first.dtype == torch.int32
+    assert not first.any() and counters.get(cpu, MIN_MERGE_COUNTERS) is first
+    grown = counters.get(cpu, MIN_MERGE_COUNTERS + 1)
+    assert grown.numel() == 2 * MIN_MERGE_COUNTERS and not grown.any()
+    assert counters.get(cpu, 1) is grown and any(b is first for b in counters._outgrown)
