@@ -33,7 +33,7 @@ from benchmarks.transfer_ceilings import PackRates
 from benchmarks.transfer_decode import TIMEOUT_S
 from benchmarks.transfer_peer import DecodePeer
 from benchmarks.transfer_spec import TransferSpec, layout_for
-from cache_transfer import KVTransferManager, TransferState, make_transport
+from cache_transfer import CudaIpcSharing, KVTransferManager, TransferState, make_transport
 
 MODES = ("sequential", "pipelined")
 RAW_UCX_ROW = "raw ucxx sends, same 2 processes"
@@ -60,7 +60,10 @@ async def run_requests(
     processes: on the host a plain socket, over ucx raw ucxx sends."""
     peer = DecodePeer(spec, devices[1])
     try:
-        manager = KVTransferManager(make_transport(spec.transport), spec.layout)
+        sharing = CudaIpcSharing() if spec.in_place else None
+        manager = KVTransferManager(
+            make_transport(spec.transport), spec.layout, sharing=sharing, kv_device=devices[0]
+        )
         caches = spec.src_caches(devices[0])
         rng = random.Random(spec.seed)
         runs: dict[str, list[Run]] = {}
@@ -222,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--iters", type=int, default=3, help="timed transfers per mode; the best is reported"
     )
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="cuda, both caches on one GPU: the sender writes each layer into the receiver's "
+        "pool itself (CUDA IPC, what nodes on one GPU do) instead of sending it",
+    )
     return parser
 
 
@@ -232,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-tokens and --iters must be > 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    if args.in_place and (args.device != "cuda" or args.transport == "local"):
+        parser.error("--in-place needs --device cuda and two processes (not --transport local)")
     try:
         spec = TransferSpec(
-            layout_for(args.model, args.dtype, args.block_size), args.prompt_tokens, args.transport
+            layout_for(args.model, args.dtype, args.block_size),
+            args.prompt_tokens,
+            args.transport,
+            in_place=args.in_place,
         )
     except ValueError as error:
         parser.error(str(error))

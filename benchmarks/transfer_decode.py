@@ -21,7 +21,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from benchmarks.transfer_spec import TransferSpec, synchronize
-from cache_transfer import KVReceiver, KVTransferManager, TransferState, make_transport
+from cache_transfer import (
+    CudaIpcSharing,
+    KVReceiver,
+    KVTransferManager,
+    TransferState,
+    make_transport,
+)
 
 TIMEOUT_S = 60.0
 
@@ -41,7 +47,10 @@ class DecodeSide:
         self.spec = spec
         self.device = device
         self._caches = spec.empty_caches(device)
-        self._manager = KVTransferManager(make_transport(spec.transport), spec.layout, self._caches)
+        sharing = CudaIpcSharing() if spec.in_place and device.type == "cuda" else None
+        self._manager = KVTransferManager(
+            make_transport(spec.transport), spec.layout, self._caches, sharing=sharing
+        )
         self._rng = random.Random(spec.seed + 1)
         self._receiver: KVReceiver | None = None
         self._finished: asyncio.Task[float] | None = None

@@ -34,6 +34,7 @@ class TransferSpec:
     num_tokens: int
     transport: str
     seed: int = 0
+    in_place: bool = False  # CUDA, one GPU: the sender writes into the receiver's pool (IPC)
 
     @property
     def num_blocks(self) -> int:
@@ -81,13 +82,12 @@ class TransferSpec:
         return [self.src_layer(base, i) for i in range(self.layout.num_layers)]
 
     def empty_caches(self, device: torch.device) -> KVCaches:
-        shape = (self.num_pool_blocks, *self.layout.block_shape)
-        dtype = self.layout.torch_dtype
-
-        def one() -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        return [(one(), one()) for _ in range(self.layout.num_layers)]
+        """Zeroed caches, views of one allocation as the engine's pool (what writes in place
+        export)."""
+        layout = self.layout
+        shape = (layout.num_layers, 2, self.num_pool_blocks, *layout.block_shape)
+        pool = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        return [(pool[i, 0], pool[i, 1]) for i in range(layout.num_layers)]
 
 
 def synchronize(device: torch.device) -> None:

@@ -2,7 +2,7 @@
 
     InPlaceWriter(sharing, export, dst_block_ids, device)   maps the receiver's pool (cached by
                                                             `sharing`); ValueError if it cannot
-    write(manifests, payloads) -> event | None   unpack_layer of each packed layer into its
+    write(manifests, sources) -> event | None    unpack_layer of each packed layer into its
                                                  dst blocks, on the current stream; CUDA: the
                                                  event that marks them written (tracked)
     written(event)                               the caller saw it complete
@@ -15,7 +15,7 @@ once, distinct). What mapping a pool trusts: cache_transfer/README.md, "Writes i
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,9 +43,17 @@ class InPlaceWriter:
         self._pending: set[torch.cuda.Event] = set()
 
     def write(
-        self, manifests: Sequence[transfer_pb2.LayerManifest], payloads: Sequence[torch.Tensor]
+        self,
+        manifests: Sequence[transfer_pb2.LayerManifest],
+        sources: Sequence[torch.Tensor | Callable[[torch.Tensor], object]],
     ) -> torch.cuda.Event | None:
-        for manifest, payload in zip(manifests, payloads, strict=True):
+        """Each layer's packed bytes (or what packs them into a buffer) into its blocks."""
+        for manifest, source in zip(manifests, sources, strict=True):
+            if isinstance(source, torch.Tensor):
+                payload = source.to(self.device)
+            else:
+                payload = torch.empty(manifest.num_bytes, dtype=torch.uint8, device=self.device)
+                source(payload)
             k_cache, v_cache = self._caches[manifest.layer_idx]
             first = manifest.block_offset
             dst_ids = self._dst_ids[first : first + manifest.num_blocks]

@@ -79,6 +79,7 @@ class KVTransferManager:
         self.auth = auth
         self.num_succeeded = 0
         self.num_failed = 0
+        self.num_in_place = 0  # of num_succeeded: written in place
         self._transport = transport
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
@@ -321,5 +322,6 @@ class KVTransferManager:
     def _count(self, session: TransferSession) -> None:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
+            self.num_in_place += bool(getattr(session, "in_place", False))
         else:
             self.num_failed += 1

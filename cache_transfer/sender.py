@@ -42,6 +42,7 @@ from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 10.0  # a failed in-place sender waits this long for its launched writes
+Source = torch.Tensor | Callable[[torch.Tensor], object]  # packed bytes, or what packs them
 
 
 class KVSender(TransferSession):
@@ -181,7 +182,7 @@ class KVSender(TransferSession):
                     f"[{block_offset}, {block_end}) of tokens up to {token_end} take {num_bytes}"
                 )
             manifests.append(self._manifest(layer_idx, block_offset, block_end, token_end))
-        sources: list[torch.Tensor | Callable[[torch.Tensor], object]] = []
+        sources: list[Source] = []
         for layer_idx, payload in layers:
             self._layer_token_end[layer_idx] = token_end
             if self._transport.buffer_device(payload.device) == payload.device:
@@ -269,7 +270,7 @@ class KVSender(TransferSession):
     async def _send_layer(
         self,
         manifest: transfer_pb2.LayerManifest,
-        source: torch.Tensor | Callable[[torch.Tensor], object],
+        source: Source,
         device: torch.device,
     ) -> None:
         await self._send_layers([manifest], [source], device)
@@ -277,7 +278,7 @@ class KVSender(TransferSession):
     async def _send_layers(
         self,
         manifests: list[transfer_pb2.LayerManifest],
-        sources: list[torch.Tensor | Callable[[torch.Tensor], object]],
+        sources: list[Source],
         device: torch.device,
     ) -> None:
         """Once acked, send layers as one message: each source is the payload itself, or
@@ -289,11 +290,8 @@ class KVSender(TransferSession):
         try:
             if not await self._wait_acked():
                 return
-            if self._writer is not None and all(
-                isinstance(source, torch.Tensor) and source.device == self._writer.device
-                for source in sources
-            ):
-                await self._write_in_place(manifests, sources)  # type: ignore[arg-type]
+            if self._writer is not None and device == self._writer.device:
+                await self._write_in_place(manifests, sources)
                 return
             staging_device = self._transport.buffer_device(device)
             staged: list[torch.Tensor] = []
@@ -329,7 +327,7 @@ class KVSender(TransferSession):
         return sent
 
     async def _write_in_place(
-        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[torch.Tensor]
+        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[Source]
     ) -> None:
         """Land packed layers in the receiver's blocks ourselves; once written, tell it (one
         header-only manifest per layer)."""

@@ -46,6 +46,9 @@ _COUNTERS = {
     "num_prefix_cache_hit_tokens": (
         "pdserve_node_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
     "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
+    "num_in_place_transfers": (
+        "pdserve_node_kv_transfers_in_place",
+        "successful KV hand-offs the prefill node wrote into the decode node's blocks itself"),
     "num_fallbacks": (
         "pdserve_node_kv_transfer_fallbacks",
         "disaggregated requests whose hand-off failed and that were prefilled here instead"),

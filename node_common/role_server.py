@@ -170,6 +170,7 @@ class RoleServer(abc.ABC):
             "num_pending_transfers": self.manager.num_pending,
             "num_finished_requests": counters.num_finished_requests,
             "num_failed_transfers": self.manager.num_failed,
+            "num_in_place_transfers": self.manager.num_in_place,
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
         }

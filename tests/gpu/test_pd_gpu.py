@@ -128,6 +128,8 @@ def _check_handoffs(transport: str):
             assert info.kv_transport == transport, (name, info.kv_transport)
         decode = cluster.node_stats("decode-0")
         assert decode.num_local_prefills == 0 and decode.num_failed_transfers == 0, decode
+        # both nodes on the one GPU: every hand-off written in place by the prefill node
+        assert decode.num_in_place_transfers == NUM_PROMPTS, decode
         assert cluster.node_stats("prefill-0").num_finished_requests == NUM_PROMPTS
         assert len(decode.last_transfer.landed_s) == 8  # every layer of the last request landed
         assert all(t > 0 for t in decode.last_transfer.landed_s)
