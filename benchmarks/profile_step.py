@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_engine(args: argparse.Namespace) -> EngineCore:
-    max_len = args.context + args.steps + args.warmup_steps + args.profile_steps + 8
+    max_len = args.context + _max_tokens(args) + 8
     config = EngineConfig.from_kwargs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -196,10 +196,15 @@ def kernel_table(
     return rows, kernels, launches, total_us / steps / 1e3
 
 
+def _max_tokens(args: argparse.Namespace) -> int:
+    """Tokens each request may decode: every step the profile runs (the synchronous phases,
+    the profiled steps, the engine's own steps: `args.steps` more), and two to spare."""
+    return args.warmup_steps + 2 * args.steps + args.profile_steps + 2
+
+
 def profile_batch(core: EngineCore, args: argparse.Namespace, batch: int) -> BatchProfile:
     stepper = PhasedStepper(core, args.sync)
-    total = args.warmup_steps + args.steps + args.profile_steps
-    request_ids = admit(core, stepper, batch, args.context, total + args.steps + 2)
+    request_ids = admit(core, stepper, batch, args.context, _max_tokens(args))
     on_cuda = core.device.type == "cuda"
     for _ in range(args.warmup_steps):
         stepper.step()

@@ -88,10 +88,10 @@ class KVTransferManager:
         self._quarantined: dict[str, KVReceiver] = {}
         self._sharing = sharing
         self._kv_device = kv_device
-        self._kv_device_name = kv_device_name
-        if kv_device_name is None:
-            device = kv_device or (kv_caches[0][0].device if kv_caches else None)
-            self._kv_device_name = kv_device_id(device) if device is not None else ""
+        self._kv_device_name = kv_device_name  # None: the receivers' caches' (kv_device_id)
+        self._sender_kv_device = kv_device_name or (
+            kv_device_id(kv_device) if kv_device is not None else ""
+        )
         self._pool_export: transfer_pb2.KVPoolExport | None = None
         if sharing is not None and kv_caches is not None:
             self._pool_export = sharing.export(kv_caches)
@@ -169,7 +169,7 @@ class KVTransferManager:
             auth=self.auth,
             start_timeout_s=start_timeout_s,
             sharing=self._sharing,
-            kv_device=self._kv_device_name,
+            kv_device=self._sender_kv_device,
             device=self._kv_device,
         )
         return self._register(sender, self._senders)
