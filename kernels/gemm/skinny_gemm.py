@@ -7,9 +7,18 @@ program: acc[BLOCK_N, BLOCK_M] fp32 = sum over K, BLOCK_K at a time, of W tile .
          (+ bias), rounded once to the dtype, stored transposed into y [M, N]
 dot path  (M padded to >= 16): acc += tl.dot(W [BLOCK_N, BLOCK_K], x^T [BLOCK_K, BLOCK_M])
           W is the mma's A operand ("swap AB"): BLOCK_N is its wide dim, the tokens its narrow one
+          (mma.sync m16n8k16 for small tiles; wgmma once BLOCK_N >= 64 and BLOCK_M >= 64)
 fma path  (tiny M, no padding): acc3[BLOCK_N, BLOCK_M, BLOCK_K] += W * x in fp32, summed over K
           once after the loop (no per-step shuffles)
 ```
+
+Both tiles are loaded straight in the layout they are used in (x as the x^T tile [BLOCK_K,
+BLOCK_M], no tl.trans on the dot path) and the loop is a `tl.range(num_stages=...)`: so Triton
+pipelines BOTH loads with 16-byte cp.async into num_stages - 1 shared-memory buffers, the fma
+path included (a plain `range` loop without a dot is not pipelined, and a transposed x tile was
+loaded synchronously every step). Checked offline for sm_90 (triton.compile with the launcher's
+divisibility hints, PTX read): 16-byte cp.async for W and x, no scalar global loads, 48-72
+registers for the table's launches, wgmma for the 64 x 64 tiles of M = 128.
 
 At decode sizes the GEMM reads W (N*K*2 bytes) and next to nothing else, so it is bound by HBM
 bandwidth: the launch must keep enough loads in flight on every SM (num_stages deep) over enough
@@ -42,7 +51,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m_tiles = tl.cdiv(M, BLOCK_M)
@@ -53,26 +62,25 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         else:
-            in_k = offs_k[None, :] < K - k0
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[None, :] & (offs_k[:, None] < K - k0), other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < K - k0), other=0.0)
         if UPCAST_DOT:  # the CPU interpreter's dot reads bf16 as raw uint16 bits
-            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         elif USE_DOT:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)
         else:
-            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+            acc3 += w.to(tl.float32)[:, None, :] * tl.trans(x).to(tl.float32)[None, :, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not USE_DOT:
@@ -106,8 +114,8 @@ def skinny_linear(
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_DOT=config.use_dot, EVEN_K=k % config.block_k == 0,
         DOT_PRECISION=precision, UPCAST_DOT=upcast,
-        BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y
 
