@@ -52,7 +52,7 @@ MAX_COPIES = 64
 MIN_PROGRAMS = 64
 REL_TOLERANCE = 1e-2  # max abs error over max |F.linear|: a few bf16 ulps
 TILES = [(16, 256), (16, 512), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64), (128, 128)]
-FMA_TILES = [(8, 256), (16, 128), (16, 256), (16, 512), (32, 128), (64, 64)]
+FMA_TILES = [(4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (16, 512), (32, 128), (64, 64)]
 
 
 @dataclass(frozen=True)
@@ -240,14 +240,16 @@ def config_code(config: SkinnyGemmConfig) -> str:
 
 
 def table_rows(results: list[Result]) -> str:
-    """The fastest setting per (shape, M) as (M, N, K, config) rows of skinny_config._TABLE."""
-    lines = []
+    """The fastest setting per (shape, M) as (M, N, K, config) rows of skinny_config._TABLE,
+    sorted by (M, N, K): first match (M <= max_m, N <= max_n, K <= max_k) then picks each
+    swept case's own row."""
+    rows = []
     for result in results:
         best = best_row(result.rows, result.ref_max)
         n, k = SHAPES[result.name]
         if best is not None:
-            lines.append(f"    ({result.m}, {n}, {k}, {config_code(best.config)}),")
-    return "\n".join(lines)
+            rows.append((result.m, n, k, config_code(best.config)))
+    return "\n".join(f"    ({m}, {n}, {k}, {code})," for m, n, k, code in sorted(rows))
 
 
 def details(result: Result) -> str:

@@ -5,14 +5,19 @@ graphs capture the same launch every time).
 ```
 rows of _TABLE, first match wins:  M <= max_m  and  N <= max_n  and  K <= max_k
   M == 1      one token:  no tl.dot, a multiply-add into a [BLOCK_N, 1, BLOCK_K] fp32 tile
-              summed over K once at the end (the no-dot path takes M <= 8 when asked)
+              summed over K once at the end (any M within its register budget when asked)
   M <= 128    tl.dot on W [BLOCK_N, BLOCK_K] x x^T [BLOCK_K, BLOCK_M], M padded to 16
   N           picks BLOCK_N: enough N tiles to fill an H200's 132 SMs about twice (no split-K)
 ```
 
-Starting guesses from the tile arithmetic (bytes in flight per SM, tiles per SM, shared memory
-per stage), to be replaced by `python -m benchmarks.gemm_sweep`'s fastest setting per
-(M, shape) measured on the H200; the sweep prints the rows in this table's format.
+Starting guesses from the tile arithmetic, not measured: about 2 programs per SM for 4096-row W,
+3-4 pipeline stages of 8-32 KiB of W each, shared memory <= ~100 KiB per program so that two
+fit on an SM (the wgmma tiles, BLOCK_N >= 64, take num_stages buffers, the mma.sync ones
+num_stages - 1; compiled offline for sm_90: 34-120 registers, no spills). To be replaced by
+`python -m benchmarks.gemm_sweep`'s fastest setting per (M, shape) measured on the H200: it
+prints them as rows of this table, sorted so that first-match picks each swept (M, N, K)'s own
+row (and an M between two swept ones the larger one's); keep the catch-all rows (max_n and
+max_k unbounded) last.
 """
 
 from __future__ import annotations
@@ -87,13 +92,13 @@ _TABLE: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
     (1, 32768, _INF, SkinnyGemmConfig(32, 256, 4, 4, block_m=1, use_dot=False)),
     (1, _INF, _INF, SkinnyGemmConfig(64, 128, 4, 4, block_m=1, use_dot=False)),
     (16, 8192, _INF, SkinnyGemmConfig(16, 256, 4, 4)),
-    (16, 32768, _INF, SkinnyGemmConfig(64, 256, 4, 4)),
-    (16, _INF, _INF, SkinnyGemmConfig(128, 128, 4, 4)),
+    (16, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 4)),
+    (16, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4)),
     (32, 8192, _INF, SkinnyGemmConfig(16, 256, 4, 4, block_m=32)),
     (32, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 4, block_m=32)),
-    (32, _INF, _INF, SkinnyGemmConfig(128, 128, 4, 4, block_m=32)),
+    (32, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4, block_m=32)),
     (64, 8192, _INF, SkinnyGemmConfig(32, 128, 4, 4, block_m=64)),
-    (64, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 4, block_m=64)),
+    (64, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 3, block_m=64)),
     (64, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4, block_m=64)),
     (MAX_M, 8192, _INF, SkinnyGemmConfig(64, 64, 4, 4, block_m=64)),
     (MAX_M, 32768, _INF, SkinnyGemmConfig(128, 64, 8, 4, block_m=128)),

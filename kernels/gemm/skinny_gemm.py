@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -152,3 +153,20 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         )
     if bias.shape[0] > 1 and bias.stride(0) != 1:
         raise ValueError("skinny_linear needs a contiguous bias")
+
+
+def routed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int
+) -> torch.Tensor:
+    """nn.Linear's projection: the skinny GEMM for 1..max_m rows of float16/bfloat16 with
+    contiguous K, else F.linear (cuBLAS). The choice is on shapes and dtypes only (host-side,
+    CUDA-graph safe: a captured batch size always takes the same path)."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if (
+        1 <= m <= max_m
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    ):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -132,3 +132,30 @@ def test_m_tile_is_padded_for_dot_and_capped_by_block_m() -> None:
 def test_bad_config_is_refused(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         SkinnyGemmConfig(num_warps=kwargs.pop("num_warps", 4), num_stages=3, **kwargs)
+
+
+def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> None:
+    """PDSERVE_SKINNY_GEMM_MAX_M's switch: 1..max_m rows of fp16/bf16 run the skinny GEMM,
+    anything else F.linear; results agree either way."""
+    from kernels.gemm import skinny_gemm
+
+    calls: list[tuple[int, ...]] = []
+    real = skinny_gemm.skinny_linear
+
+    def spy(x, weight, bias=None, config=None):
+        calls.append(tuple(x.shape))
+        return real(x, weight, bias, config)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", spy)
+    weight, bias = (
+        _randn(24, 40, dtype=torch.bfloat16, seed=7),
+        _randn(24, dtype=torch.bfloat16, seed=8),
+    )
+    for m, dtype, routed in [(1, torch.bfloat16, True), (4, torch.float16, True),
+                             (5, torch.bfloat16, False), (2, torch.float32, False)]:  # fmt: skip
+        calls.clear()
+        x = _randn(m, 40, dtype=dtype, seed=m)
+        y = skinny_gemm.routed_linear(x, weight.to(dtype), bias.to(dtype), max_m=4)
+        assert calls == ([(m, 40)] if routed else []), (m, dtype)
+        want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(y.float(), want, **_tol(dtype))
