@@ -43,3 +43,20 @@ def api_key() -> str | None:
     """PDSERVE_API_KEY: the key pd-client sends (`authorization: Bearer KEY`) to a router
     started with --api-key-file."""
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def skinny_gemm_max_m() -> int:
+    """PDSERVE_SKINNY_GEMM_MAX_M: the model's projections (QKV, o_proj, gate_up, down, LM head)
+    of a step with at most this many tokens run on the Triton skinny GEMM (kernels/gemm)
+    instead of cuBLAS, with the Triton layer ops on CUDA in float16/bfloat16. 0 or unset: off
+    (the default); at most kernels.gemm.MAX_M (checked where the layer ops are picked)."""
+    raw = os.environ.get("PDSERVE_SKINNY_GEMM_MAX_M", "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"PDSERVE_SKINNY_GEMM_MAX_M must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"PDSERVE_SKINNY_GEMM_MAX_M must be >= 0 (0: off), got {value}")
+    return value

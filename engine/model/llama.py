@@ -18,7 +18,9 @@ q/k/v and gate/up are fused Linear layers; `load_weights` stacks Hugging Face's 
 into them. Attention itself is the injected `AttentionBackend`; the residual add + RMSNorm,
 rotary on q and k with the KV-cache write, and SwiGLU are `LayerOps` (kernels/fused: one
 Triton launch each on CUDA; the torch reference, bit-identical to the unfused code, on CPU and
-with the "torch" backend).
+with the "torch" backend). The projections (Linear layers, LM head) run through
+`LayerOps.linear`: F.linear, or the Triton skinny GEMM for small steps when
+PDSERVE_SKINNY_GEMM_MAX_M is set.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.arch_config import ModelArchConfig
@@ -47,6 +48,11 @@ _FUSED_MODULES: dict[str, tuple[str, ...]] = {
 }
 # Checkpoint tensors that carry no weights (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _project(ops: LayerOps, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` through the layer ops (F.linear, or the skinny GEMM for small steps)."""
+    return ops.linear(x, linear.weight, linear.bias)
 
 
 class LlamaAttention(nn.Module):
@@ -77,7 +83,7 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        qkv = _project(self.ops, self.qkv_proj, hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -91,7 +97,7 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(
             q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True
         )  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return _project(self.ops, self.o_proj, out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -102,7 +108,8 @@ class LlamaMLP(nn.Module):
         self.ops = REFERENCE_OPS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
+        gate_up = _project(self.ops, self.gate_up_proj, hidden)  # [T, 2 * intermediate]
+        return _project(self.ops, self.down_proj, self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.model.ops.linear(hidden, weight, None).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -4,7 +4,8 @@
 ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
   -> LlamaForCausalLM built directly on device, in dtype
   -> layer ops (kernels/fused): Triton kernels with the triton/flash_attn backends on CUDA,
-     else the torch reference
+     else the torch reference (PDSERVE_SKINNY_GEMM_MAX_M > 0: small steps' projections on the
+     Triton skinny GEMM, kernels/gemm)
   -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic)
   -> LoadedModel(model, arch, name, tokenizer_dir)
 ```
@@ -29,6 +30,7 @@ from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
 from kernels.fused import get_layer_ops
+from pdserve import envs
 from pdserve.config import ModelConfig
 from pdserve.progress import track
 
@@ -100,7 +102,7 @@ def load_model(
                         count_safetensors(source.hf_dir), "tensors", logger)  # fmt: skip
         model.load_weights(weights)
     model.requires_grad_(False).eval()
-    model.set_layer_ops(get_layer_ops(attn_backend.name, device))
+    model.set_layer_ops(get_layer_ops(attn_backend.name, device, envs.skinny_gemm_max_m()))
     logger.info(
         "loaded %s (%s, %d layers) on %s in %s in %.2f s, layer ops: %s",
         source.name,

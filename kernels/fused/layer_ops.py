@@ -3,6 +3,8 @@
 ```
 attention backend "triton" or "flash_attn", on CUDA, triton installed -> the Triton kernels
 anything else (CPU, the "torch" reference backend)                    -> the torch reference
+linear (the projections): F.linear (cuBLAS); with the Triton kernels and skinny_gemm_max_m > 0,
+  the skinny GEMM (kernels/gemm) for steps of 1..skinny_gemm_max_m tokens in fp16/bf16
 ```
 
 Both compute the same values (the kernels round where the reference rounds); the reference on
@@ -11,15 +13,19 @@ CPU is bit-identical to the unfused module code.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kernels.fused import reference
+from kernels.gemm import MAX_M
 
 # Backends that already run Triton/CUDA kernels; "torch" stays the all-reference path.
 _FUSED_BACKENDS = ("triton", "flash_attn")
@@ -41,6 +47,8 @@ class LayerOps:
     # (q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> (q, k) rotated, with the rotated
     # k and v stored at their cache slots (the attention backend is then told kv_written)
     rotary_qk_write_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]: nn.Linear's projection
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
 
 def _ops_of(name: str, module: ModuleType) -> LayerOps:
@@ -63,12 +71,26 @@ def triton_ops() -> LayerOps:
     return _ops_of("triton", importlib.import_module("kernels.fused.triton_ops"))
 
 
-def get_layer_ops(attention_backend: str, device: torch.device) -> LayerOps:
-    """The ops for a model on `device` with the named (resolved) attention backend."""
+def with_skinny_gemm(ops: LayerOps, max_m: int) -> LayerOps:
+    """`ops` whose projections of 1..max_m tokens (fp16/bf16) run on the skinny GEMM."""
+    if not 1 <= max_m <= MAX_M:
+        raise ValueError(f"the skinny GEMM takes steps of 1..{MAX_M} tokens, got max_m={max_m}")
+    routed = importlib.import_module("kernels.gemm.skinny_gemm").routed_linear
+    name = f"{ops.name}+skinny_gemm(M<={max_m})"
+    return dataclasses.replace(ops, name=name, linear=partial(routed, max_m=max_m))
+
+
+def get_layer_ops(
+    attention_backend: str, device: torch.device, skinny_gemm_max_m: int = 0
+) -> LayerOps:
+    """The ops for a model on `device` with the named (resolved) attention backend; with the
+    Triton kernels, `skinny_gemm_max_m` > 0 routes small steps' projections to the skinny GEMM
+    (PDSERVE_SKINNY_GEMM_MAX_M; off by default)."""
     if (
         torch.device(device).type == "cuda"
         and attention_backend in _FUSED_BACKENDS
         and importlib.util.find_spec("triton") is not None
     ):
-        return triton_ops()
+        ops = triton_ops()
+        return with_skinny_gemm(ops, skinny_gemm_max_m) if skinny_gemm_max_m else ops
     return REFERENCE_OPS

@@ -1,0 +1,116 @@
+"""`SkinnyGemmConfig`: the skinny GEMM's launch (tile, warps, stages), and the heuristic table
+that picks one from (M, N, K) on the host with no device query, no timing and no sync (CUDA
+graphs capture the same launch every time).
+
+```
+rows of _TABLE, first match wins:  M <= max_m  and  N <= max_n  and  K <= max_k
+  M == 1      one token:  no tl.dot, a multiply-add into a [BLOCK_N, 1, BLOCK_K] fp32 tile
+              summed over K once at the end (any M within its register budget when asked)
+  M <= 128    tl.dot on W [BLOCK_N, BLOCK_K] x x^T [BLOCK_K, BLOCK_M], M padded to 16
+  N           picks BLOCK_N: enough N tiles to fill an H200's 132 SMs about twice (no split-K)
+```
+
+Starting guesses from the tile arithmetic, not measured: about 2 programs per SM for 4096-row W,
+3-4 pipeline stages of 8-32 KiB of W each, shared memory <= ~100 KiB per program so that two
+fit on an SM (the wgmma tiles, BLOCK_N >= 64, take num_stages buffers, the mma.sync ones
+num_stages - 1; compiled offline for sm_90: 34-120 registers, no spills). To be replaced by
+`python -m benchmarks.gemm_sweep`'s fastest setting per (M, shape) measured on the H200: it
+prints them as rows of this table, sorted so that first-match picks each swept (M, N, K)'s own
+row (and an M between two swept ones the larger one's); keep the catch-all rows (max_n and
+max_k unbounded) last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_M = 128  # the largest M (tokens) the kernel is meant for; above it use cuBLAS
+MIN_DOT_M = 16  # tl.dot needs every dim >= 16: M is padded to 16 on the dot path
+_MAX_SMEM_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KiB, headroom for the epilogue
+_MAX_GEMV_REGS = 64  # fp32 accumulator registers per thread on the no-dot path
+
+
+@dataclass(frozen=True)
+class SkinnyGemmConfig:
+    """One launch of the skinny GEMM: a program computes a [block_m, block_n] tile of y over
+    the whole of K, block_k at a time (no split-K: every output has one program, one order)."""
+
+    block_n: int  # rows of W (outputs) per program
+    block_k: int  # K step
+    num_warps: int
+    num_stages: int  # software pipeline depth of the W/x loads
+    block_m: int = 16  # the M tile's cap (tokens per program); M is padded to a power of two
+    use_dot: bool = True  # tl.dot (M padded to >= 16) or a multiply-add reduction
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "block_m"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SkinnyGemmConfig.{name} must be a power of two, got {value}")
+        if self.use_dot and min(self.block_n, self.block_k, self.block_m) < MIN_DOT_M:
+            raise ValueError(
+                f"tl.dot needs block_n, block_k and block_m >= {MIN_DOT_M}: {self.label()}"
+            )
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad num_warps/num_stages: {self.label()}")
+
+    def tile_m(self, m: int) -> int:
+        """BLOCK_M for M tokens: M rounded up to a power of two (16 at least with tl.dot),
+        capped at block_m (more M tiles then)."""
+        padded = 1 << max(m - 1, 0).bit_length()
+        return min(self.block_m, max(padded, MIN_DOT_M if self.use_dot else 1))
+
+    def num_programs(self, m: int, n: int) -> int:
+        return -(-m // self.tile_m(m)) * -(-n // self.block_n)
+
+    def smem_bytes(self, m: int, itemsize: int) -> int:
+        """Shared memory of the pipelined W and x tiles (what num_stages multiplies)."""
+        return self.num_stages * (self.block_n + self.tile_m(m)) * self.block_k * itemsize
+
+    def fits(self, m: int, itemsize: int = 2) -> bool:
+        """Within shared memory (and, without tl.dot, the accumulator's register budget)."""
+        if self.smem_bytes(m, itemsize) > _MAX_SMEM_BYTES:
+            return False
+        if self.use_dot:
+            return True
+        acc = self.block_n * self.tile_m(m) * self.block_k
+        return acc <= _MAX_GEMV_REGS * 32 * self.num_warps
+
+    def label(self) -> str:
+        kind = "dot" if self.use_dot else "fma"
+        return (
+            f"{kind} N{self.block_n} K{self.block_k} M{self.block_m} "
+            f"w{self.num_warps} s{self.num_stages}"
+        )
+
+
+_INF = 1 << 62
+# (max_m, max_n, max_k, config): first match wins. N <= 8192: QKV 6144, o_proj/down 4096;
+# N <= 32768: gate_up 28672; above: lm_head 128256 (llama3-8b shapes).
+_TABLE: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
+    (1, 8192, _INF, SkinnyGemmConfig(16, 256, 4, 4, block_m=1, use_dot=False)),
+    (1, 32768, _INF, SkinnyGemmConfig(32, 256, 4, 4, block_m=1, use_dot=False)),
+    (1, _INF, _INF, SkinnyGemmConfig(64, 128, 4, 4, block_m=1, use_dot=False)),
+    (16, 8192, _INF, SkinnyGemmConfig(16, 256, 4, 4)),
+    (16, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 4)),
+    (16, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4)),
+    (32, 8192, _INF, SkinnyGemmConfig(16, 256, 4, 4, block_m=32)),
+    (32, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 4, block_m=32)),
+    (32, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4, block_m=32)),
+    (64, 8192, _INF, SkinnyGemmConfig(32, 128, 4, 4, block_m=64)),
+    (64, 32768, _INF, SkinnyGemmConfig(64, 128, 4, 3, block_m=64)),
+    (64, _INF, _INF, SkinnyGemmConfig(128, 64, 4, 4, block_m=64)),
+    (MAX_M, 8192, _INF, SkinnyGemmConfig(64, 64, 4, 4, block_m=64)),
+    (MAX_M, 32768, _INF, SkinnyGemmConfig(128, 64, 8, 4, block_m=128)),
+    (MAX_M, _INF, _INF, SkinnyGemmConfig(128, 64, 8, 4, block_m=128)),
+)
+
+
+def skinny_gemm_config(m: int, n: int, k: int) -> SkinnyGemmConfig:
+    """The table's launch for y[M, N] = x[M, K] @ W[N, K]^T (1 <= M <= MAX_M)."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the skinny GEMM takes 1 <= M <= {MAX_M} tokens, got M={m}")
+    for max_m, max_n, max_k, config in _TABLE:
+        if m <= max_m and n <= max_n and k <= max_k:
+            return config
+    raise AssertionError("the table's last rows match every shape")  # unreachable

@@ -1,0 +1,79 @@
+"""The skinny GEMM compiled for an H100/H200 (sm_90) without a GPU: the table's launches for the
+llama3-8b shapes stream W and x through 16-byte cp.async into shared memory (pipelined, no
+scalar global loads), use no atomics (deterministic), and the 64 x 64 tiles use wgmma.
+
+Triton compiles ahead of time on CPU (its wheel ships ptxas); the kernel module is imported in a
+child process with TRITON_INTERPRET=0, since this session's kernels are interpreted. The
+divisibility hints are the ones Triton's launcher derives for these shapes (16-byte aligned
+pointers; N, K and the row strides multiples of 16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+ROOT = Path(__file__).parents[3]
+
+COMPILE = """
+import inspect, json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.gemm import skinny_gemm_config
+from kernels.gemm.skinny_gemm import _skinny_gemm_kernel as k
+names = list(inspect.signature(k.fn).parameters)
+out = {}
+for m, n, kdim in json.loads(sys.argv[1]):
+    c = skinny_gemm_config(m, n, kdim)
+    consts = dict(HAS_BIAS=False, USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
+                  DOT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=c.tile_m(m),
+                  BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages)
+    sig = {a: "constexpr" if a in consts else ("*bf16" if a.endswith("_ptr") else "i32")
+           for a in names}
+    aligned = [a for a in names if a.endswith("_ptr") or a in ("N", "K") or a.startswith("stride")]
+    aligned += ["M"] if m % 16 == 0 else []
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(names.index(a),): v for a, v in consts.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
+    out[f"{m},{n},{kdim}"] = kernel.asm["ptx"]
+print(json.dumps(out))
+"""
+CASES = [(1, 4096, 4096), (1, 28672, 4096), (8, 6144, 4096), (32, 4096, 14336), (128, 4096, 4096)]
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT),
+           "TRITON_DEFAULT_FP_FUSION": "1"}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE, json.dumps(CASES)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loads_are_pipelined_16_byte_copies_and_no_atomics(ptx, case) -> None:
+    code = ptx[",".join(map(str, case))]
+    # .cg: the 16-byte copies (W, and x from 8 tokens on); one token's x row goes in 4-byte .ca
+    copies = [line for line in code.splitlines() if "cp.async.cg.shared.global" in line]
+    assert copies and all(", 0x10," in line for line in copies), "16-byte cp.async for W"
+    assert "cp.async.wait_group" in code, "a pipelined (multi-buffered) K loop"
+    assert "ld.global" not in code, "no synchronous global loads (W and x both go async)"
+    atomics = re.findall(r"^\s*(?:atom|red)\.", code, flags=re.MULTILINE)
+    assert not atomics, "no atomics: one program per output"
+
+
+def test_large_tiles_use_wgmma(ptx) -> None:
+    assert "wgmma.mma_async" in ptx["128,4096,4096"]
+    assert "mma.sync" in ptx["8,6144,4096"]
