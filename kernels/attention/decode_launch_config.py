@@ -25,13 +25,12 @@ DEFAULT_MIN_PARTITION_LEN = 256
 DEFAULT_MAX_SPLITS = 16
 PROGRAMS_PER_SM = 2  # aim: this many decode programs per SM, so the GPU fills about twice
 MIN_PARTITION_FLOOR = 64  # keys: no slice shorter (a slice costs a partial write + merge)
-MAX_SPLITS = 64  # the merging program holds every split of a head in registers
+MAX_SPLITS = 64  # the reduce kernel holds every split of a head in registers
 
 
 @dataclass(frozen=True)
 class DecodeLaunchConfig:
-    """One launch of `paged_decode_kernel` (which also merges its slices) in per-request
-    split mode.
+    """One launch of `paged_decode_kernel` (and its reduce) in per-request split mode.
 
     A request of `seq_len` keys is cut into min(max_splits, cdiv(seq_len, min_partition_len))
     slices of equal length rounded up to `block_n` (so no slice is shorter than block_n); the

@@ -2,7 +2,7 @@
 
 The cache write, where the layer's fused rotary+KV write (kernels/fused) has not already stored
 k/v, is torch `index_copy_` (one launch each for K and V); decodes run one split-K
-kernel (the last slice of a request to finish merges them), prefills one kernel. Measured through
+kernel (plus a merge kernel when a context is split), prefills one kernel. Measured through
 `forward` on an H200, llama3-8b layer, bf16, block size 16, CUDA graph replay
 (benchmarks/bench_attention.py, benchmarks/results/2026-11-30-h200-attention.txt): decode batch 64
 context 1K 3.49 TB/s, prefill 303-369 TFLOP/s. flash_attn has no figure yet (not built there).
@@ -25,46 +25,9 @@ from kernels.attention.torch_backend import write_kv_cache
 from kernels.attention.triton_paged_attention import (
     LOG2E,
     paged_decode_kernel,
+    paged_decode_reduce_kernel,
     paged_prefill_kernel,
 )
-
-# Merge counters a backend allocates at least (one per (decode, kv head)): 16 KiB covers
-# batch 512 at 8 kv heads, so an engine's decode graphs never need a larger buffer.
-MIN_MERGE_COUNTERS = 4096
-
-
-class MergeCounters:
-    """The split decode's per-(request, kv head) arrival counters: one persistent zeroed int32
-    buffer per device, which every launch leaves zeroed again (the last program of a request
-    resets its counter), so CUDA graphs replay it as is.
-
-    Allocated on first need, never while a CUDA graph is being captured; a buffer outgrown by
-    a larger batch is kept alive, since graphs captured before still point at it. Two split
-    decodes of one backend must not run at once on one device (two streams would share the
-    counters); the engine runs its forwards one after another on one stream.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._outgrown: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, needed: int) -> torch.Tensor:
-        """A zeroed buffer of at least `needed` counters on `device`."""
-        buffer = self._buffers.get(device)
-        if buffer is not None and buffer.numel() >= needed:
-            return buffer
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            have = 0 if buffer is None else buffer.numel()
-            raise RuntimeError(
-                f"split decode needs {needed} merge counters but {have} are allocated, while "
-                "a CUDA graph is being captured; run this batch size eagerly once first "
-                "(the warm-up before capture does)"
-            )
-        if buffer is not None:
-            self._outgrown.append(buffer)
-        size = max(MIN_MERGE_COUNTERS, triton.next_power_of_2(needed))
-        self._buffers[device] = buffer = torch.zeros(size, dtype=torch.int32, device=device)
-        return buffer
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -81,7 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_partition_len = decode_partition_len
         # The decode launch (tests, sweeps); None: chosen per batch size (decode_launch_config).
         self.decode_config = decode_config
-        self.merge_counters = MergeCounters()
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
@@ -109,8 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_decodes > 0:
             paged_decode_attention(
                 out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, num_decodes,
-                meta.max_seq_len, scale, self.merge_counters, self.decode_partition_len,
-                self.decode_config,
+                meta.max_seq_len, scale, self.decode_partition_len, self.decode_config,
             )  # fmt: skip
         if meta.num_reqs > num_decodes:
             paged_prefill_attention(
@@ -168,7 +129,6 @@ def paged_decode_attention(
     num_decodes: int,
     max_seq_len: int,  # an upper bound of the decodes' seq_lens (used with partition_len)
     scale: float,
-    merge_counters: MergeCounters,  # the caller's, zeroed between launches (see MergeCounters)
     partition_len: int | None = None,  # keys per split; None: per request, in the kernel
     config: DecodeLaunchConfig | None = None,  # None: decode_launch_config of this batch
 ) -> None:
@@ -190,26 +150,31 @@ def paged_decode_attention(
     else:
         num_splits = triton.cdiv(max_seq_len, partition_len)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    partial_out = partial_lse = counters = out  # unused placeholders when there is one split
+    partial_out = partial_lse = out  # unused placeholders when there is one split
     if num_splits > 1:
         partial_out = q.new_empty(
             num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32
         )
         partial_lse = q.new_empty(num_decodes, num_heads, num_splits, dtype=torch.float32)
-        counters = merge_counters.get(q.device, num_decodes * num_kv_heads)
     group = num_heads // num_kv_heads
     paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        out, partial_out, partial_lse, counters, q, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens,
         scale * LOG2E, partition_len, config.min_partition_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
-        SINGLE_SPLIT=num_splits == 1, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
+        SINGLE_SPLIT=num_splits == 1, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        paged_decode_reduce_kernel[(num_decodes, num_heads)](
+            out, partial_out, partial_lse, seq_lens, partition_len, config.min_partition_len,
+            out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
 
 
 def paged_prefill_attention(

@@ -5,16 +5,12 @@ Both read K/V only from the paged cache `[num_blocks, block_size, num_kv_heads, 
 block table, so any block size works. Softmax is online (flash-attention style) in base 2.
 
 ```
-decode   grid (num_decodes, num_kv_heads, num_splits), one launch: one program = one request,
-         one kv head, one slice of the context; all q heads of the group share each K/V tile
-         load. partition_len 0: each request cuts its own context into min(num_splits,
+decode   grid (num_decodes, num_kv_heads, num_splits): one program = one request, one kv head,
+         one slice of the context; all q heads of the group share each K/V tile load.
+         num_splits > 1: partial (out, lse) per slice, then paged_decode_reduce_kernel merges them.
+         partition_len 0: each request cuts its own context into min(num_splits,
          cdiv(seq_len, min_partition_len)) slices, computed in the kernel from seq_lens, so
-         the grid depends on no host value of the batch's lengths (CUDA graphs); programs past
-         a request's slices return at once.
-         one slice (num_splits 1, or a short context): the program writes the output.
-         more: each program writes its partial (out, lse), then adds 1 to its (request, kv
-         head) counter; the last to arrive merges the slices into the output and sets the
-         counter back to 0 (see "Last program merges" below).
+         the grid depends on no host value of the batch's lengths (CUDA graphs).
 prefill  grid (num_heads, num_q_tiles, num_prefills): one program = BLOCK_M queries of one
          request and head; keys up to the tile's last position, causal mask on the diagonal.
 ```
@@ -40,24 +36,11 @@ is 16-32 slices of 64-128 keys; at batch 8 4-8 slices; at batch 32 one or two; a
 no split at all (one program per (request, kv head) already makes 1024 programs: splitting
 only adds partial writes and the merge). The former policy (256-key slices, up to 16 per
 request, whatever the batch) cost 1.34x at batch 1 (11.7 vs 8.7 us) and 1.24x at batch 128
-(161.9 vs 130.1 us), context 1K. (Measured when a split decode still ran a second, separate
-merge kernel.)
+(161.9 vs 130.1 us), context 1K.
 
 A request's result depends on its own context and the batch's launch config only: within one
 batch size (one graph) it is independent of the other requests, but the same request at two
 batch sizes may be split differently (equal up to float rounding, not bit for bit).
-
-Last program merges (one launch per layer, where a separate merge kernel added a second launch
-and its drain). A request with n > 1 slices has, per kv head, an int32 counter in a persistent
-zeroed buffer the backend owns (`MergeCounters`, triton_backend.py). Each of its n programs
-stores its partials, passes a CTA barrier (so every thread's stores come before what follows),
-and one thread adds 1 to the counter with acq_rel semantics at GPU scope: the release publishes
-the whole CTA's stores (the barrier orders them before it), and the chain of adds on the counter
-carries every earlier release to the program that reads n - 1. That program alone merges: its
-acquire (then a barrier for the other threads) makes the other slices' partials visible, read
-through L2 (`.cg`) so no stale L1 line is used; it resets the counter to 0 for the next launch
-(stream order makes that visible). No program waits on another, so nothing can deadlock whatever
-the scheduling. The merge does the math and order of operations of the former merge kernel.
 """
 
 from __future__ import annotations
@@ -143,7 +126,6 @@ def paged_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; used when SINGLE_SPLIT
     partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
     partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32, log2 domain
-    counters_ptr,  # [>= num_decodes * num_kv_heads] int32, zero between launches
     q_ptr,  # [num_tokens, num_heads, head_dim]; decode d owns row d
     k_cache_ptr,
     v_cache_ptr,
@@ -161,7 +143,6 @@ def paged_decode_kernel(
     stride_cache_head,
     stride_block_table,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
-    SPLITS_PAD: tl.constexpr,  # next_power_of_2(num_splits): the merge holds every slice
     NUM_QUERIES_PER_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -177,12 +158,9 @@ def paged_decode_kernel(
     partition_len = _request_partition_len(
         seq_len, partition_len, tl.num_programs(2), min_partition_len, BLOCK_N
     )
-    # The slices this request really has (never more than the grid holds): only they take
-    # part in the merge; programs past the context return at once.
-    num_slices = tl.minimum(tl.cdiv(seq_len, partition_len), tl.num_programs(2))
-    if split >= num_slices:
-        return
     start_n = split * partition_len
+    if start_n >= seq_len:
+        return  # the reduce kernel skips splits past the context
     end_n = tl.minimum(seq_len, start_n + partition_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -220,12 +198,8 @@ def paged_decode_kernel(
         s = tl.where((offs_n < end_n)[None, :], s, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
-    out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-    # SINGLE_SPLIT apart from the runtime test: a constexpr branch compiles no merge code.
-    if SINGLE_SPLIT:  # noqa: SIM114
-        out = acc / l_i[:, None]
-        tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
-    elif num_slices == 1:  # a context of one slice: the merge would multiply it by 1
+    if SINGLE_SPLIT:
+        out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
         out = acc / l_i[:, None]
         tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -234,50 +208,44 @@ def paged_decode_kernel(
         tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=g_mask)
         partial_ptrs = partial_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM_PAD + offs_d[None, :]
         tl.store(partial_ptrs, acc / l_i[:, None], mask=g_mask[:, None])
-        # Last program merges: every thread's partial stores are issued before the barrier;
-        # one thread's acq_rel add then releases them (and acquires the other slices').
-        tl.debug_barrier()
-        counter_ptr = counters_ptr + req * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_slices - 1:
-            tl.debug_barrier()
-            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # for the next launch
-            for g in range(NUM_QUERIES_PER_KV):
-                head = kv_head * NUM_QUERIES_PER_KV + g
-                _merge_slices(
-                    out_ptr + req.to(tl.int64) * stride_out_token + head * stride_out_head,
-                    partial_out_ptr, partial_lse_ptr, (req * num_heads + head) * tl.num_programs(2),
-                    num_slices, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD,
-                )  # fmt: skip
 
 
 @triton.jit
-def _merge_slices(
-    out_ptr,  # this (request, head)'s output row
+def paged_decode_reduce_kernel(
+    out_ptr,
     partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
     partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32
-    row0,  # (request, head)'s first slice row
-    num_slices,
+    seq_lens_ptr,
+    partition_len,
+    min_partition_len,
+    stride_out_token,
+    stride_out_head,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the decode kernel's
 ):
-    """Merge the slices of one (request, head): softmax-weighted by each slice's lse. Loads
-    bypass L1 (.cg): other SMs wrote these rows during this launch."""
+    """Merge the splits of one (request, head): softmax-weighted by each split's lse."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    partition_len = _request_partition_len(
+        seq_len, partition_len, num_splits, min_partition_len, BLOCK_N
+    )
+    num_valid = tl.cdiv(seq_len, partition_len)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_slices
-    lse = tl.load(
-        partial_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg"
-    )
+    s_mask = offs_s < num_valid
+    row0 = (req * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(partial_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)  # [SPLITS_PAD]
     partial_ptrs = partial_out_ptr + (row0 + offs_s)[:, None].to(tl.int64) * HEAD_DIM_PAD
-    partial = tl.load(
-        partial_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=".cg"
-    )
+    partial = tl.load(partial_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(partial * weights[:, None], 0)  # [HEAD_DIM_PAD]
-    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit

@@ -140,47 +140,6 @@ def test_triton_decode_graph_replays_any_lengths(num_decodes: int) -> None:
         expected = TorchAttentionBackend().forward(*args, meta, batch.scale, kv_written=True)
         tol = TOLERANCE[torch.bfloat16]
         torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-    assert not backend.merge_counters.get(out.device, num_decodes * 8).any()
-
-
-# 64 slices of 64 keys per (request, kv head): 2048 programs race to merge at batch 4.
-MANY_SLICES = DecodeLaunchConfig(64, 64, 64, 4, 3)
-
-
-def test_triton_split_decode_is_one_kernel() -> None:
-    """A split decode (batch 1, 4K context, 64 slices) is one CUDA kernel: no merge launch."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch = make_batch([1], [4095], 1, *LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
-                       device="cuda")  # fmt: skip
-    args = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-    backend = TritonAttentionBackend(decode_config=MANY_SLICES)
-    backend.forward(*args, kv_written=True)  # compile, allocate the merge counters
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        backend.forward(*args, kv_written=True)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert len(kernels) == 1 and "paged_decode_kernel" in kernels[0], kernels
-
-
-def test_triton_last_program_merge_is_race_free() -> None:
-    """200 launches alternating two query sets at 64 slices per head: every result equals
-    its query set's first bit for bit (a merge reading a slice before it landed would read
-    the other set's stale partials), the first equals the reference, the counters end at 0."""
-    batch = make_batch([1] * 4, [4095, 3000, 700, 40], 4, *LLAMA3_8B, block_size=16,
-                       dtype=torch.bfloat16, device="cuda", seed=3)  # fmt: skip
-    backend = TritonAttentionBackend(decode_config=MANY_SLICES)
-    cache_args = (batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
-    queries = (batch.q, torch.randn_like(batch.q))
-    firsts = [backend.forward(q, *cache_args, kv_written=True) for q in queries]
-    expected = TorchAttentionBackend().forward(batch.q, *cache_args, kv_written=True)
-    tol = TOLERANCE[torch.bfloat16]
-    torch.testing.assert_close(firsts[0].float(), expected.float(), atol=tol, rtol=tol)
-    outs = [backend.forward(queries[i % 2], *cache_args, kv_written=True) for i in range(200)]
-    for i, out in enumerate(outs):
-        assert torch.equal(out, firsts[i % 2]), f"launch {i} differs"
-    assert not backend.merge_counters.get(out.device, 4 * 8).any()
 
 
 def test_triton_long_chunked_prefill() -> None:

@@ -137,8 +137,8 @@ def test_engine_logits_fused_close_to_reference_bf16() -> None:
 
 def test_eager_decode_launches_few_kernels_per_layer() -> None:
     """One eager decode step, profiled on 4 and 2 layers: the difference / 2 is one layer's
-    kernels (fused add+norm x2, QKV, rotary + KV write, attention (one launch, split or not),
-    o_proj, gate_up, SwiGLU, down: about 10)."""
+    kernels (fused add+norm x2, QKV, rotary + KV write, attention (+ merge), o_proj, gate_up,
+    SwiGLU, down: about 10)."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels_per_step(layers: int) -> int:
