@@ -263,11 +263,7 @@ class NodeConfig:
         "listening on 0.0.0.0)",
     )
     transfer_timeout_s: float = transfer_timeout_knob()
-    kv_write_in_place: bool = knob(
-        True,
-        "a prefill node on its decode node's own GPU writes the KV into the decode node's "
-        "blocks itself (CUDA IPC; both nodes must allow it), instead of sending it",
-    )
+    kv_write_in_place: bool = knob(True, "one GPU: P writes the KV into D's blocks (CUDA IPC)")
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,

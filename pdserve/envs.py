@@ -47,12 +47,13 @@ def api_key() -> str | None:
 
 def skinny_gemm_max_m() -> int:
     """PDSERVE_SKINNY_GEMM_MAX_M: the model's projections (QKV, o_proj, gate_up, down, LM head)
-    of a step with at most this many tokens run on the Triton skinny GEMM (kernels/gemm)
-    instead of cuBLAS, with the Triton layer ops on CUDA in float16/bfloat16. 0 or unset: off
-    (the default); at most kernels.gemm.MAX_M (checked where the layer ops are picked)."""
+    of a step with at most this many tokens may run on the Triton skinny GEMM (kernels/gemm)
+    instead of cuBLAS, with the Triton layer ops on CUDA in float16/bfloat16, where it measured
+    faster for that very shape (kernels.gemm.MEASURED_WINS). Unset: kernels.gemm.MAX_M (128);
+    0: off (cuBLAS everywhere); at most MAX_M (checked where the layer ops are picked)."""
     raw = os.environ.get("PDSERVE_SKINNY_GEMM_MAX_M", "").strip()
     if not raw:
-        return 0
+        return 128  # kernels.gemm.MAX_M (not imported here: pdserve does not import kernels)
     try:
         value = int(raw)
     except ValueError:

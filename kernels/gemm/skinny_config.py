@@ -106,6 +106,28 @@ _TABLE: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
 )
 
 
+# Where the skinny GEMM measured faster than cuBLAS (F.linear) on an H200, both replayed from a
+# CUDA graph, by >= 3% (benchmarks/results/2026-12-02-h200-gemm-sweep.txt: `python -m
+# benchmarks.gemm_sweep --ms 1,8,32,128`, HBM copy 4.11 TB/s in that run), AND in the engine:
+# (M, N, K) -> the fastest launch swept, with cuBLAS us -> ours. The sweep's wins at 8 and 32
+# tokens (LM head, gate_up) made `pd-bench engine` slower (b8 4.920 -> 5.063 ms, b32 5.818 ->
+# 5.916; one token 4.626 -> 4.568): only the one-token rows are kept. Every other shape and M
+# stays on cuBLAS (routed_linear): a win is taken only where one was measured.
+MEASURED_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
+    # llama3-8b, one token: QKV 15.6 -> 15.0 us, o_proj 12.6 -> 10.7, down 31.7 -> 30.1,
+    # LM head 249.9 -> 237.0 (cuBLAS splits K for o_proj and down and adds a reduce kernel)
+    (1, 6144, 4096): SkinnyGemmConfig(16, 256, 4, 4, block_m=1, use_dot=False),
+    (1, 4096, 4096): SkinnyGemmConfig(8, 512, 4, 3, block_m=1, use_dot=False),
+    (1, 4096, 14336): SkinnyGemmConfig(8, 512, 4, 3, block_m=1, use_dot=False),
+    (1, 128256, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
+}
+
+
+def measured_win(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
+    """The launch that beat cuBLAS for exactly this (M, N, K) when measured, else None."""
+    return MEASURED_WINS.get((m, n, k))
+
+
 def skinny_gemm_config(m: int, n: int, k: int) -> SkinnyGemmConfig:
     """The table's launch for y[M, N] = x[M, K] @ W[N, K]^T (1 <= M <= MAX_M)."""
     if not 1 <= m <= MAX_M:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gemm.skinny_config import MAX_M, SkinnyGemmConfig, skinny_gemm_config
+from kernels.gemm.skinny_config import MAX_M, SkinnyGemmConfig, measured_win, skinny_gemm_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton's CPU interpreter (the unit tests) multiplies bfloat16 tiles as their raw uint16 bits:
@@ -159,8 +159,9 @@ def routed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int
 ) -> torch.Tensor:
     """nn.Linear's projection: the skinny GEMM for 1..max_m rows of float16/bfloat16 with
-    contiguous K, else F.linear (cuBLAS). The choice is on shapes and dtypes only (host-side,
-    CUDA-graph safe: a captured batch size always takes the same path)."""
+    contiguous K where it measured faster than cuBLAS for this very (M, N, K) (`measured_win`),
+    else F.linear (cuBLAS). The choice is on shapes and dtypes only (host-side, CUDA-graph
+    safe: a captured batch size always takes the same path)."""
     m = x.shape[0] if x.dim() == 2 else 0
     if (
         1 <= m <= max_m
@@ -168,5 +169,7 @@ def routed_linear(
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     ):
-        return skinny_linear(x, weight, bias)
+        config = measured_win(m, weight.shape[0], weight.shape[1])
+        if config is not None:
+            return skinny_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)

@@ -107,7 +107,8 @@ def test_engine_tokens_fused_equal_reference_fp32(enforce_eager: bool) -> None:
                   enforce_eager=enforce_eager, max_num_seqs=8, max_model_len=1024,
                   enable_prefix_caching=False)  # fmt: skip
         model = llm.engine.loaded.model
-        assert model.layer_ops.name == "triton"
+        # (+skinny_gemm: the one-token projections in fp16/bf16 only, not in this fp32 run)
+        assert model.layer_ops.name.startswith("triton")
         if not fused:  # before any graph replays: eager only (the graphs hold the fused ops)
             model.set_layer_ops(REFERENCE_OPS)
             llm.engine.runner.decode_graphs = None

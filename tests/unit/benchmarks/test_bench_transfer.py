@@ -35,7 +35,7 @@ def test_transfer_prints_the_table_and_lands_byte_exact(transport: str) -> None:
     for mode in ("sequential", "pipelined"):
         assert re.search(rf"{transport}: pack\+send\+unpack, {mode}\s+\d+\.\d\d\s+\d+%", out), out
     assert "byte-exact: OK (2 requests x 4 layers, into other block ids)" in out
-    assert re.search(r"pack_layer \(gather, in process, torch\)\s+\d+\.\d\d", out), out
+    assert re.search(r"pack_layer \(gather, torch\), per call\s+\d+\.\d\d", out), out
     if transport == "ucx":
         assert "ucx_perftest tag_bw over tcp, 2 processes (ceiling)" in out
         assert re.search(r"raw ucxx sends, same 2 processes\s+\d+\.\d\d", out), out

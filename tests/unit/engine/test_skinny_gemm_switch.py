@@ -1,6 +1,6 @@
-"""PDSERVE_SKINNY_GEMM_MAX_M (off by default) reaches the layer ops, and with it the model's
-projections of small steps run on the Triton skinny GEMM (kernels/gemm; on CPU through the
-Triton interpreter), larger steps on F.linear."""
+"""PDSERVE_SKINNY_GEMM_MAX_M reaches the layer ops, and with it the model's projections of
+small steps run on the Triton skinny GEMM (kernels/gemm; on CPU through the Triton interpreter)
+where it measured faster (MEASURED_WINS), everything else on F.linear."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pdserve import envs  # noqa: E402
 
 @pytest.mark.parametrize(
     "value, want",
-    [(None, 0), ("", 0), ("0", 0), ("16", 16), (" 64 ", 64), ("x", None), ("-1", None)],
+    [(None, MAX_M), ("", MAX_M), ("0", 0), ("16", 16), (" 64 ", 64), ("x", None), ("-1", None)],
 )
 def test_env_var_parses(monkeypatch: pytest.MonkeyPatch, value, want) -> None:
     if value is None:
@@ -55,9 +55,26 @@ def test_max_m_above_the_kernel_cap_is_refused() -> None:
         with_skinny_gemm(triton_ops(), MAX_M + 1)
 
 
+def test_unmeasured_shapes_stay_on_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an (M, N, K) with a measured win leaves F.linear: another M, or another shape,
+    does not (tiny-llama's shapes were never measured)."""
+    calls = []
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(a) or a[0])
+    weight = torch.zeros(4096, 4096, dtype=torch.bfloat16)
+    for m in (2, 3, 16):  # not swept for this shape
+        skinny_gemm.routed_linear(torch.zeros(m, 4096, dtype=torch.bfloat16), weight, max_m=MAX_M)
+    assert calls == []
+    skinny_gemm.routed_linear(torch.zeros(1, 4096, dtype=torch.bfloat16), weight, max_m=MAX_M)
+    assert len(calls) == 1  # o_proj's shape at one token: measured faster
+    skinny_gemm.routed_linear(torch.zeros(1, 4096, dtype=torch.bfloat16), weight, max_m=0)
+    assert len(calls) == 1  # switched off
+
+
 def test_small_steps_project_on_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill (every prompt > 4 tokens) on F.linear; decode steps of <= 4 tokens: every
+    """With a win recorded for every shape (the routing, not the table, is under test):
+    prefill (every prompt > 4 tokens) on F.linear; decode steps of <= 4 tokens: every
     projection of every layer and the LM head on the skinny GEMM."""
+    monkeypatch.setattr(skinny_gemm, "measured_win", skinny_gemm.skinny_gemm_config)
     llm = LLM("synthetic:tiny-llama", device="cpu", dtype="bfloat16", max_num_seqs=2,
               enable_prefix_caching=False)  # fmt: skip
     model = llm.engine.loaded.model

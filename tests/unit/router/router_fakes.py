@@ -193,9 +193,7 @@ class FakeNode(
                 await context.abort(self.fail_code, "scripted prefill failure")
             ticket = request.ticket
             if not request.HasField("ticket"):  # the router attaches it
-                ticket = await asyncio.wait_for(
-                    self._ticket_of(request.request_id), TEST_TIMEOUT_S
-                )
+                ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
             if not self.transfer_error:

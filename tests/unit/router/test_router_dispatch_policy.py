@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 import pytest
-from router_fakes import RouterHarness, run
+from router_fakes import TEST_TIMEOUT_S, RouterHarness, run
 
 from pdserve.v1 import node_pb2
 
@@ -82,7 +82,7 @@ async def _kill_mid_stream(h) -> tuple[list[int], asyncio.Task]:
             received.extend(chunk.token_ids)
 
     task = asyncio.create_task(consume())
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(TEST_TIMEOUT_S):
         while len(received) < 2:
             await asyncio.sleep(0.01)
     victim = next(n for n in h.decode if n.requests)
@@ -96,7 +96,7 @@ def test_a_decode_node_dying_mid_stream_migrates_the_request(tokenizer_files):
     async def body():
         async with RouterHarness(tokenizer_files, OUTPUT_IDS, num_prefill=0, num_decode=2) as h:
             received, task = await _kill_mid_stream(h)
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(task, TEST_TIMEOUT_S)
             survivor = next(n for n in h.decode if n.requests and n.requests[-1].output_token_ids)
             return received, h.router.stats, survivor.requests
 
@@ -114,7 +114,7 @@ def test_with_no_decode_node_left_a_mid_stream_failure_is_unavailable(tokenizer_
         async with RouterHarness(tokenizer_files, OUTPUT_IDS, num_prefill=0, num_decode=1) as h:
             received, task = await _kill_mid_stream(h)
             with pytest.raises(grpc.aio.AioRpcError) as failure:
-                await asyncio.wait_for(task, 5)
+                await asyncio.wait_for(task, TEST_TIMEOUT_S)
             return failure.value, received, h.router.stats
 
     error, received, stats = run(body())

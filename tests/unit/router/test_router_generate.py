@@ -58,7 +58,7 @@ def test_first_token_is_emitted_before_the_decode_node_streams(tokenizer_files, 
         async with RouterHarness(tokenizer_files, output_ids) as h:
             h.decode[0].gate.clear()  # D holds every chunk
             stream = h.client.generate("hello", max_tokens=6)
-            first = await asyncio.wait_for(anext(stream), 5)
+            first = await asyncio.wait_for(anext(stream), TEST_TIMEOUT_S)
             h.decode[0].gate.set()
             rest = [c async for c in stream]
             return first, rest
@@ -240,7 +240,7 @@ def test_client_cancel_cancels_both_node_calls(tokenizer_files, output_ids) -> N
             for node in (h.prefill[0], h.decode[0]):
                 node.gate.clear()  # P holds its transfer result, D its chunks
             stream = h.client.generate("hello", max_tokens=6)
-            first = await asyncio.wait_for(anext(stream), 5)
+            first = await asyncio.wait_for(anext(stream), TEST_TIMEOUT_S)
             await stream.aclose()  # cancels the call
             await wait_until(lambda: h.prefill[0].cancelled and h.decode[0].cancelled, WAIT_S)
             return first, h

@@ -9,7 +9,7 @@ import socket
 import httpx
 import openai
 import pytest
-from router_fakes import RouterHarness, run
+from router_fakes import TEST_TIMEOUT_S, RouterHarness, run
 
 TEXT = "one two three four five six seven eight"
 
@@ -192,12 +192,14 @@ def test_a_client_leaving_a_whole_body_request_cancels_it(tokenizer_files, outpu
             async with httpx.AsyncClient(base_url=h.router.http.url) as http:
                 post = asyncio.create_task(http.post("/v1/completions", json={
                     "model": "fake-model", "prompt": "hi", "max_tokens": 6}))  # fmt: skip
-                async with asyncio.timeout(10):
+                async with asyncio.timeout(TEST_TIMEOUT_S):
                     while not h.decode[0].requests:
                         await asyncio.sleep(0.01)
                 post.cancel()  # the client closes its connection
                 await asyncio.gather(post, return_exceptions=True)
-            async with asyncio.timeout(10):  # the node call's end and the router's count
+            async with asyncio.timeout(
+                TEST_TIMEOUT_S
+            ):  # the node call's end and the router's count
                 while not (h.decode[0].cancelled and h.router.stats.num_cancelled):
                     await asyncio.sleep(0.01)
             return h

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from router_fakes import CHATML_TEMPLATE, FakeModel, FakeNode, RouterHarness, run
+from router_fakes import CHATML_TEMPLATE, TEST_TIMEOUT_S, FakeModel, FakeNode, RouterHarness, run
 
 from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
@@ -102,7 +102,7 @@ def test_nodes_may_come_up_after_the_router_and_health_follows(tokenizer_files) 
             health_pb2.HealthCheckRequest(service=""), timeout=5, wait_for_ready=True
         )
         await node.start(port)
-        await asyncio.wait_for(starting, 5)
+        await asyncio.wait_for(starting, TEST_TIMEOUT_S)
         after = await health.Check(
             health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=5
         )
