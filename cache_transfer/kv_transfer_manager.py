@@ -94,7 +94,11 @@ class KVTransferManager:
         )
         self._pool_export: transfer_pb2.KVPoolExport | None = None
         if sharing is not None and kv_caches is not None:
-            self._pool_export = sharing.export(kv_caches)
+            try:
+                self._pool_export = sharing.export(kv_caches)
+            except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
+                logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)",
+                               error)  # fmt: skip
         self._senders: dict[str, KVSender] = {}
         # receiver transfer id -> (why it ended, its ticket)
         self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()

@@ -19,9 +19,11 @@
                    (GIL-free, cuda_waits), take it and every queued layer packed by then, and
                    send them as one message (KVSender.send_packed_layers: fewer, larger
                    messages; the decode node still lands and reports each layer); any number
-                   in flight. On the receiver's own GPU (the ticket's kv_device): the drain
-                   starts with the last layer and sends every layer as one message, so the
-                   decode process puts no work on the shared GPU during the forward
+                   in flight. On the receiver's own GPU (the ticket's kv_device) the sender
+                   writes each layer into the receiver's blocks itself (KVSender, writes in
+                   place); where it may not, the drain starts with the last layer and sends
+                   every layer as one message: either way the decode process puts no work on
+                   the shared GPU during the forward
                    attach: the layers queued so far go out as above (the drain starts)
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)

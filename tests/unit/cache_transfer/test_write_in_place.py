@@ -172,3 +172,26 @@ def test_a_receiver_refuses_in_place_writes_it_did_not_grant() -> None:
         await decode.close()
 
     run(scenario())
+
+
+def test_caches_that_cannot_be_shared_turn_writes_in_place_off() -> None:
+    """(e.g. an allocator whose memory has no IPC handle): the node starts, senders on its GPU
+    get no grant and send their layers instead."""
+
+    class Unshareable(InProcessSharing):
+        def export(self, kv_caches):
+            raise RuntimeError("no IPC handle for this allocation")
+
+    async def scenario() -> None:
+        prefill, decode, src, dst = await managers("local", "GPU-a", "GPU-a", Unshareable())
+        receiver = decode.create_receiver(DST_IDS, NUM_TOKENS, timeout_s=10)
+        sender = prefill.create_sender(receiver.ticket(), timeout_s=10)
+        await sender.send_packed_layers([(i, packed(src, i)) for i in range(LAYOUT.num_layers)])
+        await sender.send_first_token(9)
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert not receiver.in_place and not sender.in_place
+        assert torch.equal(dst[2][1][DST_IDS], src[2][1][SRC_IDS])
+        await prefill.close()
+        await decode.close()
+
+    run(scenario())
