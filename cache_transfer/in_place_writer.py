@@ -6,7 +6,12 @@
                                                  dst blocks, on the current stream; CUDA: the
                                                  event that marks them written (tracked)
     written(event)                               the caller saw it complete
-    await drain(timeout_s) -> bool               every write launched is done
+    await drain(timeout_s) -> bool               closes it (write() returns None from then
+                                                 on), then: every write launched is done
+
+write() may be called from the prefill engine's thread (a layer written as soon as it is
+packed, on the pack stream) while the event loop drains: one lock makes "closed, or this write
+is tracked" atomic, so a drained notice never leaves a write behind it.
 
 Only the ticket's dst_block_ids are ever written (the ids are checked against the mapped pool
 once, distinct). What mapping a pool trusts: cache_transfer/README.md, "Writes in place".
@@ -15,6 +20,7 @@ once, distinct). What mapping a pool trusts: cache_transfer/README.md, "Writes i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,6 +31,10 @@ from cache_transfer.transports.cuda_waits import wait_event
 from pdserve.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
+
+
+class ClosedError(RuntimeError):
+    """A write after the transfer ended (the writer was drained)."""
 
 
 class InPlaceWriter:
@@ -41,13 +51,27 @@ class InPlaceWriter:
         )
         self.device = device
         self._pending: set[torch.cuda.Event] = set()
+        self._lock = threading.Lock()
+        self._closed = False
 
     def write(
         self,
         manifests: Sequence[transfer_pb2.LayerManifest],
         sources: Sequence[torch.Tensor | Callable[[torch.Tensor], object]],
     ) -> torch.cuda.Event | None:
-        """Each layer's packed bytes (or what packs them into a buffer) into its blocks."""
+        """Each layer's packed bytes (or what packs them into a buffer) into its blocks, on
+        the current stream; CUDA: the event that marks them written. Raises ClosedError once
+        drained (nothing is written then)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("the transfer ended: no more writes in place")
+            return self._write(manifests, sources)
+
+    def _write(
+        self,
+        manifests: Sequence[transfer_pb2.LayerManifest],
+        sources: Sequence[torch.Tensor | Callable[[torch.Tensor], object]],
+    ) -> torch.cuda.Event | None:
         for manifest, source in zip(manifests, sources, strict=True):
             if isinstance(source, torch.Tensor):
                 payload = source.to(self.device)
@@ -69,7 +93,9 @@ class InPlaceWriter:
         self._pending.discard(event)
 
     async def drain(self, timeout_s: float) -> bool:
-        """True once every write launched has completed; False if one did not in time."""
+        """Close; True once every write launched has completed, False if one did not in time."""
+        with self._lock:
+            self._closed = True
         for event in list(self._pending):
             try:
                 await wait_event(event, timeout_s)

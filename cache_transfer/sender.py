@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.in_place_sender import InPlaceSending, Source
 from cache_transfer.in_place_writer import InPlaceWriter
 from cache_transfer.layout import KVLayout
 from cache_transfer.packing import check_kv_cache, pack_layer
@@ -35,17 +36,13 @@ from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.ticket_auth import check_ticket, handshake_proof
 from cache_transfer.transports.base import KVTransport, check_payload
-from cache_transfer.transports.cuda_waits import wait_event
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
 logger = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 10.0  # a failed in-place sender waits this long for its launched writes
-Source = torch.Tensor | Callable[[torch.Tensor], object]  # packed bytes, or what packs them
 
-
-class KVSender(TransferSession):
+class KVSender(InPlaceSending, TransferSession):
     role = "sender"
 
     def __init__(
@@ -99,30 +96,8 @@ class KVSender(TransferSession):
         """The device the receiver's KV cache lives on, as its ticket names it ("" unknown)."""
         return self._ticket.kv_device
 
-    @property
-    def may_write_in_place(self) -> bool:
-        """Whether the handshake asks to write in place (the receiver is on our GPU)."""
-        ours = self._kv_device
-        return self._sharing is not None and bool(ours) and ours == self._ticket.kv_device
-
     def _on_start(self) -> None:
         self.spawn(self._handshake())
-
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
-        """As any session; granted writes in place, the receiver hears only once every write
-        this sender launched is done (writes_drained), whoever ended the transfer."""
-        if self.finished or not self.in_place:
-            super().fail(reason, notify_peer=notify_peer)
-            return
-        super().fail(reason, notify_peer=False)
-        if self._peer_address is not None:
-            self.spawn(self._drain_then_notify(reason))
-
-    async def _drain_then_notify(self, reason: str) -> None:
-        if self._writer is not None and not await self._writer.drain(DRAIN_TIMEOUT_S):
-            return  # the receiver keeps its blocks until our deadline is past
-        result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
-        await self._notify(result=result)
 
     async def send_layer(
         self,
@@ -278,11 +253,11 @@ class KVSender(TransferSession):
     async def _send_layers(
         self,
         manifests: list[transfer_pb2.LayerManifest],
-        sources: list[Source],
+        sources: list[Source] | None,
         device: torch.device,
     ) -> None:
         """Once acked, send layers as one message: each source is the payload itself, or
-        fills staging with it."""
+        fills staging with it (None: written in place already)."""
         if self.finished:
             return
         sending = self._loop.create_future()
@@ -293,6 +268,7 @@ class KVSender(TransferSession):
             if self._writer is not None and device == self._writer.device:
                 await self._write_in_place(manifests, sources)
                 return
+            assert sources is not None
             staging_device = self._transport.buffer_device(device)
             staged: list[torch.Tensor] = []
             sent = False
@@ -325,27 +301,6 @@ class KVSender(TransferSession):
         if sent:
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
         return sent
-
-    async def _write_in_place(
-        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[Source]
-    ) -> None:
-        """Land packed layers in the receiver's blocks ourselves; once written, tell it (one
-        header-only manifest per layer)."""
-        assert self._writer is not None
-        self._advance(TransferState.TRANSFERRING)
-        written = self._writer.write(manifests, payloads)
-        if written is not None:
-            try:
-                await wait_event(written, self.remaining_s)
-            except Exception as error:  # the deadline, or a CUDA error
-                self.fail(f"an in-place write did not complete: {error!r}")
-                return
-            self._writer.written(written)
-        for manifest in manifests:
-            manifest.written_in_place = True
-            if not await self._send(layer_manifest=manifest):
-                return
-            self.num_bytes_sent += manifest.num_bytes
 
     async def _handshake(self) -> None:
         handshake = transfer_pb2.TransferHandshake(
@@ -382,17 +337,3 @@ class KVSender(TransferSession):
                 self._map_pool(ack.pool)
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
-
-    def _map_pool(self, export: transfer_pb2.KVPoolExport) -> None:
-        """The receiver granted writes in place: map its caches (or send payloads after all,
-        which it accepts too, if they cannot be mapped here)."""
-        if not self.may_write_in_place or self._device is None:
-            self.fail("refused writes in place this sender did not ask for")
-            return
-        self.in_place = True
-        try:
-            dst_block_ids = self._ticket.dst_block_ids[: self.num_blocks]
-            self._writer = InPlaceWriter(self._sharing, export, dst_block_ids, self._device)
-        except Exception as error:  # noqa: BLE001 - the payload path still works
-            logger.warning("sender %s: cannot map the receiver's KV pool (%r); sending payloads",
-                           self.transfer_id, error)  # fmt: skip

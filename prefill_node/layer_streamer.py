@@ -11,8 +11,11 @@
                      for each chunk that ends its prompt, of a request whose sender is live
                      or not attached yet (its layers wait, packed, in its queue):
                        CUDA: record an event on the compute stream; on the pack stream wait
-                             for it and pack (one kernel, K and V); record `packed`. Nothing
-                             waits on the host: the forward is never stalled.
+                             for it and pack (one kernel, K and V); writes in place granted:
+                             scatter it into the receiver's blocks too (same stream:
+                             sender.in_place_writer; the loop then sends only its header);
+                             record `packed`. Nothing waits on the host: the forward is never
+                             stalled.
                        CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
     event loop     the request's drain task: await the first queued layer's `packed` event
@@ -39,6 +42,7 @@ device once (first layer), asynchronously.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
@@ -49,11 +53,13 @@ from typing import Any
 import torch
 
 from cache_transfer import KVLayout, KVSender, TransferState, pack_layer
+from cache_transfer.in_place_writer import ClosedError
 from cache_transfer.layout import kv_device_id
 from cache_transfer.packing import CheckedIds, check_block_ids
 from cache_transfer.transports.cuda_waits import wait_event
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2
+from pdserve.v1.transfer_pb2 import LayerManifest
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,7 @@ class _PackedLayer:
     layer_idx: int
     packed: torch.Tensor  # flat uint8: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
     ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
+    written: bool = False  # CUDA, in place: `ready` also marks it written into the receiver
 
     @property
     def is_packed(self) -> bool:
@@ -297,10 +304,20 @@ class LayerStreamer:
             )
         computed = torch.cuda.Event()
         computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
+        sender = outgoing.sender
+        writer = sender.in_place_writer if sender is not None else None
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(computed)
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
+            if writer is not None:  # straight on into the receiver's blocks (no loop hop)
+                manifest = LayerManifest(
+                    layer_idx=layer_idx, num_blocks=outgoing.num_blocks, num_bytes=num_bytes
+                )
+                with contextlib.suppress(ClosedError):  # failed: the layer goes nowhere
+                    written = writer.write([manifest], [packed])
+                    assert written is not None  # (CUDA)
+                    return _PackedLayer(layer_idx, packed, written, written=True)
             ready = torch.cuda.Event()
             ready.record(self._pack_stream)
         return _PackedLayer(layer_idx, packed, ready)
@@ -365,7 +382,14 @@ class LayerStreamer:
         sender = outgoing.sender
         layers = [layer.layer_idx for layer in batch]
         try:
-            await sender.send_packed_layers([(layer.layer_idx, layer.packed) for layer in batch])
+            written = [layer for layer in batch if layer.written]  # by the engine thread
+            for layer in written:
+                sender.in_place_writer.written(layer.ready)
+            if written:
+                await sender.send_written_layers([layer.layer_idx for layer in written])
+            packed = [(layer.layer_idx, layer.packed) for layer in batch if not layer.written]
+            if packed:
+                await sender.send_packed_layers(packed)
         except Exception as error:  # a bug, not the peer: fail this transfer only
             logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
             sender.abort(f"sending layers {layers} failed: {error!r}")
