@@ -339,10 +339,7 @@ class KVReceiver(TransferSession):
                 first = manifest.block_offset
                 dst_ids = self._dst_ids[first : first + manifest.num_blocks]
                 unpack_layer(payload, k_cache, v_cache, dst_ids)
-                self.num_bytes_received += payload.numel()
-                self._advance(TransferState.TRANSFERRING)
-                self._notify_layer(manifest)
-                self._maybe_succeed()
+                self._landed(manifest)
         finally:
             self._staging.give_back(payload)
 
@@ -350,6 +347,10 @@ class KVReceiver(TransferSession):
         """A layer the sender wrote into our blocks itself (its write completed before it
         sent the manifest)."""
         self._layer_token_end[manifest.layer_idx] = manifest.token_end
+        self._landed(manifest)
+
+    def _landed(self, manifest: transfer_pb2.LayerManifest) -> None:
+        """A layer is in our blocks (unpacked here, or written by the sender)."""
         self.num_bytes_received += manifest.num_bytes
         self._advance(TransferState.TRANSFERRING)
         self._notify_layer(manifest)
