@@ -8,7 +8,11 @@ the transport moves them, the decode side (a child process; the same process for
 validates and unpacks them into other, random block ids, then checks every byte. End to end
 runs from the handshake's ack to the decode side having unpacked the last layer (device work
 included). "sequential" awaits each layer's send before the next (per-layer latency);
-"pipelined" puts every layer in flight at once, as when compute outpaces the wire.
+"pipelined" puts every layer in flight at once, as when compute outpaces the wire; "batched"
+hands every layer over in one call (`KVSender.send_layers`: one message, as a prefill node
+sends all the layers packed by the time it looks), so per-message costs are paid once. Written
+in place (`--in-place`), a layer is copied block to block into the receiver's blocks (nothing
+packed) and only headers cross the transport.
 
 Ceilings, measured in the same run: on CPU a plain TCP socket between the same two processes
 and `ucx_perftest` over tcp (when its binary is present); on CUDA a torch copy of the same
@@ -35,7 +39,7 @@ from benchmarks.transfer_peer import DecodePeer
 from benchmarks.transfer_spec import TransferSpec, layout_for
 from cache_transfer import CudaIpcSharing, KVTransferManager, TransferState, make_transport
 
-MODES = ("sequential", "pipelined")
+MODES = ("sequential", "pipelined", "batched")
 RAW_UCX_ROW = "raw ucxx sends, same 2 processes"
 TOTAL_TIMEOUT_S = 240.0
 
@@ -100,14 +104,16 @@ async def _one_request(
         await asyncio.sleep(0)
     acked_s = time.perf_counter()
     src_block_ids = rng.sample(range(spec.num_pool_blocks), spec.num_blocks)
-    sends = [sender.send_layer(i, k, v, src_block_ids) for i, (k, v) in enumerate(caches)]
+    layers = [(i, k, v) for i, (k, v) in enumerate(caches)]
     layer_s = []
-    if mode == "pipelined":
-        await asyncio.gather(*sends)
+    if mode == "batched":
+        await sender.send_layers(layers, src_block_ids)
+    elif mode == "pipelined":
+        await asyncio.gather(*(sender.send_layer(*layer, src_block_ids) for layer in layers))
     else:
-        for send in sends:
+        for layer in layers:
             layer_start_s = time.perf_counter()
-            await send
+            await sender.send_layer(*layer, src_block_ids)
             layer_s.append(time.perf_counter() - layer_start_s)
     await sender.send_first_token(1)
     await sender.wait()

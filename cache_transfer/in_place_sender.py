@@ -25,7 +25,8 @@ from pdserve.v1 import transfer_pb2
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 10.0  # a failed in-place sender waits this long for its launched writes
-Source = torch.Tensor | Callable[[torch.Tensor], object]  # packed bytes, or what packs them
+# packed bytes, or what packs them into a buffer (a LayerBlocks: copied block to block in place)
+Source = torch.Tensor | Callable[[torch.Tensor], object]
 
 
 class InPlaceSending:

@@ -2,9 +2,10 @@
 
     InPlaceWriter(sharing, export, dst_block_ids, device)   maps the receiver's pool (cached by
                                                             `sharing`); ValueError if it cannot
-    write(manifests, sources) -> event | None    unpack_layer of each packed layer into its
-                                                 dst blocks, on the current stream; CUDA: the
-                                                 event that marks them written (tracked)
+    write(manifests, sources) -> event | None    each layer into its dst blocks, on the current
+                                                 stream: LayerBlocks copied block to block (one
+                                                 pass, nothing packed), packed bytes unpacked;
+                                                 CUDA: the event that marks them written
     written(event)                               the caller saw it complete
     await drain(timeout_s) -> bool               closes it (write() returns None from then
                                                  on), then: every write launched is done
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cache_transfer.packing import check_block_ids, unpack_layer
+from cache_transfer.packing import LayerBlocks, check_block_ids, copy_layer, unpack_layer
 from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.transports.cuda_waits import wait_event
 from pdserve.v1 import transfer_pb2
@@ -57,11 +58,11 @@ class InPlaceWriter:
     def write(
         self,
         manifests: Sequence[transfer_pb2.LayerManifest],
-        sources: Sequence[torch.Tensor | Callable[[torch.Tensor], object]],
+        sources: Sequence[LayerBlocks | torch.Tensor | Callable[[torch.Tensor], object]],
     ) -> torch.cuda.Event | None:
-        """Each layer's packed bytes (or what packs them into a buffer) into its blocks, on
-        the current stream; CUDA: the event that marks them written. Raises ClosedError once
-        drained (nothing is written then)."""
+        """Each layer (its blocks in the sender's cache, its packed bytes, or what packs them
+        into a buffer) into its blocks, on the current stream; CUDA: the event that marks them
+        written. Raises ClosedError once drained (nothing is written then)."""
         with self._lock:
             if self._closed:
                 raise ClosedError("the transfer ended: no more writes in place")
@@ -70,17 +71,20 @@ class InPlaceWriter:
     def _write(
         self,
         manifests: Sequence[transfer_pb2.LayerManifest],
-        sources: Sequence[torch.Tensor | Callable[[torch.Tensor], object]],
+        sources: Sequence[LayerBlocks | torch.Tensor | Callable[[torch.Tensor], object]],
     ) -> torch.cuda.Event | None:
         for manifest, source in zip(manifests, sources, strict=True):
+            k_cache, v_cache = self._caches[manifest.layer_idx]
+            first = manifest.block_offset
+            dst_ids = self._dst_ids[first : first + manifest.num_blocks]
+            if isinstance(source, LayerBlocks) and source.k_cache.device == self.device:
+                copy_layer(source, k_cache, v_cache, dst_ids)
+                continue
             if isinstance(source, torch.Tensor):
                 payload = source.to(self.device)
             else:
                 payload = torch.empty(manifest.num_bytes, dtype=torch.uint8, device=self.device)
                 source(payload)
-            k_cache, v_cache = self._caches[manifest.layer_idx]
-            first = manifest.block_offset
-            dst_ids = self._dst_ids[first : first + manifest.num_blocks]
             unpack_layer(payload, k_cache, v_cache, dst_ids)
         if self.device.type != "cuda":
             return None  # done already

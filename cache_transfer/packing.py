@@ -3,16 +3,22 @@
 A packed layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V) in the
 cache dtype, carried as a flat `uint8` tensor so transports see plain bytes. The sender gathers
 its own block ids; the receiver scatters into *its* block ids, which need not match.
+
+A sender that writes into the receiver's own pool (writes in place, one GPU) packs nothing:
+`copy_layer` moves a `LayerBlocks` (a layer's blocks where they are) straight into the
+receiver's block ids, one pass over the bytes; the same `LayerBlocks` packs itself when it is
+sent instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from cache_transfer.layout import KVLayout
-from kernels.kv_copy import gather_blocks, scatter_blocks, triton_available
+from kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks, triton_available
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -136,6 +142,56 @@ def unpack_layer(
     else:
         k_rows.index_copy_(0, ids.index, packed_rows[:n])
         v_rows.index_copy_(0, ids.index, packed_rows[n:])
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """Some blocks of one layer's caches, left where they are: called with a buffer, packs
+    them into it (`pack_layer`); `copy_layer` copies them into another pool's blocks."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_ids: BlockIds | CheckedIds
+
+    def __call__(self, out: torch.Tensor) -> None:
+        pack_layer(self.k_cache, self.v_cache, self.block_ids, out)
+
+
+def copy_layer(
+    src: LayerBlocks,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: BlockIds | CheckedIds,
+    impl: str = "auto",
+) -> None:
+    """`src`'s blocks into `block_ids` (distinct) of another layer's caches of the same block
+    shape, dtype and device, K and V together: no packed buffer between (one Triton launch on
+    CUDA, one pass over the bytes; `impl="torch"`: index_select + index_copy_)."""
+    same = (
+        src.k_cache.shape[1:] == k_cache.shape[1:]
+        and src.k_cache.dtype == k_cache.dtype
+        and src.k_cache.device == k_cache.device
+    )
+    if not same:
+        raise ValueError(
+            f"copy_layer needs caches of one block shape, dtype and device: src "
+            f"{list(src.k_cache.shape)} {src.k_cache.dtype} on {src.k_cache.device}, dst "
+            f"{list(k_cache.shape)} {k_cache.dtype} on {k_cache.device}"
+        )
+    src_ids = check_block_ids(src.block_ids, src.k_cache.shape[0], src.k_cache.device)
+    dst_ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device, unique=True)
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_layer: {len(src_ids)} src blocks into {len(dst_ids)} dst blocks")
+    caches = (src.k_cache, src.v_cache, k_cache, v_cache)
+    rows = [_as_rows(cache) for cache in caches]
+    if len({(r.dtype, r.shape[1]) for r in rows}) != 1:  # word views differ in alignment
+        rows = [cache.view(cache.shape[0], -1) for cache in caches]
+    src_k, src_v, dst_k, dst_v = rows
+    if _use_triton(k_cache, src_k, dst_k, impl) and all(r.is_contiguous() for r in rows):
+        copy_blocks(src_k, src_v, src_ids.index, dst_k, dst_v, dst_ids.index)
+        return
+    dst_k.index_copy_(0, dst_ids.index, src_k.index_select(0, src_ids.index))
+    dst_v.index_copy_(0, dst_ids.index, src_v.index_select(0, src_ids.index))
 
 
 def _use_triton(

@@ -4,6 +4,7 @@
     (started at creation unless given start_timeout_s: a prefill node starts it, and the
     transfer's deadline, when the engine starts the prefill)
     send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order),
+    send_layers([(i, k, v), (j, k, v)...]) for several at once (one message),
     or send_packed(i, payload) for a layer the caller packed itself, or
     send_packed_layers([(i, payload), (j, payload)...]) for several at once (one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
@@ -13,8 +14,8 @@ Layers wait for the handshake's ack before they are packed, so a refused layout 
 bandwidth. The node releases the request's blocks once `wait()` returns.
 
 Writes in place (given `sharing`, `kv_device`): a receiver on our own GPU that grants it gets
-each packed layer written into its blocks by us (`InPlaceWriter`), then a manifest without
-payload; a granted sender that fails says so once its writes drained (cache_transfer/README.md).
+each layer written into its blocks by us (`InPlaceWriter`: copied block to block from our
+cache, or unpacked if the caller packed it), then a manifest without payload; a granted sender that fails says so once its writes drained (cache_transfer/README.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from cache_transfer.in_place_sender import InPlaceSending, Source
 from cache_transfer.in_place_writer import InPlaceWriter
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import check_kv_cache, pack_layer
+from cache_transfer.packing import LayerBlocks, check_kv_cache
 from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
@@ -111,22 +112,35 @@ class KVSender(InPlaceSending, TransferSession):
 
         `src_block_ids` is the request's block table; the blocks not yet sent for this layer
         go out (a chunked prefill calls this once per chunk). A no-op once finished."""
+        await self.send_layers([(layer_idx, k_cache, v_cache)], src_block_ids, token_end)
+
+    async def send_layers(
+        self,
+        layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+        src_block_ids: Sequence[int],
+        token_end: int | None = None,
+    ) -> None:
+        """`send_layer` for several `(layer_idx, k_cache, v_cache)` (distinct layers, caches on
+        one device) as one message: packed into staging and sent, or, written in place, copied
+        block to block into the receiver's blocks (nothing packed) and announced in one
+        header. ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
-        block_offset, block_end = self._layer_span(layer_idx, token_end)
-        if len(src_block_ids) < block_end:
-            raise ValueError(
-                f"{token_end} tokens span {block_end} blocks; src_block_ids has "
-                f"{len(src_block_ids)}"
-            )
-        check_kv_cache(self.layout, k_cache, v_cache)
-        self._layer_token_end[layer_idx] = token_end
-        src_ids = src_block_ids[block_offset:block_end]
-
-        def pack(out: torch.Tensor) -> None:
-            pack_layer(k_cache, v_cache, src_ids, out)  # [2, num_blocks, ...] as bytes
-
-        manifest = self._manifest(layer_idx, block_offset, block_end, token_end)
-        await self._send_layer(manifest, pack, k_cache.device)
+        if len({layer_idx for layer_idx, _, _ in layers}) != len(layers) or not layers:
+            raise ValueError(f"send_layers needs distinct layers, got {len(layers)}")
+        manifests, sources = [], []
+        for layer_idx, k_cache, v_cache in layers:
+            block_offset, block_end = self._layer_span(layer_idx, token_end)
+            if len(src_block_ids) < block_end:
+                raise ValueError(
+                    f"{token_end} tokens span {block_end} blocks; src_block_ids has "
+                    f"{len(src_block_ids)}"
+                )
+            check_kv_cache(self.layout, k_cache, v_cache)
+            manifests.append(self._manifest(layer_idx, block_offset, block_end, token_end))
+            sources.append(LayerBlocks(k_cache, v_cache, src_block_ids[block_offset:block_end]))
+        for layer_idx, _, _ in layers:
+            self._layer_token_end[layer_idx] = token_end
+        await self._send_layers(manifests, sources, layers[0][1].device)
 
     async def send_packed(
         self, layer_idx: int, payload: torch.Tensor, token_end: int | None = None

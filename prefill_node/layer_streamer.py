@@ -12,9 +12,9 @@
                      or not attached yet (its layers wait, packed, in its queue):
                        CUDA: record an event on the compute stream; on the pack stream wait
                              for it and pack (one kernel, K and V); writes in place granted:
-                             scatter it into the receiver's blocks too (same stream:
-                             sender.in_place_writer; the loop then sends only its header);
-                             record `packed`. Nothing waits on the host: the forward is never
+                             copy the blocks straight into the receiver's blocks instead (one
+                             kernel, one pass, nothing packed: sender.in_place_writer; the
+                             loop then sends only its header); record `packed`. Nothing waits on the host: the forward is never
                              stalled.
                        CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from cache_transfer import KVLayout, KVSender, TransferState, pack_layer
+from cache_transfer import KVLayout, KVSender, LayerBlocks, TransferState, pack_layer
 from cache_transfer.in_place_writer import ClosedError
 from cache_transfer.layout import kv_device_id
 from cache_transfer.packing import CheckedIds, check_block_ids
@@ -97,9 +97,9 @@ class _PackedLayer:
     """One layer of one request, packed (or queued to be) for sending."""
 
     layer_idx: int
-    packed: torch.Tensor  # flat uint8: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+    packed: torch.Tensor | None  # flat uint8 `[2, num_blocks, block_size, kv_heads, head_dim]`
     ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
-    written: bool = False  # CUDA, in place: `ready` also marks it written into the receiver
+    written: bool = False  # CUDA, in place: copied (`packed` None), `ready` marks it written
 
     @property
     def is_packed(self) -> bool:
@@ -308,16 +308,16 @@ class LayerStreamer:
         writer = sender.in_place_writer if sender is not None else None
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(computed)
-            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
-            if writer is not None:  # straight on into the receiver's blocks (no loop hop)
+            if writer is not None:  # block to block into the receiver's blocks: nothing packed
                 manifest = LayerManifest(
                     layer_idx=layer_idx, num_blocks=outgoing.num_blocks, num_bytes=num_bytes
                 )
-                with contextlib.suppress(ClosedError):  # failed: the layer goes nowhere
-                    written = writer.write([manifest], [packed])
-                    assert written is not None  # (CUDA)
-                    return _PackedLayer(layer_idx, packed, written, written=True)
+                blocks = LayerBlocks(k_cache, v_cache, outgoing.src_ids)
+                with contextlib.suppress(ClosedError):  # failed: packed below, sent nowhere
+                    written = writer.write([manifest], [blocks])
+                    return _PackedLayer(layer_idx, None, written, written=True)
+            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
+            pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
             ready = torch.cuda.Event()
             ready.record(self._pack_stream)
         return _PackedLayer(layer_idx, packed, ready)

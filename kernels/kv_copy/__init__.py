@@ -1,5 +1,10 @@
-"""Block gather/scatter kernels for moving one layer's K and V of a request (KV hand-off)."""
+"""Block gather/scatter/copy kernels for moving one layer's K and V of a request (KV hand-off)."""
 
-from kernels.kv_copy.block_copy import gather_blocks, scatter_blocks, triton_available
+from kernels.kv_copy.block_copy import (
+    copy_blocks,
+    gather_blocks,
+    scatter_blocks,
+    triton_available,
+)
 
-__all__ = ["gather_blocks", "scatter_blocks", "triton_available"]
+__all__ = ["copy_blocks", "gather_blocks", "scatter_blocks", "triton_available"]

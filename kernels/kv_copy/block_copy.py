@@ -3,6 +3,9 @@ scattered from) one contiguous packed buffer `[2, n, row_words]` (K rows, then V
 
     gather_blocks(k_rows, v_rows, ids, out)    out[kv, i] = (k_rows | v_rows)[ids[i]]
     scatter_blocks(payload, k_rows, v_rows, ids)  (k_rows | v_rows)[ids[i]] = payload[kv, i]
+    copy_blocks(src_k, src_v, src_ids, dst_k, dst_v, dst_ids)
+                                               dst_(k|v)[dst_ids[i]] = src_(k|v)[src_ids[i]]:
+                                               no packed buffer (a write in place, one pass)
 
 `k_rows, v_rows`: `[pool_blocks, row_words]` views of one layer's caches (any element type:
 callers pass int64 words); `ids`: int64 block ids on the same device, already checked against
@@ -54,6 +57,24 @@ if triton is not None:
             else:
                 tl.store(k_ptr + cache_offs, x, mask=mask)
 
+    @triton.jit
+    def _copy_rows_between(
+        src_k_ptr, src_v_ptr, src_ids_ptr, dst_k_ptr, dst_v_ptr, dst_ids_ptr, n, row_words,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # [0, n): K rows, [n, 2n): V rows
+        part = tl.program_id(1)
+        is_v = row >= n
+        i = row - n * is_v.to(tl.int32)
+        src = tl.load(src_ids_ptr + i).to(tl.int64) * row_words
+        dst = tl.load(dst_ids_ptr + i).to(tl.int64) * row_words
+        offs = part * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        if is_v:
+            tl.store(dst_v_ptr + dst + offs, tl.load(src_v_ptr + src + offs, mask=mask), mask=mask)
+        else:
+            tl.store(dst_k_ptr + dst + offs, tl.load(src_k_ptr + src + offs, mask=mask), mask=mask)
+
 
 def _launch(
     k_rows: torch.Tensor,
@@ -90,3 +111,32 @@ def scatter_blocks(
 ) -> None:
     """K rows `ids` = payload[:n], V rows `ids` = payload[n:] (one launch; ids distinct)."""
     _launch(k_rows, v_rows, ids, payload, gather=False)
+
+
+def copy_blocks(
+    src_k_rows: torch.Tensor,
+    src_v_rows: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_k_rows: torch.Tensor,
+    dst_v_rows: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """dst K rows `dst_ids` = src K rows `src_ids`, and V alike (one launch; dst_ids distinct,
+    both pools' rows of one width and element type)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    n, row_words = src_ids.numel(), src_k_rows.shape[1]
+    shapes = {tuple(t.shape[1:]) for t in (src_k_rows, src_v_rows, dst_k_rows, dst_v_rows)}
+    if dst_ids.numel() != n or len(shapes) != 1 or src_k_rows.dtype != dst_k_rows.dtype:
+        raise ValueError(
+            f"copy_blocks needs as many dst ids as src ids ({dst_ids.numel()} vs {n}) and rows "
+            f"of one width and type: src {list(src_k_rows.shape)} {src_k_rows.dtype}, dst "
+            f"{list(dst_k_rows.shape)} {dst_k_rows.dtype}"
+        )
+    if n == 0:
+        return
+    grid = (2 * n, triton.cdiv(row_words, ROW_SLICE))
+    _copy_rows_between[grid](
+        src_k_rows, src_v_rows, src_ids, dst_k_rows, dst_v_rows, dst_ids, n, row_words,
+        BLOCK=ROW_SLICE, num_warps=4,
+    )  # fmt: skip

@@ -32,9 +32,9 @@ def test_transfer_prints_the_table_and_lands_byte_exact(transport: str) -> None:
     out = done.stdout
     assert "4 layers x 8 kv heads x 128 (bfloat16, block 16), 256 tokens: 1.0 MiB/layer" in out
     assert re.search(r"plain TCP socket, 2 processes( \(ceiling\))?\s+\d+\.\d\d", out), out
-    for mode in ("sequential", "pipelined"):
+    for mode in ("sequential", "pipelined", "batched"):
         assert re.search(rf"{transport}: pack\+send\+unpack, {mode}\s+\d+\.\d\d\s+\d+%", out), out
-    assert "byte-exact: OK (2 requests x 4 layers, into other block ids)" in out
+    assert "byte-exact: OK (3 requests x 4 layers, into other block ids)" in out
     assert re.search(r"pack_layer \(gather, torch\), per call\s+\d+\.\d\d", out), out
     if transport == "ucx":
         assert "ucx_perftest tag_bw over tcp, 2 processes (ceiling)" in out

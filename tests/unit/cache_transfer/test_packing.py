@@ -1,4 +1,5 @@
-"""pack_layer / unpack_layer: gather a request's blocks, scatter them into other block ids."""
+"""pack_layer / unpack_layer: gather a request's blocks, scatter them into other block ids;
+copy_layer: the same move with no packed buffer between (writes in place)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from transfer_helpers import SENTINEL, make_layout, random_caches, sentinel_caches
 
-from cache_transfer import pack_layer, unpack_layer
+from cache_transfer import LayerBlocks, copy_layer, pack_layer, unpack_layer
 from cache_transfer.packing import alloc_staging, check_kv_cache, packed_view
 
 
@@ -85,3 +86,38 @@ def test_check_kv_cache_names_the_mismatch() -> None:
         check_kv_cache(layout, k, v.half())
     with pytest.raises(ValueError, match="must match in shape"):
         check_kv_cache(layout, k, v[:2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_layer_moves_blocks_as_a_pack_and_unpack_would(dtype: str) -> None:
+    layout = make_layout(dtype)
+    (src_k, src_v), *_ = random_caches(layout, num_blocks=12)
+    (dst_k, dst_v), *_ = sentinel_caches(layout, num_blocks=20)
+    (ref_k, ref_v), *_ = sentinel_caches(layout, num_blocks=20)
+    src_ids, dst_ids = [5, 1, 11, 7], [0, 19, 3, 8]
+    blocks = LayerBlocks(src_k, src_v, src_ids)
+
+    copy_layer(blocks, dst_k, dst_v, dst_ids)
+    staging = alloc_staging(layout.layer_bytes(len(src_ids)))
+    blocks(staging)  # a LayerBlocks packs itself when it is sent instead
+    unpack_layer(staging, ref_k, ref_v, dst_ids)
+
+    assert torch.equal(dst_k, ref_k) and torch.equal(dst_v, ref_v)
+    assert torch.equal(dst_v[dst_ids], src_v[src_ids])
+    others = [b for b in range(20) if b not in dst_ids]
+    assert bool((dst_k[others] == SENTINEL).all() and (dst_v[others] == SENTINEL).all())
+
+
+def test_copy_layer_refuses_mismatched_caches_and_ids_and_writes_nothing() -> None:
+    layout = make_layout("float32")
+    (src_k, src_v), *_ = random_caches(layout, num_blocks=6)
+    (dst_k, dst_v), *_ = sentinel_caches(layout, num_blocks=6)
+    with pytest.raises(ValueError, match="one block shape, dtype and device"):
+        copy_layer(LayerBlocks(src_k.bfloat16(), src_v.bfloat16(), [0]), dst_k, dst_v, [1])
+    with pytest.raises(ValueError, match="2 src blocks into 1 dst blocks"):
+        copy_layer(LayerBlocks(src_k, src_v, [0, 1]), dst_k, dst_v, [1])
+    with pytest.raises(ValueError, match="distinct"):
+        copy_layer(LayerBlocks(src_k, src_v, [0, 1]), dst_k, dst_v, [2, 2])
+    with pytest.raises(ValueError, match="outside"):
+        copy_layer(LayerBlocks(src_k, src_v, [9]), dst_k, dst_v, [2])
+    assert bool((dst_k == SENTINEL).all() and (dst_v == SENTINEL).all())

@@ -108,6 +108,43 @@ def test_a_sender_on_the_receivers_device_writes_in_place(backend: str, same_dev
     run(scenario())
 
 
+@pytest.mark.parametrize("same_device", [True, False])
+def test_send_layers_copies_blocks_in_place_or_sends_them_packed(same_device: bool) -> None:
+    async def scenario() -> None:
+        prefill, decode, src, dst = await managers(
+            "tcp", "GPU-a", "GPU-a" if same_device else "GPU-b"
+        )
+        receiver = decode.create_receiver(DST_IDS, NUM_TOKENS, timeout_s=10)
+        sender = prefill.create_sender(receiver.ticket(), timeout_s=10)
+        payload_bytes = counting_payloads(prefill)
+        sent_messages = []
+        send_many = prefill._transport.send_many
+
+        async def counting_send_many(address, messages):
+            sent_messages.append(len(messages))
+            await send_many(address, messages)
+
+        prefill._transport.send_many = counting_send_many
+        layers = [(i, k, v) for i, (k, v) in enumerate(src)]
+        with pytest.raises(ValueError, match="distinct layers"):
+            await sender.send_layers([layers[0], layers[0]], SRC_IDS)
+        await sender.send_layers(layers, SRC_IDS)  # every layer, one message
+        await sender.send_first_token(9)
+
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert sender.in_place == same_device
+        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
+            assert torch.equal(dst_k[DST_IDS], src_k[SRC_IDS])
+            assert torch.equal(dst_v[DST_IDS], src_v[SRC_IDS])
+        assert bool((dst[0][0][:5] == SENTINEL).all())  # nothing outside the ticket's blocks
+        assert LAYOUT.num_layers in sent_messages  # the layers went as one message
+        assert (sum(payload_bytes) == 0) == same_device
+        await prefill.close()
+        await decode.close()
+
+    run(scenario())
+
+
 def test_a_failed_in_place_transfer_is_quarantined_until_the_sender_drained() -> None:
     """The receiver fails mid-transfer: its blocks may be reused only once the sender said it
     writes nothing more (its drained notice comes after its launched writes complete)."""

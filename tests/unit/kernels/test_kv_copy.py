@@ -1,4 +1,4 @@
-"""The Triton block gather/scatter (kernels/kv_copy) against torch indexing, on CPU through the
+"""The Triton block gather/scatter/copy (kernels/kv_copy) against torch indexing, on CPU through the
 Triton interpreter (in a subprocess: the interpreter is chosen when the kernel is decorated,
 and other tests import it compiled). tests/gpu runs it compiled at llama3-8b sizes."""
 
@@ -15,7 +15,9 @@ from tests.child_env import child_env  # noqa: E402
 
 SCRIPT = r"""
 import torch
-from cache_transfer.packing import CheckedIds, check_block_ids, pack_layer, unpack_layer
+from cache_transfer.packing import (
+    CheckedIds, LayerBlocks, check_block_ids, copy_layer, pack_layer, unpack_layer,
+)
 
 torch.manual_seed(0)
 for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float32)):
@@ -40,11 +42,14 @@ for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float3
         assert torch.equal(dk[dst], k[ids]) and torch.equal(dv[dst], v[ids]), "scatter differs"
         rest = [b for b in range(shape[0]) if b not in dst]
         assert bool((dk[rest] == -7).all() and (dv[rest] == -7).all()), "scatter wrote elsewhere"
+        ck, cv = torch.full_like(k, -7), torch.full_like(v, -7)
+        copy_layer(LayerBlocks(k, v, ids), ck, cv, dst, impl="triton")
+        assert torch.equal(ck, dk) and torch.equal(cv, dv), "block copy differs"
 print("ok")
 """
 
 
-def test_triton_gather_scatter_match_torch_indexing() -> None:
+def test_triton_gather_scatter_copy_match_torch_indexing() -> None:
     env = child_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240

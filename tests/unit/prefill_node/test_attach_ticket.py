@@ -115,7 +115,9 @@ def test_attach_ticket_refuses_a_second_ticket_and_an_empty_request_id() -> None
 
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
-            decode = nodes.decode_stub.Decode(decode_request("d", prompt_ids), timeout=RPC_TIMEOUT_S)
+            decode = nodes.decode_stub.Decode(
+                decode_request("d", prompt_ids), timeout=RPC_TIMEOUT_S
+            )
             ticket = await read_ticket(decode)
             call = prefill_without_ticket(nodes, prompt_ids, "d")
             await attach(nodes, "d", ticket)
