@@ -29,7 +29,7 @@ import torch
 from cache_transfer.in_place_sender import InPlaceSending, Source
 from cache_transfer.in_place_writer import InPlaceWriter
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import LayerBlocks, check_kv_cache
+from cache_transfer.packing import CheckedIds, LayerBlocks, check_block_ids, check_kv_cache
 from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
@@ -128,16 +128,21 @@ class KVSender(InPlaceSending, TransferSession):
         if len({layer_idx for layer_idx, _, _ in layers}) != len(layers) or not layers:
             raise ValueError(f"send_layers needs distinct layers, got {len(layers)}")
         manifests, sources = [], []
+        span_ids: dict[tuple, CheckedIds] = {}  # checked once per span and pool, not per layer
         for layer_idx, k_cache, v_cache in layers:
-            block_offset, block_end = self._layer_span(layer_idx, token_end)
-            if len(src_block_ids) < block_end:
+            span = self._layer_span(layer_idx, token_end)
+            if len(src_block_ids) < span[1]:
                 raise ValueError(
-                    f"{token_end} tokens span {block_end} blocks; src_block_ids has "
+                    f"{token_end} tokens span {span[1]} blocks; src_block_ids has "
                     f"{len(src_block_ids)}"
                 )
             check_kv_cache(self.layout, k_cache, v_cache)
-            manifests.append(self._manifest(layer_idx, block_offset, block_end, token_end))
-            sources.append(LayerBlocks(k_cache, v_cache, src_block_ids[block_offset:block_end]))
+            key = (*span, k_cache.shape[0], k_cache.device)
+            if key not in span_ids:
+                ids = src_block_ids[span[0] : span[1]]
+                span_ids[key] = check_block_ids(ids, k_cache.shape[0], k_cache.device)
+            manifests.append(self._manifest(layer_idx, *span, token_end))
+            sources.append(LayerBlocks(k_cache, v_cache, span_ids[key]))
         for layer_idx, _, _ in layers:
             self._layer_token_end[layer_idx] = token_end
         await self._send_layers(manifests, sources, layers[0][1].device)
