@@ -59,6 +59,11 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._tickets = TicketBox()
         self._aborts: set[asyncio.Task[None]] = set()  # prefills whose transfer failed first
 
+    @property
+    def num_tickets_held(self) -> int:
+        """Prefill calls waiting for their AttachTicket, and tickets waiting for their call."""
+        return len(self._tickets)
+
     async def AttachTicket(
         self, request: node_pb2.AttachTicketRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.AttachTicketResponse:

@@ -242,7 +242,7 @@ def test_duplicate_request_id_is_refused() -> None:
                 await asyncio.wait_for(second.read(), RPC_TIMEOUT_S)
             assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
             first.cancel()
-            await wait_until(lambda: nodes.decode.manager.num_pending == 0, timeout_s=1.0)
+            await wait_until(lambda: nodes.decode.manager.num_pending == 0)
 
     run(main())
 

@@ -61,7 +61,8 @@ def test_attached_ticket_hands_off_token_exact(order: str) -> None:
             )
             if order == "prefill-first":
                 call = prefill_without_ticket(nodes, prompt_ids, "a")
-                await wait_until(lambda: nodes.prefill.servicer.counters.num_queued_prefill_tokens)
+                # the call waits for its ticket from its start until AttachTicket settles it
+                await wait_until(lambda: nodes.prefill.servicer.num_tickets_held)
                 await attach(nodes, "a", await read_ticket(decode))
             else:
                 await attach(nodes, "a", await read_ticket(decode))

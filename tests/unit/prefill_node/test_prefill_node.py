@@ -169,7 +169,7 @@ def test_end_during_transfer_frees_blocks_and_tells_the_receiver(ending: str) ->
                     assert response.found
                     result = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
                     assert not result.transfer_result.ok
-                await wait_until(lambda: peer.kinds()[-1:] == ["result"], timeout_s=1.0)
+                await wait_until(lambda: peer.kinds()[-1:] == ["result"])
                 assert not peer.received[-1].result.ok
             finally:
                 await peer.close()
