@@ -98,13 +98,13 @@ async def _one_request(
     rng: random.Random,
 ) -> Run:
     ticket = await peer.ticket()
+    src_block_ids = rng.sample(range(spec.num_pool_blocks), spec.num_blocks)  # set-up, untimed
+    layers = [(i, k, v) for i, (k, v) in enumerate(caches)]
     start_s = time.perf_counter()
     sender = manager.create_sender(ticket, timeout_s=TIMEOUT_S)
     while sender.state < TransferState.WAITING and not sender.finished:
         await asyncio.sleep(0)
     acked_s = time.perf_counter()
-    src_block_ids = rng.sample(range(spec.num_pool_blocks), spec.num_blocks)
-    layers = [(i, k, v) for i, (k, v) in enumerate(caches)]
     layer_s = []
     if mode == "batched":
         await sender.send_layers(layers, src_block_ids)

@@ -2,7 +2,7 @@
 
 from cache_transfer.kv_transfer_manager import KVTransferManager
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import LayerBlocks, copy_layer, pack_layer, unpack_layer
+from cache_transfer.packing import LayerBlocks, copy_layer, copy_layers, pack_layer, unpack_layer
 from cache_transfer.pool_sharing import CudaIpcSharing, InProcessSharing, PoolSharing
 from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
@@ -28,6 +28,7 @@ __all__ = [
     "TransportBindError",
     "TransportError",
     "copy_layer",
+    "copy_layers",
     "make_transport",
     "pack_layer",
     "unpack_layer",

@@ -4,7 +4,8 @@
                                                             `sharing`); ValueError if it cannot
     write(manifests, sources) -> event | None    each layer into its dst blocks, on the current
                                                  stream: LayerBlocks copied block to block (one
-                                                 pass, nothing packed), packed bytes unpacked;
+                                                 pass, nothing packed; the layers of one span in
+                                                 one launch), packed bytes unpacked;
                                                  CUDA: the event that marks them written
     written(event)                               the caller saw it complete
     await drain(timeout_s) -> bool               closes it (write() returns None from then
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cache_transfer.packing import LayerBlocks, check_block_ids, copy_layer, unpack_layer
+from cache_transfer.packing import LayerBlocks, check_block_ids, copy_layers, unpack_layer
 from cache_transfer.pool_sharing import PoolSharing
 from cache_transfer.transports.cuda_waits import wait_event
 from pdserve.v1 import transfer_pb2
@@ -73,19 +74,24 @@ class InPlaceWriter:
         manifests: Sequence[transfer_pb2.LayerManifest],
         sources: Sequence[LayerBlocks | torch.Tensor | Callable[[torch.Tensor], object]],
     ) -> torch.cuda.Event | None:
+        batch: dict[tuple[int, int], list[tuple[LayerBlocks, int]]] = {}
         for manifest, source in zip(manifests, sources, strict=True):
             k_cache, v_cache = self._caches[manifest.layer_idx]
-            first = manifest.block_offset
-            dst_ids = self._dst_ids[first : first + manifest.num_blocks]
+            span = (manifest.block_offset, manifest.num_blocks)
             if isinstance(source, LayerBlocks) and source.k_cache.device == self.device:
-                copy_layer(source, k_cache, v_cache, dst_ids)
+                batch.setdefault(span, []).append((source, manifest.layer_idx))
                 continue
+            dst_ids = self._dst_ids[span[0] : span[0] + span[1]]
             if isinstance(source, torch.Tensor):
                 payload = source.to(self.device)
             else:
                 payload = torch.empty(manifest.num_bytes, dtype=torch.uint8, device=self.device)
                 source(payload)
             unpack_layer(payload, k_cache, v_cache, dst_ids)
+        for (first, num_blocks), layers in batch.items():  # block to block, a launch per span
+            dsts = [self._caches[layer_idx] for _, layer_idx in layers]
+            dst_ids = self._dst_ids[first : first + num_blocks]
+            copy_layers([src for src, _ in layers], dsts, dst_ids)
         if self.device.type != "cuda":
             return None  # done already
         written = torch.cuda.Event()

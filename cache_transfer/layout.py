@@ -54,7 +54,7 @@ class KVLayout:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block of one layer, K and V together."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        itemsize = self.torch_dtype.itemsize
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def layer_bytes(self, num_blocks: int) -> int:

@@ -6,7 +6,7 @@ its own block ids; the receiver scatters into *its* block ids, which need not ma
 
 A sender that writes into the receiver's own pool (writes in place, one GPU) packs nothing:
 `copy_layer` moves a `LayerBlocks` (a layer's blocks where they are) straight into the
-receiver's block ids, one pass over the bytes; the same `LayerBlocks` packs itself when it is
+receiver's block ids, one pass over the bytes (`copy_layers`: several layers, one launch); the same `LayerBlocks` packs itself when it is
 sent instead.
 """
 
@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from cache_transfer.layout import KVLayout
-from kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks, triton_available
+from kernels.kv_copy import (
+    copy_blocks,
+    copy_blocks_layers,
+    gather_blocks,
+    layer_offsets,
+    scatter_blocks,
+    triton_available,
+)
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -192,6 +199,58 @@ def copy_layer(
         return
     dst_k.index_copy_(0, dst_ids.index, src_k.index_select(0, src_ids.index))
     dst_v.index_copy_(0, dst_ids.index, src_v.index_select(0, src_ids.index))
+
+
+def copy_layers(
+    srcs: Sequence[LayerBlocks],
+    dsts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    block_ids: BlockIds | CheckedIds,
+    impl: str = "auto",
+) -> None:
+    """`copy_layer(srcs[l], *dsts[l], block_ids)` for every layer. Layers whose blocks are the
+    same source ids (one `CheckedIds`, as `KVSender.send_layers` builds them) in pools of one
+    size go in one Triton launch on CUDA (one launch, not one per layer: the host cost of a
+    launch is what a batch of layers paid most); anything else layer by layer."""
+    if len(srcs) != len(dsts):
+        raise ValueError(f"copy_layers: {len(srcs)} source layers for {len(dsts)} destinations")
+    if len(srcs) > 1 and _copy_in_one_launch(srcs, dsts, block_ids, impl):
+        return
+    for src, (k_cache, v_cache) in zip(srcs, dsts, strict=True):
+        copy_layer(src, k_cache, v_cache, block_ids, impl)
+
+
+def _copy_in_one_launch(
+    srcs: Sequence[LayerBlocks],
+    dsts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    block_ids: BlockIds | CheckedIds,
+    impl: str,
+) -> bool:
+    """The one-launch path of `copy_layers`; False (nothing done) when it does not apply."""
+    first_src, (first_k, _) = srcs[0], dsts[0]
+    caches = [c for s in srcs for c in (s.k_cache, s.v_cache)] + [c for d in dsts for c in d]
+    same = (
+        all(s.block_ids is first_src.block_ids for s in srcs)
+        and len({(c.shape[1:], c.dtype, c.device) for c in caches}) == 1
+        and len({s.k_cache.shape[0] for s in srcs}) == 1
+        and len({k.shape[0] for k, _ in dsts}) == 1
+        and all(c.is_contiguous() for c in caches)
+    )
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
+    wanted = impl == "triton" or (impl == "auto" and first_k.device.type == "cuda")
+    if not same or not wanted or not triton_available():
+        return False
+    src_rows = [(_as_rows(s.k_cache), _as_rows(s.v_cache)) for s in srcs]
+    dst_rows = [(_as_rows(k), _as_rows(v)) for k, v in dsts]
+    offsets = layer_offsets(src_rows, dst_rows)
+    if offsets is None:
+        return False
+    src_ids = check_block_ids(first_src.block_ids, first_src.k_cache.shape[0], first_k.device)
+    dst_ids = check_block_ids(block_ids, first_k.shape[0], first_k.device, unique=True)
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_layers: {len(src_ids)} src blocks into {len(dst_ids)} dst blocks")
+    copy_blocks_layers(src_rows, src_ids.index, dst_rows, dst_ids.index, offsets)
+    return True
 
 
 def _use_triton(

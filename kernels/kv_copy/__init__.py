@@ -2,9 +2,18 @@
 
 from kernels.kv_copy.block_copy import (
     copy_blocks,
+    copy_blocks_layers,
     gather_blocks,
+    layer_offsets,
     scatter_blocks,
     triton_available,
 )
 
-__all__ = ["copy_blocks", "gather_blocks", "scatter_blocks", "triton_available"]
+__all__ = [
+    "copy_blocks",
+    "copy_blocks_layers",
+    "gather_blocks",
+    "layer_offsets",
+    "scatter_blocks",
+    "triton_available",
+]

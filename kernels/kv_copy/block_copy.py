@@ -6,6 +6,10 @@ scattered from) one contiguous packed buffer `[2, n, row_words]` (K rows, then V
     copy_blocks(src_k, src_v, src_ids, dst_k, dst_v, dst_ids)
                                                dst_(k|v)[dst_ids[i]] = src_(k|v)[src_ids[i]]:
                                                no packed buffer (a write in place, one pass)
+    copy_blocks_layers(src_rows, src_ids, dst_rows, dst_ids)
+                                               copy_blocks for several layers in one launch
+                                               (grid z: the layer; each layer's K and V base
+                                               go to the GPU as offsets from layer 0's K)
 
 `k_rows, v_rows`: `[pool_blocks, row_words]` views of one layer's caches (any element type:
 callers pass int64 words); `ids`: int64 block ids on the same device, already checked against
@@ -14,6 +18,8 @@ row with wide vector loads; the grid is (2 * n, ceil(row_words / BLOCK)).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -74,6 +80,29 @@ if triton is not None:
             tl.store(dst_v_ptr + dst + offs, tl.load(src_v_ptr + src + offs, mask=mask), mask=mask)
         else:
             tl.store(dst_k_ptr + dst + offs, tl.load(src_k_ptr + src + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def _copy_layers_between(
+        src_ptr, dst_ptr, offsets_ptr, src_ids_ptr, dst_ids_ptr, n, row_words,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)  # [0, n): K rows, [n, 2n): V rows
+        part = tl.program_id(1)
+        layer = tl.program_id(2)
+        kv = (row >= n).to(tl.int32)  # 0: K, 1: V
+        i = row - n * kv
+        # this layer's K or V base, in elements from layer 0's K (src, then dst); the host
+        # checked that every offset is a multiple of OFFSET_ALIGN elements
+        src_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + kv), 16)
+        dst_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + 2 + kv), 16)
+        src = src_base + tl.load(src_ids_ptr + i).to(tl.int64) * row_words
+        dst = dst_base + tl.load(dst_ids_ptr + i).to(tl.int64) * row_words
+        offs = part * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        tl.store(dst_ptr + dst + offs, tl.load(src_ptr + src + offs, mask=mask), mask=mask)
+
+
+OFFSET_ALIGN = 16  # copy_blocks_layers: a layer's base, in elements from layer 0's (vector loads)
 
 
 def _launch(
@@ -138,5 +167,58 @@ def copy_blocks(
     grid = (2 * n, triton.cdiv(row_words, ROW_SLICE))
     _copy_rows_between[grid](
         src_k_rows, src_v_rows, src_ids, dst_k_rows, dst_v_rows, dst_ids, n, row_words,
+        BLOCK=ROW_SLICE, num_warps=4,
+    )  # fmt: skip
+
+
+RowPair = tuple[torch.Tensor, torch.Tensor]  # one layer's K rows and V rows
+
+
+def layer_offsets(src_rows: Sequence[RowPair], dst_rows: Sequence[RowPair]) -> list[int] | None:
+    """`copy_blocks_layers`' table: per layer the src K, src V, dst K, dst V base in elements
+    from layer 0's K of its side; None when one is not a multiple of OFFSET_ALIGN elements (or
+    the rows differ in width or type): copy layer by layer then."""
+    rows = [r for pair in (*src_rows, *dst_rows) for r in pair]
+    if len({(r.dtype, r.shape[1], r.device) for r in rows}) != 1:
+        return None
+    size = rows[0].element_size()
+    src0, dst0 = src_rows[0][0].data_ptr(), dst_rows[0][0].data_ptr()
+    offsets = []
+    for (sk, sv), (dk, dv) in zip(src_rows, dst_rows, strict=True):
+        for ptr, base in ((sk, src0), (sv, src0), (dk, dst0), (dv, dst0)):
+            delta = ptr.data_ptr() - base
+            if delta % (size * OFFSET_ALIGN):
+                return None
+            offsets.append(delta // size)
+    return offsets
+
+
+def copy_blocks_layers(
+    src_rows: Sequence[RowPair],
+    src_ids: torch.Tensor,
+    dst_rows: Sequence[RowPair],
+    dst_ids: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """`copy_blocks` for every layer `(src_rows[l] -> dst_rows[l])`, the same ids in each, in
+    one launch; `offsets` from `layer_offsets` (not None). From host to a CUDA device the
+    table goes asynchronously (pinned): nothing here waits for queued GPU work."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    n, row_words = src_ids.numel(), src_rows[0][0].shape[1]
+    if dst_ids.numel() != n or len(offsets) != 4 * len(src_rows) or len(dst_rows) != len(src_rows):
+        raise ValueError(
+            f"copy_blocks_layers: {n} src ids, {dst_ids.numel()} dst ids, {len(src_rows)} src "
+            f"and {len(dst_rows)} dst layers, {len(offsets)} offsets (4 per layer)"
+        )
+    if n == 0 or not src_rows:
+        return
+    device = src_ids.device
+    table = torch.tensor(offsets, dtype=torch.int64)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    grid = (2 * n, triton.cdiv(row_words, ROW_SLICE), len(src_rows))
+    _copy_layers_between[grid](
+        src_rows[0][0], dst_rows[0][0], table, src_ids, dst_ids, n, row_words,
         BLOCK=ROW_SLICE, num_warps=4,
     )  # fmt: skip

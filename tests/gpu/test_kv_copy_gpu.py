@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_transfer import LayerBlocks, copy_layer, pack_layer, unpack_layer
+from cache_transfer import LayerBlocks, copy_layer, copy_layers, pack_layer, unpack_layer
+from cache_transfer.packing import check_block_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,3 +47,32 @@ def test_triton_gather_scatter_and_copy_match_torch_on_the_gpu() -> None:
         rest = torch.ones(POOL_BLOCKS, dtype=torch.bool)
         rest[dst_ids] = False
         assert bool((dst[0][rest.cuda()] == -7).all() and (dst[1][rest.cuda()] == -7).all())
+
+
+def test_layers_copied_in_one_launch_match_layer_by_layer_on_the_gpu() -> None:
+    """`copy_layers` (every layer of a request in one launch, the base of each as an offset
+    from layer 0's) writes exactly what one `copy_layer` per layer writes: 32 layers of one
+    pool slab into another, whose layers lie in a different order in memory."""
+    num_layers, gen = 32, torch.Generator().manual_seed(1)
+    shape = (num_layers, 2, POOL_BLOCKS, *BLOCK_SHAPE)
+    src_slab = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    src = [(src_slab[i, 0], src_slab[i, 1]) for i in range(num_layers)]
+    batched, one_by_one = (
+        torch.full(shape, -7.0, device="cuda", dtype=torch.bfloat16) for _ in "ab"
+    )
+    order = torch.randperm(num_layers, generator=gen).tolist()  # dst layer i lives at slot order[i]
+    src_ids = check_block_ids(
+        torch.randperm(POOL_BLOCKS, generator=gen)[:NUM_BLOCKS], POOL_BLOCKS, "cuda"
+    )
+    dst_ids = torch.randperm(POOL_BLOCKS, generator=gen)[:NUM_BLOCKS].tolist()
+    copy_layers(
+        [LayerBlocks(k, v, src_ids) for k, v in src],
+        [(batched[order[i], 0], batched[order[i], 1]) for i in range(num_layers)],
+        dst_ids,
+        impl="triton",
+    )
+    for i, (k, v) in enumerate(src):
+        dst = one_by_one[order[i]]
+        copy_layer(LayerBlocks(k, v, src_ids), dst[0], dst[1], dst_ids, impl="torch")
+    torch.cuda.synchronize()
+    assert torch.equal(batched, one_by_one)

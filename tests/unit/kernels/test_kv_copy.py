@@ -16,8 +16,10 @@ from tests.child_env import child_env  # noqa: E402
 SCRIPT = r"""
 import torch
 from cache_transfer.packing import (
-    CheckedIds, LayerBlocks, check_block_ids, copy_layer, pack_layer, unpack_layer,
+    CheckedIds, LayerBlocks, _as_rows, check_block_ids, copy_layer, copy_layers, pack_layer,
+    unpack_layer,
 )
+from kernels.kv_copy import layer_offsets
 
 torch.manual_seed(0)
 for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float32)):
@@ -45,6 +47,31 @@ for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float3
         ck, cv = torch.full_like(k, -7), torch.full_like(v, -7)
         copy_layer(LayerBlocks(k, v, ids), ck, cv, dst, impl="triton")
         assert torch.equal(ck, dk) and torch.equal(cv, dv), "block copy differs"
+
+# several layers in one launch: views of one slab per side, as the engine's pools are (and,
+# in the last case, layers that are separate tensors: layer by layer when offsets do not align)
+for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 4, 1, 8), torch.float32)):
+    for slabs in (True, False):
+        num_layers = 3
+        if slabs:
+            src_slab = torch.randn(num_layers, 2, *shape).to(dtype)
+            dst_slab = torch.full((num_layers, 2, 9, *shape[1:]), -7.0).to(dtype)
+            src = [(src_slab[i, 0], src_slab[i, 1]) for i in range(num_layers)]
+            dst = [(dst_slab[i, 0], dst_slab[i, 1]) for i in range(num_layers)]
+        else:
+            src = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(3)]
+            dst = [tuple(torch.full((9, *shape[1:]), -7.0).to(dtype) for _ in "kv") for _ in "abc"]
+        rows = lambda pairs: [(_as_rows(k), _as_rows(v)) for k, v in pairs]
+        if slabs:
+            assert layer_offsets(rows(src), rows(dst)) is not None, "slab layers not one launch"
+        ids = check_block_ids([5, 1, 6], shape[0], "cpu")  # one CheckedIds shared by the layers
+        dst_ids = [8, 0, 3]
+        want = [(k.clone(), v.clone()) for k, v in dst]
+        for (sk, sv), (wk, wv) in zip(src, want):
+            copy_layer(LayerBlocks(sk, sv, ids), wk, wv, dst_ids, impl="torch")
+        copy_layers([LayerBlocks(k, v, ids) for k, v in src], dst, dst_ids, impl="triton")
+        for (k, v), (wk, wv) in zip(dst, want):
+            assert torch.equal(k, wk) and torch.equal(v, wv), f"layers copy differs ({slabs=})"
 print("ok")
 """
 
