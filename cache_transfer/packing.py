@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from cache_transfer.checked_caches import derived
 from cache_transfer.layout import KVLayout
 from kernels.kv_copy import (
     copy_blocks,
     copy_blocks_layers,
     gather_blocks,
     layer_offsets,
+    offsets_table,
     scatter_blocks,
     triton_available,
 )
@@ -174,31 +176,38 @@ def copy_layer(
     """`src`'s blocks into `block_ids` (distinct) of another layer's caches of the same block
     shape, dtype and device, K and V together: no packed buffer between (one Triton launch on
     CUDA, one pass over the bytes; `impl="torch"`: index_select + index_copy_)."""
-    same = (
-        src.k_cache.shape[1:] == k_cache.shape[1:]
-        and src.k_cache.dtype == k_cache.dtype
-        and src.k_cache.device == k_cache.device
-    )
-    if not same:
-        raise ValueError(
-            f"copy_layer needs caches of one block shape, dtype and device: src "
-            f"{list(src.k_cache.shape)} {src.k_cache.dtype} on {src.k_cache.device}, dst "
-            f"{list(k_cache.shape)} {k_cache.dtype} on {k_cache.device}"
-        )
+    caches = (src.k_cache, src.v_cache, k_cache, v_cache)
+    rows = derived(caches, lambda: _copy_rows(*caches))
     src_ids = check_block_ids(src.block_ids, src.k_cache.shape[0], src.k_cache.device)
     dst_ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device, unique=True)
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copy_layer: {len(src_ids)} src blocks into {len(dst_ids)} dst blocks")
-    caches = (src.k_cache, src.v_cache, k_cache, v_cache)
-    rows = [_as_rows(cache) for cache in caches]
-    if len({(r.dtype, r.shape[1]) for r in rows}) != 1:  # word views differ in alignment
-        rows = [cache.view(cache.shape[0], -1) for cache in caches]
     src_k, src_v, dst_k, dst_v = rows
     if _use_triton(k_cache, src_k, dst_k, impl) and all(r.is_contiguous() for r in rows):
         copy_blocks(src_k, src_v, src_ids.index, dst_k, dst_v, dst_ids.index)
         return
     dst_k.index_copy_(0, dst_ids.index, src_k.index_select(0, src_ids.index))
     dst_v.index_copy_(0, dst_ids.index, src_v.index_select(0, src_ids.index))
+
+
+def _copy_rows(*caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """src K, src V, dst K, dst V as rows of one element type and width (checked: one block
+    shape, dtype and device)."""
+    src_k, dst_k = caches[0], caches[2]
+    same = all(
+        c.shape[1:] == src_k.shape[1:] and c.dtype == src_k.dtype and c.device == src_k.device
+        for c in caches
+    )
+    if not same:
+        raise ValueError(
+            f"copy_layer needs caches of one block shape, dtype and device: src "
+            f"{list(src_k.shape)} {src_k.dtype} on {src_k.device}, dst "
+            f"{list(dst_k.shape)} {dst_k.dtype} on {dst_k.device}"
+        )
+    rows = [_as_rows(cache) for cache in caches]
+    if len({(r.dtype, r.shape[1]) for r in rows}) != 1:  # word views differ in alignment
+        rows = [cache.view(cache.shape[0], -1) for cache in caches]
+    return tuple(rows)
 
 
 def copy_layers(
@@ -213,44 +222,48 @@ def copy_layers(
     launch is what a batch of layers paid most); anything else layer by layer."""
     if len(srcs) != len(dsts):
         raise ValueError(f"copy_layers: {len(srcs)} source layers for {len(dsts)} destinations")
-    if len(srcs) > 1 and _copy_in_one_launch(srcs, dsts, block_ids, impl):
-        return
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
+    first_k = dsts[0][0] if dsts else None
+    wanted = first_k is not None and len(srcs) > 1 and triton_available()
+    wanted = wanted and (impl == "triton" or (impl == "auto" and first_k.device.type == "cuda"))
+    if wanted and all(s.block_ids is srcs[0].block_ids for s in srcs):
+        caches = [c for s in srcs for c in (s.k_cache, s.v_cache)] + [c for d in dsts for c in d]
+        plan = derived(caches, lambda: _one_launch_plan(srcs, dsts))
+        if plan is not None:
+            src_rows, dst_rows, table = plan
+            first = srcs[0]
+            src_ids = check_block_ids(first.block_ids, first.k_cache.shape[0], first_k.device)
+            dst_ids = check_block_ids(block_ids, first_k.shape[0], first_k.device, unique=True)
+            if len(src_ids) != len(dst_ids):
+                raise ValueError(f"copy_layers: {len(src_ids)} src blocks into {len(dst_ids)}")
+            copy_blocks_layers(src_rows, src_ids.index, dst_rows, dst_ids.index, table)
+            return
     for src, (k_cache, v_cache) in zip(srcs, dsts, strict=True):
         copy_layer(src, k_cache, v_cache, block_ids, impl)
 
 
-def _copy_in_one_launch(
-    srcs: Sequence[LayerBlocks],
-    dsts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    block_ids: BlockIds | CheckedIds,
-    impl: str,
-) -> bool:
-    """The one-launch path of `copy_layers`; False (nothing done) when it does not apply."""
-    first_src, (first_k, _) = srcs[0], dsts[0]
+def _one_launch_plan(
+    srcs: Sequence[LayerBlocks], dsts: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list, list, torch.Tensor] | None:
+    """Rows and the offsets table (on the caches' device) that copy every layer in one launch,
+    or None when the caches do not allow it (block shapes, pool sizes, alignment)."""
     caches = [c for s in srcs for c in (s.k_cache, s.v_cache)] + [c for d in dsts for c in d]
+    first = caches[0]
     same = (
-        all(s.block_ids is first_src.block_ids for s in srcs)
-        and len({(c.shape[1:], c.dtype, c.device) for c in caches}) == 1
-        and len({s.k_cache.shape[0] for s in srcs}) == 1
-        and len({k.shape[0] for k, _ in dsts}) == 1
-        and all(c.is_contiguous() for c in caches)
+        all(c.shape[1:] == first.shape[1:] and c.dtype == first.dtype for c in caches)
+        and all(c.device == first.device and c.is_contiguous() for c in caches)
+        and len({s.k_cache.shape[0] for s in srcs} | {s.v_cache.shape[0] for s in srcs}) == 1
+        and len({c.shape[0] for d in dsts for c in d}) == 1
     )
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
-    wanted = impl == "triton" or (impl == "auto" and first_k.device.type == "cuda")
-    if not same or not wanted or not triton_available():
-        return False
+    if not same:
+        return None
     src_rows = [(_as_rows(s.k_cache), _as_rows(s.v_cache)) for s in srcs]
     dst_rows = [(_as_rows(k), _as_rows(v)) for k, v in dsts]
     offsets = layer_offsets(src_rows, dst_rows)
     if offsets is None:
-        return False
-    src_ids = check_block_ids(first_src.block_ids, first_src.k_cache.shape[0], first_k.device)
-    dst_ids = check_block_ids(block_ids, first_k.shape[0], first_k.device, unique=True)
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"copy_layers: {len(src_ids)} src blocks into {len(dst_ids)} dst blocks")
-    copy_blocks_layers(src_rows, src_ids.index, dst_rows, dst_ids.index, offsets)
-    return True
+        return None
+    return src_rows, dst_rows, offsets_table(offsets, first.device)
 
 
 def _use_triton(

@@ -5,6 +5,7 @@ from kernels.kv_copy.block_copy import (
     copy_blocks_layers,
     gather_blocks,
     layer_offsets,
+    offsets_table,
     scatter_blocks,
     triton_available,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "copy_blocks_layers",
     "gather_blocks",
     "layer_offsets",
+    "offsets_table",
     "scatter_blocks",
     "triton_available",
 ]

@@ -6,10 +6,11 @@ scattered from) one contiguous packed buffer `[2, n, row_words]` (K rows, then V
     copy_blocks(src_k, src_v, src_ids, dst_k, dst_v, dst_ids)
                                                dst_(k|v)[dst_ids[i]] = src_(k|v)[src_ids[i]]:
                                                no packed buffer (a write in place, one pass)
-    copy_blocks_layers(src_rows, src_ids, dst_rows, dst_ids)
+    copy_blocks_layers(src_rows, src_ids, dst_rows, dst_ids, table)
                                                copy_blocks for several layers in one launch
                                                (grid z: the layer; each layer's K and V base
-                                               go to the GPU as offsets from layer 0's K)
+                                               an offset from layer 0's K: layer_offsets,
+                                               offsets_table, built once per set of caches)
 
 `k_rows, v_rows`: `[pool_blocks, row_words]` views of one layer's caches (any element type:
 callers pass int64 words); `ids`: int64 block ids on the same device, already checked against
@@ -193,30 +194,35 @@ def layer_offsets(src_rows: Sequence[RowPair], dst_rows: Sequence[RowPair]) -> l
     return offsets
 
 
+def offsets_table(offsets: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`layer_offsets`' list as the int64 tensor `copy_blocks_layers` reads, on `device` (from
+    host to a CUDA device asynchronously, pinned: nothing waits for queued GPU work). Build it
+    once per set of caches: the offsets do not change while the caches live."""
+    table = torch.tensor(offsets, dtype=torch.int64)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
 def copy_blocks_layers(
     src_rows: Sequence[RowPair],
     src_ids: torch.Tensor,
     dst_rows: Sequence[RowPair],
     dst_ids: torch.Tensor,
-    offsets: Sequence[int],
+    table: torch.Tensor,
 ) -> None:
     """`copy_blocks` for every layer `(src_rows[l] -> dst_rows[l])`, the same ids in each, in
-    one launch; `offsets` from `layer_offsets` (not None). From host to a CUDA device the
-    table goes asynchronously (pinned): nothing here waits for queued GPU work."""
+    one launch; `table` from `offsets_table(layer_offsets(src_rows, dst_rows), device)`."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, row_words = src_ids.numel(), src_rows[0][0].shape[1]
-    if dst_ids.numel() != n or len(offsets) != 4 * len(src_rows) or len(dst_rows) != len(src_rows):
+    if dst_ids.numel() != n or table.numel() != 4 * len(src_rows) or len(dst_rows) != len(src_rows):
         raise ValueError(
             f"copy_blocks_layers: {n} src ids, {dst_ids.numel()} dst ids, {len(src_rows)} src "
-            f"and {len(dst_rows)} dst layers, {len(offsets)} offsets (4 per layer)"
+            f"and {len(dst_rows)} dst layers, {table.numel()} offsets (4 per layer)"
         )
     if n == 0 or not src_rows:
         return
-    device = src_ids.device
-    table = torch.tensor(offsets, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
     grid = (2 * n, triton.cdiv(row_words, ROW_SLICE), len(src_rows))
     _copy_layers_between[grid](
         src_rows[0][0], dst_rows[0][0], table, src_ids, dst_ids, n, row_words,
