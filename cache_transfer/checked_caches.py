@@ -49,8 +49,3 @@ def derived(tensors: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
 def _forget(key: tuple[int, ...]) -> None:
     with _lock:
         _entries.pop(key, None)
-
-
-def num_entries() -> int:
-    with _lock:
-        return len(_entries)

@@ -1,35 +1,48 @@
 """`derived`: what was derived from some caches is reused while the same tensor objects live,
-computed afresh for other tensors (even at a recycled address), and dropped with the caches."""
+computed afresh for other tensors, and dropped (with whatever it holds) with the caches."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
 
-from cache_transfer import checked_caches
 from cache_transfer.checked_caches import derived
+
+
+class Derived:
+    """Stands for what a copy derives (views that would keep a pool's memory alive)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
 
 
 def test_derived_once_per_set_of_live_tensors_and_dropped_with_them() -> None:
     k, v = torch.zeros(4, 2), torch.zeros(4, 2)
-    builds: list[int] = []
+    builds: list[Derived] = []
 
-    def build() -> int:
-        builds.append(1)
-        return len(builds)
+    def build() -> Derived:
+        builds.append(Derived(len(builds) + 1))
+        return builds[-1]
 
-    before = checked_caches.num_entries()
-    assert derived((k, v), build) == 1
-    assert derived((k, v), build) == 1  # the same tensors: not built again
-    assert derived((v, k), build) == 2  # another set (order counts)
+    assert derived((k, v), build).n == 1
+    assert derived((k, v), build).n == 1  # the same tensors: not built again
+    assert derived((v, k), build).n == 2  # another set (order counts)
     other = torch.zeros(4, 2)
-    assert derived((k, other), build) == 3
-    assert checked_caches.num_entries() == before + 3
-    del k, other
+    assert derived((k, other), build).n == 3
+    kept = [weakref.ref(d) for d in builds]
+    builds.clear()
     gc.collect()
-    assert checked_caches.num_entries() == before  # every set that held k or other is gone
+    assert all(ref() is not None for ref in kept)  # remembered while the tensors live
+    del other
+    gc.collect()
+    assert kept[2]() is None  # (k, other) went with `other`
+    assert kept[0]() is not None and kept[1]() is not None
+    del k
+    gc.collect()
+    assert kept[0]() is None and kept[1]() is None  # every set that held k is gone
 
 
 def test_a_failed_build_is_not_remembered() -> None:
