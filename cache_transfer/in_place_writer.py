@@ -76,11 +76,11 @@ class InPlaceWriter:
     ) -> torch.cuda.Event | None:
         batch: dict[tuple[int, int], list[tuple[LayerBlocks, int]]] = {}
         for manifest, source in zip(manifests, sources, strict=True):
-            k_cache, v_cache = self._caches[manifest.layer_idx]
             span = (manifest.block_offset, manifest.num_blocks)
             if isinstance(source, LayerBlocks) and source.k_cache.device == self.device:
                 batch.setdefault(span, []).append((source, manifest.layer_idx))
                 continue
+            k_cache, v_cache = self._caches[manifest.layer_idx]
             dst_ids = self._dst_ids[span[0] : span[0] + span[1]]
             if isinstance(source, torch.Tensor):
                 payload = source.to(self.device)

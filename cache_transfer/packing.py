@@ -6,8 +6,8 @@ its own block ids; the receiver scatters into *its* block ids, which need not ma
 
 A sender that writes into the receiver's own pool (writes in place, one GPU) packs nothing:
 `copy_layer` moves a `LayerBlocks` (a layer's blocks where they are) straight into the
-receiver's block ids, one pass over the bytes (`copy_layers`: several layers, one launch); the same `LayerBlocks` packs itself when it is
-sent instead.
+receiver's block ids, one pass over the bytes (`copy_layers`: several layers, one launch); the
+same `LayerBlocks` packs itself when it is sent instead.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from kernels.kv_copy import (
     copy_blocks,
     copy_blocks_layers,
     gather_blocks,
-    layer_offsets,
-    offsets_table,
+    layers_table,
     scatter_blocks,
     triton_available,
 )
@@ -224,15 +223,18 @@ def copy_layers(
         raise ValueError(f"copy_layers: {len(srcs)} source layers for {len(dsts)} destinations")
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
-    first_k = dsts[0][0] if dsts else None
-    wanted = first_k is not None and len(srcs) > 1 and triton_available()
-    wanted = wanted and (impl == "triton" or (impl == "auto" and first_k.device.type == "cuda"))
-    if wanted and all(s.block_ids is srcs[0].block_ids for s in srcs):
+    one_launch = (
+        len(srcs) > 1
+        and triton_available()
+        and (impl == "triton" or (impl == "auto" and dsts[0][0].device.type == "cuda"))
+        and all(s.block_ids is srcs[0].block_ids for s in srcs)
+    )
+    if one_launch:
         caches = [c for s in srcs for c in (s.k_cache, s.v_cache)] + [c for d in dsts for c in d]
         plan = derived(caches, lambda: _one_launch_plan(srcs, dsts))
         if plan is not None:
             src_rows, dst_rows, table = plan
-            first = srcs[0]
+            first, first_k = srcs[0], dsts[0][0]
             src_ids = check_block_ids(first.block_ids, first.k_cache.shape[0], first_k.device)
             dst_ids = check_block_ids(block_ids, first_k.shape[0], first_k.device, unique=True)
             if len(src_ids) != len(dst_ids):
@@ -260,10 +262,8 @@ def _one_launch_plan(
         return None
     src_rows = [(_as_rows(s.k_cache), _as_rows(s.v_cache)) for s in srcs]
     dst_rows = [(_as_rows(k), _as_rows(v)) for k, v in dsts]
-    offsets = layer_offsets(src_rows, dst_rows)
-    if offsets is None:
-        return None
-    return src_rows, dst_rows, offsets_table(offsets, first.device)
+    table = layers_table(src_rows, dst_rows)
+    return None if table is None else (src_rows, dst_rows, table)
 
 
 def _use_triton(

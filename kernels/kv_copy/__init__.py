@@ -4,8 +4,7 @@ from kernels.kv_copy.block_copy import (
     copy_blocks,
     copy_blocks_layers,
     gather_blocks,
-    layer_offsets,
-    offsets_table,
+    layers_table,
     scatter_blocks,
     triton_available,
 )
@@ -14,8 +13,7 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_layers",
     "gather_blocks",
-    "layer_offsets",
-    "offsets_table",
+    "layers_table",
     "scatter_blocks",
     "triton_available",
 ]

@@ -9,8 +9,8 @@ scattered from) one contiguous packed buffer `[2, n, row_words]` (K rows, then V
     copy_blocks_layers(src_rows, src_ids, dst_rows, dst_ids, table)
                                                copy_blocks for several layers in one launch
                                                (grid z: the layer; each layer's K and V base
-                                               an offset from layer 0's K: layer_offsets,
-                                               offsets_table, built once per set of caches)
+                                               an offset from layer 0's K: layers_table,
+                                               built once per set of caches)
 
 `k_rows, v_rows`: `[pool_blocks, row_words]` views of one layer's caches (any element type:
 callers pass int64 words); `ids`: int64 block ids on the same device, already checked against
@@ -85,7 +85,7 @@ if triton is not None:
     @triton.jit
     def _copy_layers_between(
         src_ptr, dst_ptr, offsets_ptr, src_ids_ptr, dst_ids_ptr, n, row_words,
-        BLOCK: tl.constexpr,
+        ALIGN: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)  # [0, n): K rows, [n, 2n): V rows
         part = tl.program_id(1)
@@ -93,9 +93,9 @@ if triton is not None:
         kv = (row >= n).to(tl.int32)  # 0: K, 1: V
         i = row - n * kv
         # this layer's K or V base, in elements from layer 0's K (src, then dst); the host
-        # checked that every offset is a multiple of OFFSET_ALIGN elements
-        src_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + kv), 16)
-        dst_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + 2 + kv), 16)
+        # checked that every offset is a multiple of ALIGN elements
+        src_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + kv), ALIGN)
+        dst_base = tl.multiple_of(tl.load(offsets_ptr + layer * 4 + 2 + kv), ALIGN)
         src = src_base + tl.load(src_ids_ptr + i).to(tl.int64) * row_words
         dst = dst_base + tl.load(dst_ids_ptr + i).to(tl.int64) * row_words
         offs = part * BLOCK + tl.arange(0, BLOCK)
@@ -175,10 +175,12 @@ def copy_blocks(
 RowPair = tuple[torch.Tensor, torch.Tensor]  # one layer's K rows and V rows
 
 
-def layer_offsets(src_rows: Sequence[RowPair], dst_rows: Sequence[RowPair]) -> list[int] | None:
-    """`copy_blocks_layers`' table: per layer the src K, src V, dst K, dst V base in elements
-    from layer 0's K of its side; None when one is not a multiple of OFFSET_ALIGN elements (or
-    the rows differ in width or type): copy layer by layer then."""
+def layers_table(src_rows: Sequence[RowPair], dst_rows: Sequence[RowPair]) -> torch.Tensor | None:
+    """`copy_blocks_layers`' table, on the rows' device: per layer the src K, src V, dst K, dst V
+    base in elements from layer 0's K of its side (int64; from host to a CUDA device
+    asynchronously, pinned: nothing waits for queued GPU work). None when one is not a multiple
+    of OFFSET_ALIGN elements, or the rows differ in width, type or device: copy layer by layer
+    then. Build it once per set of caches: the offsets do not change while the caches live."""
     rows = [r for pair in (*src_rows, *dst_rows) for r in pair]
     if len({(r.dtype, r.shape[1], r.device) for r in rows}) != 1:
         return None
@@ -191,16 +193,9 @@ def layer_offsets(src_rows: Sequence[RowPair], dst_rows: Sequence[RowPair]) -> l
             if delta % (size * OFFSET_ALIGN):
                 return None
             offsets.append(delta // size)
-    return offsets
-
-
-def offsets_table(offsets: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`layer_offsets`' list as the int64 tensor `copy_blocks_layers` reads, on `device` (from
-    host to a CUDA device asynchronously, pinned: nothing waits for queued GPU work). Build it
-    once per set of caches: the offsets do not change while the caches live."""
     table = torch.tensor(offsets, dtype=torch.int64)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
+    if rows[0].device.type == "cuda":
+        return table.pin_memory().to(rows[0].device, non_blocking=True)
     return table
 
 
@@ -212,7 +207,7 @@ def copy_blocks_layers(
     table: torch.Tensor,
 ) -> None:
     """`copy_blocks` for every layer `(src_rows[l] -> dst_rows[l])`, the same ids in each, in
-    one launch; `table` from `offsets_table(layer_offsets(src_rows, dst_rows), device)`."""
+    one launch; `table` from `layers_table(src_rows, dst_rows)` (not None)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, row_words = src_ids.numel(), src_rows[0][0].shape[1]
@@ -226,5 +221,5 @@ def copy_blocks_layers(
     grid = (2 * n, triton.cdiv(row_words, ROW_SLICE), len(src_rows))
     _copy_layers_between[grid](
         src_rows[0][0], dst_rows[0][0], table, src_ids, dst_ids, n, row_words,
-        BLOCK=ROW_SLICE, num_warps=4,
+        ALIGN=OFFSET_ALIGN, BLOCK=ROW_SLICE, num_warps=4,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from cache_transfer.packing import (
     CheckedIds, LayerBlocks, _as_rows, check_block_ids, copy_layer, copy_layers, pack_layer,
     unpack_layer,
 )
-from kernels.kv_copy import layer_offsets
+from kernels.kv_copy import layers_table
 
 torch.manual_seed(0)
 for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float32)):
@@ -48,9 +48,14 @@ for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 3, 1, 6), torch.float3
         copy_layer(LayerBlocks(k, v, ids), ck, cv, dst, impl="triton")
         assert torch.equal(ck, dk) and torch.equal(cv, dv), "block copy differs"
 
-# several layers in one launch: views of one slab per side, as the engine's pools are (and,
-# in the last case, layers that are separate tensors: layer by layer when offsets do not align)
-for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 4, 1, 8), torch.float32)):
+# several layers: views of one slab per side, as the engine's pools are (one launch when every
+# layer's offset is aligned; the last shape's K -> V offset of 8 x 9 words is not: layer by
+# layer), and layers that are separate tensors
+for shape, dtype, aligned in (
+    ((7, 4, 2, 8), torch.bfloat16, True),
+    ((8, 4, 1, 8), torch.float32, True),
+    ((8, 3, 1, 6), torch.float32, False),
+):
     for slabs in (True, False):
         num_layers = 3
         if slabs:
@@ -63,7 +68,8 @@ for shape, dtype in (((7, 4, 2, 8), torch.bfloat16), ((8, 4, 1, 8), torch.float3
             dst = [tuple(torch.full((9, *shape[1:]), -7.0).to(dtype) for _ in "kv") for _ in "abc"]
         rows = lambda pairs: [(_as_rows(k), _as_rows(v)) for k, v in pairs]
         if slabs:
-            assert layer_offsets(rows(src), rows(dst)) is not None, "slab layers not one launch"
+            one_launch = layers_table(rows(src), rows(dst)) is not None
+            assert one_launch == aligned, f"one launch: {one_launch}, expected {aligned}"
         ids = check_block_ids([5, 1, 6], shape[0], "cpu")  # one CheckedIds shared by the layers
         dst_ids = [8, 0, 3]
         want = [(k.clone(), v.clone()) for k, v in dst]
