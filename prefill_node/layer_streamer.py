@@ -14,19 +14,18 @@
                              for it and pack (one kernel, K and V); writes in place granted:
                              copy the blocks straight into the receiver's blocks instead (one
                              kernel, one pass, nothing packed: sender.in_place_writer; the
-                             loop then sends only its header); record `packed`. Nothing waits on the host: the forward is never
-                             stalled.
+                             loop sends only its header); record `packed`. Nothing waits on
+                             the host: the forward is never stalled.
                        CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
     event loop     the request's drain task: await the first queued layer's `packed` event
                    (GIL-free, cuda_waits), take it and every queued layer packed by then, and
                    send them as one message (KVSender.send_packed_layers: fewer, larger
                    messages; the decode node still lands and reports each layer); any number
-                   in flight. On the receiver's own GPU (the ticket's kv_device) the sender
-                   writes each layer into the receiver's blocks itself (KVSender, writes in
-                   place); where it may not, the drain starts with the last layer and sends
-                   every layer as one message: either way the decode process puts no work on
-                   the shared GPU during the forward
+                   in flight. On the receiver's own GPU (the ticket's kv_device) the drain
+                   starts with the last layer and hands every layer over at once (those
+                   written in place as computed: one manifest message): the decode process
+                   puts no work on the GPU, nor our event loop GIL time, during the forward
                    attach: the layers queued so far go out as above (the drain starts)
                    finish(): every layer sent ─► send_first_token ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
@@ -67,11 +66,9 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # CUDA: while a step streams KV, the engine thread runs at most this many layers ahead of the
 # GPU. Left alone it would queue the whole forward at once and then block (inside a kernel
 # launch, on a full launch queue, or in the step's final copy) holding the GIL, so the event
-# loop could not send a single layer until the forward ended. Waiting on an event releases the
-# GIL; two layers of queued work keep the GPU busy while the host queues the next. Layers of
-# requests sent at the end (receiver on the same GPU) do not bound it: they go after the forward.
-RUN_AHEAD_LAYERS = 2  # (also for layers written in place: 8 made a 2K prompt's 1P1D TTFT
-# 1.40x colocated on one H200, 2 gives 1.08x; benchmarks/results/2026-12-02-h200-kv-handoff.txt)
+# loop could not send a layer until the forward ended. Waiting on an event releases the GIL;
+# two layers of queued work keep the GPU busy. Layers sent at the end (one GPU) do not bound it.
+RUN_AHEAD_LAYERS = 2
 
 
 @dataclass
@@ -84,7 +81,7 @@ class TransferTrace:
     layer_computed_s: list[float | None]
     layer_sent_s: list[float | None]
     # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
-    # hook itself runs ahead of the GPU); on CPU when the hook ran.
+    # hook runs ahead of the GPU; sent at the end: all layers, after the last); CPU: the hook ran
     # milestones by name: "rpc", "computing", "first_token", "layers_sent", "result"
     marks_s: dict[str, float] = field(default_factory=dict)
 
@@ -120,8 +117,8 @@ class _Outgoing:
     broken: bool = False  # packing a layer failed: later layers are not sent
     computing: bool = False  # (engine thread) the engine computed a chunk of it
     started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
-    send_at_end: bool = False  # the receiver shares our GPU (known at attach): all layers in
-    # one message, after the last
+    send_at_end: bool = False  # the receiver shares our GPU (known at attach): every layer
+    # handed to the sender after the last
     src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
 
 
@@ -183,11 +180,12 @@ class LayerStreamer:
         self.traces[sender.transfer_id] = trace
         while len(self.traces) > self._max_traces:
             self.traces.popitem(last=False)
-        # Two processes on one GPU time-slice it: a receive per layer on the decode side would
-        # interrupt this forward once or twice per layer (~0.3 ms each, measured), unless we
-        # write the layers into its blocks ourselves (in place: the decode side does nothing)
+        # One GPU: a receive per layer on the decode side would interrupt this forward (~0.3
+        # ms each, time-sliced); written in place, a message per layer still took ~0.5 ms of
+        # our loop's GIL time from the launches (2K: 1.3-1.5 -> 1.5-2.5 ms per layer). So
+        # nothing goes before the last layer (writes in place still run as layers compute)
         same_gpu = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
-        outgoing.send_at_end = same_gpu and not sender.may_write_in_place
+        outgoing.send_at_end = same_gpu
         outgoing.sender = sender
         if outgoing.started:
             sender.start()
@@ -385,11 +383,13 @@ class LayerStreamer:
             written = [layer for layer in batch if layer.written]  # by the engine thread
             for layer in written:
                 sender.in_place_writer.written(layer.ready)
+            sends = []  # both messages in flight at once
             if written:
-                await sender.send_written_layers([layer.layer_idx for layer in written])
+                sends.append(sender.send_written_layers([layer.layer_idx for layer in written]))
             packed = [(layer.layer_idx, layer.packed) for layer in batch if not layer.written]
             if packed:
-                await sender.send_packed_layers(packed)
+                sends.append(sender.send_packed_layers(packed))
+            await asyncio.gather(*sends)
         except Exception as error:  # a bug, not the peer: fail this transfer only
             logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
             sender.abort(f"sending layers {layers} failed: {error!r}")

@@ -71,19 +71,25 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
     harness.run(main())
 
 
+@pytest.mark.parametrize("asks_in_place", [False, True], ids=["sends", "asks-in-place"])
 @pytest.mark.parametrize("transport", ["tcp", "local"])
 def test_a_receiver_on_the_same_gpu_gets_every_layer_in_one_message_after_the_last(
-    transport: str, monkeypatch: pytest.MonkeyPatch
+    transport: str, asks_in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes sharing a GPU time-slice it, so a prefill node whose ticket names its own
     GPU sends nothing during the forward and then every layer as one message; a receiver on
-    another GPU gets layer 0 while later layers compute. (CPU here: the device names are set
-    by hand. After layer 0 the engine thread lets the event loop run its queue: layer 0's send
-    is started then, unless it waits for the last layer.)"""
+    another GPU gets layer 0 while later layers compute. So does a sender that asks to write in
+    place (the decode side here cannot grant it: payloads go after all): its messages would
+    take the event loop's GIL time from the forward's launches. (CPU here: the device names
+    are set by hand. After layer 0 the engine thread lets the event loop run its queue: layer
+    0's send is started then, unless it waits for the last layer.)"""
     import cache_transfer.receiver
+    from cache_transfer.sender import KVSender
 
     prompt_ids = harness.prompt(41, seed=8)
     monkeypatch.setattr(cache_transfer.receiver, "kv_device_id", lambda device: "GPU-shared")
+    if asks_in_place:
+        monkeypatch.setattr(KVSender, "may_write_in_place", property(lambda self: True))
 
     async def main() -> None:
         async with harness.running_nodes(transport) as nodes:
