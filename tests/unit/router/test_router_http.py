@@ -197,15 +197,17 @@ def test_a_client_leaving_a_whole_body_request_cancels_it(tokenizer_files, outpu
                         await asyncio.sleep(0.01)
                 post.cancel()  # the client closes its connection
                 await asyncio.gather(post, return_exceptions=True)
-            async with asyncio.timeout(
-                TEST_TIMEOUT_S
-            ):  # the node call's end and the router's count
-                while not (h.decode[0].cancelled and h.router.stats.num_cancelled):
+            async with asyncio.timeout(TEST_TIMEOUT_S):  # D told, and the router's count
+                while not (h.decode[0].aborted and h.router.stats.num_cancelled):
                     await asyncio.sleep(0.01)
             return h
 
     h = run(body())
-    assert h.decode[0].cancelled == [h.decode[0].requests[0].request_id]
+    request_id = h.decode[0].requests[0].request_id
+    # The node call is cancelled and D is sent an Abort: grpc can lose a cancellation that
+    # reaches D just after the call started (D's handler then ran on, for nobody)
+    assert h.decode[0].aborted == [request_id]
+    assert h.decode[0].cancelled in ([], [request_id])
     assert h.router.stats.num_cancelled == 1
 
 
