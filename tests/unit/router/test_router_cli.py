@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import sys
 
 from router_fakes import FakeModel, FakeNode, run
@@ -94,3 +95,25 @@ def test_pd_client_reports_an_unreachable_router(capsys) -> None:
 
     assert code == 1
     assert capsys.readouterr().err.startswith("pd-client: UNAVAILABLE: ")
+
+
+def test_pd_client_stops_quietly_when_its_reader_leaves() -> None:
+    """`pd-client ... | head`: the pipe closes under a streaming answer; the client ends with
+    SIGPIPE's status and no traceback. (The stream is faked: tokens written as they come.)"""
+    script = (
+        "import sys, router.client_cli as c\n"
+        "async def streaming(args):\n"
+        "    for _ in range(100_000):\n"
+        "        sys.stdout.write('token ' * 100)\n"
+        "        sys.stdout.flush()\n"
+        "c._generate = streaming\n"
+        "sys.exit(c.main(['hi']))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()  # the reader leaves before the first token
+    _, stderr = process.communicate(timeout=CLI_TIMEOUT_S)
+
+    assert process.returncode == 141
+    assert stderr == b""
