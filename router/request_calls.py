@@ -131,13 +131,11 @@ class RequestCalls:
         """Aborts D's request if it is still running (in the background when the client
         cancelled: this task ends now), and cancels every call and reader task."""
         try:
-            if self._decode_ended:
-                pass
-            elif asyncio.current_task().cancelling():
+            if not self._decode_ended and asyncio.current_task().cancelling():
                 task = asyncio.get_running_loop().create_task(self._abort_decode())
                 _background_aborts.add(task)
                 task.add_done_callback(_background_aborts.discard)
-            else:
+            elif not self._decode_ended:
                 await self._abort_decode()
         finally:
             for task in self._tasks:
