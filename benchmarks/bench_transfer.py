@@ -10,7 +10,8 @@ runs from the handshake's ack to the decode side having unpacked the last layer 
 included). "sequential" awaits each layer's send before the next (per-layer latency);
 "pipelined" puts every layer in flight at once, as when compute outpaces the wire; "batched"
 hands every layer over in one call (`KVSender.send_layers`: one message, as a prefill node
-sends all the layers packed by the time it looks), so per-message costs are paid once. Written
+sends all the layers packed by the time it looks), so per-message costs are paid once, and the
+first token goes right behind it, not after its send completed (as a prefill node sends it). Written
 in place (`--in-place`), a layer is copied block to block into the receiver's blocks (nothing
 packed) and only headers cross the transport.
 
@@ -106,8 +107,11 @@ async def _one_request(
         await asyncio.sleep(0)
     acked_s = time.perf_counter()
     layer_s = []
-    if mode == "batched":
-        await sender.send_layers(layers, src_block_ids)
+    if mode == "batched":  # the first token right behind the layers, as a prefill node sends it
+        sending = asyncio.ensure_future(sender.send_layers(layers, src_block_ids))
+        await asyncio.sleep(0)  # the layers are in the sender's hands
+        await sender.send_first_token(1)
+        await sending
     elif mode == "pipelined":
         await asyncio.gather(*(sender.send_layer(*layer, src_block_ids) for layer in layers))
     else:
@@ -115,7 +119,8 @@ async def _one_request(
             layer_start_s = time.perf_counter()
             await sender.send_layer(*layer, src_block_ids)
             layer_s.append(time.perf_counter() - layer_start_s)
-    await sender.send_first_token(1)
+    if mode != "batched":
+        await sender.send_first_token(1)
     await sender.wait()
     result = await peer.result(src_block_ids)
     if sender.state != TransferState.SUCCESS or result.state != TransferState.SUCCESS:

@@ -12,6 +12,7 @@ sets what it reads: `_sharing`, `_kv_device`, `_device`, `_ticket`, `num_blocks`
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -76,7 +77,10 @@ class InPlaceSending:
         await self._send_layers(manifests, None, self._writer.device)
 
     async def _write_in_place(
-        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[Source] | None
+        self,
+        manifests: list[transfer_pb2.LayerManifest],
+        payloads: list[Source] | None,
+        submitted: asyncio.Future[None],
     ) -> None:
         """Land packed layers in the receiver's blocks ourselves (`payloads` None: the caller
         did, through `in_place_writer`, and saw the write complete); once written, tell the
@@ -94,7 +98,7 @@ class InPlaceSending:
                 return
         for manifest in manifests:
             manifest.written_in_place = True
-        if await self._send_all([(None, {"layer_manifest": m}) for m in manifests]):
+        if await self._send_all([(None, {"layer_manifest": m}) for m in manifests], submitted):
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
 
     def _map_pool(self, export: transfer_pb2.KVPoolExport) -> None:

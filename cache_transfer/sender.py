@@ -76,7 +76,10 @@ class KVSender(InPlaceSending, TransferSession):
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
-        self._sending: set[asyncio.Future[None]] = set()  # send_layer calls in progress
+        # layer sends whose messages the transport has not numbered yet (send_first_token
+        # goes right behind them: the transport keeps that order, so it need not wait for them
+        # to complete)
+        self._unsubmitted: set[asyncio.Future[None]] = set()
         self._staging = staging
         self._sharing = sharing
         self._kv_device = kv_device
@@ -191,7 +194,9 @@ class KVSender(InPlaceSending, TransferSession):
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
     ) -> None:
-        """Send the sampled first token, after every layer's KV. A no-op once finished."""
+        """Send the sampled first token, after every layer's KV: once every layer's message is
+        handed to the transport (which delivers in that order), not once it is sent. A no-op
+        once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -203,8 +208,8 @@ class KVSender(InPlaceSending, TransferSession):
                 f"tokens before the first token; layers {missing[:8]} are incomplete"
             )
         self._first_token_sent = True
-        if self._sending:
-            await asyncio.wait(set(self._sending), timeout=self.remaining_s)
+        if self._unsubmitted:
+            await asyncio.wait(set(self._unsubmitted), timeout=self.remaining_s)
         if not self.finished:
             first_token = transfer_pb2.FirstToken(
                 token_id=token_id, logprob=logprob, finish_reason=finish_reason
@@ -279,13 +284,13 @@ class KVSender(InPlaceSending, TransferSession):
         fills staging with it (None: written in place already)."""
         if self.finished:
             return
-        sending = self._loop.create_future()
-        self._sending.add(sending)
+        submitted = self._loop.create_future()
+        self._unsubmitted.add(submitted)
         try:
             if not await self._wait_acked():
                 return
             if self._writer is not None and device == self._writer.device:
-                await self._write_in_place(manifests, sources)
+                await self._write_in_place(manifests, sources, submitted)
                 return
             assert sources is not None
             staging_device = self._transport.buffer_device(device)
@@ -300,7 +305,7 @@ class KVSender(InPlaceSending, TransferSession):
                     staged.append(self._staging.take(manifest.num_bytes, staging_device))
                     source(staged[-1])
                     payloads.append(staged[-1])
-                sent = await self._send_payloads(manifests, payloads)
+                sent = await self._send_payloads(manifests, payloads, submitted)
             finally:
                 for packed in staged:
                     if sent:
@@ -308,15 +313,19 @@ class KVSender(InPlaceSending, TransferSession):
                     else:  # the transport may still be reading it
                         self._staging.discard(packed)
         finally:
-            self._sending.discard(sending)
-            sending.set_result(None)
+            self._unsubmitted.discard(submitted)
+            if not submitted.done():  # nothing was sent (finished, refused, a failed write)
+                submitted.set_result(None)
 
     async def _send_payloads(
-        self, manifests: list[transfer_pb2.LayerManifest], payloads: list[torch.Tensor]
+        self,
+        manifests: list[transfer_pb2.LayerManifest],
+        payloads: list[torch.Tensor],
+        submitted: asyncio.Future[None],
     ) -> bool:
         self._advance(TransferState.TRANSFERRING)
         messages = [(p, {"layer_manifest": m}) for m, p in zip(manifests, payloads, strict=True)]
-        sent = await self._send_all(messages)
+        sent = await self._send_all(messages, submitted)
         if sent:
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
         return sent

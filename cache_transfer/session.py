@@ -176,15 +176,21 @@ class TransferSession:
         return await self._send_all([(payload, kind)])
 
     async def _send_all(
-        self, messages: list[tuple[torch.Tensor | None, dict[str, object]]]
+        self,
+        messages: list[tuple[torch.Tensor | None, dict[str, object]]],
+        submitted: asyncio.Future[None] | None = None,
     ) -> bool:
         """Send (payload, kind) messages to the peer as one transport message (`send_many`)
-        within the deadline; on failure fail the session."""
+        within the deadline; on failure fail the session. `submitted` is resolved once they
+        are numbered: a message sent after its waiters wake goes behind them (the transport
+        numbers a send before the send first suspends, and waiters wake only after that)."""
         assert self._peer_address is not None
         encoded = []
         for payload, kind in messages:
             encoded.append((protocol.encode(self.transfer_id, self._send_seq, **kind), payload))
             self._send_seq += 1
+        if submitted is not None and not submitted.done():
+            submitted.set_result(None)
         if len(encoded) == 1:
             sending = self._transport.send(self._peer_address, *encoded[0])
         else:

@@ -11,11 +11,9 @@
                      for each chunk that ends its prompt, of a request whose sender is live
                      or not attached yet (its layers wait, packed, in its queue):
                        CUDA: record an event on the compute stream; on the pack stream wait
-                             for it and pack (one kernel, K and V); writes in place granted:
-                             copy the blocks straight into the receiver's blocks instead (one
-                             kernel, one pass, nothing packed: sender.in_place_writer; the
-                             loop sends only its header); record `packed`. Nothing waits on
-                             the host: the forward is never stalled.
+                             for it and pack (one kernel, K and V), or, written in place, copy
+                             the blocks into the receiver's (sender.in_place_writer; only a
+                             header is sent); record `packed`. The forward never waits.
                        CPU:  pack (one index_select) into a new buffer
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
     event loop     the request's drain task: await the first queued layer's `packed` event
@@ -23,11 +21,13 @@
                    send them as one message (KVSender.send_packed_layers: fewer, larger
                    messages; the decode node still lands and reports each layer); any number
                    in flight. On the receiver's own GPU (the ticket's kv_device) the drain
-                   starts with the last layer and hands every layer over at once (those
-                   written in place as computed: one manifest message): the decode process
-                   puts no work on the GPU, nor our event loop GIL time, during the forward
+                   starts with the layer before the last and hands over every layer but the
+                   last at once (written in place as computed: one manifest message), then
+                   the last: during the forward the decode process puts no work on the GPU,
+                   nor our event loop per-layer GIL time
                    attach: the layers queued so far go out as above (the drain starts)
-                   finish(): every layer sent ─► send_first_token ─► await the receiver's result
+                   finish(): every layer in the sender's hands ─► send_first_token (behind
+                     them: the transport keeps the order) ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
 Packing is queued from the engine thread, so it snapshots the blocks: the bytes sent do not
@@ -46,7 +46,6 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,11 +53,13 @@ import torch
 from cache_transfer import KVLayout, KVSender, LayerBlocks, TransferState, pack_layer
 from cache_transfer.in_place_writer import ClosedError
 from cache_transfer.layout import kv_device_id
-from cache_transfer.packing import CheckedIds, check_block_ids
+from cache_transfer.packing import check_block_ids
 from cache_transfer.transports.cuda_waits import wait_event
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2
 from pdserve.v1.transfer_pb2 import LayerManifest
+from prefill_node.outgoing import Outgoing, PackedLayer
+from prefill_node.transfer_trace import TransferTrace
 
 logger = logging.getLogger(__name__)
 
@@ -67,59 +68,13 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # GPU. Left alone it would queue the whole forward at once and then block (inside a kernel
 # launch, on a full launch queue, or in the step's final copy) holding the GIL, so the event
 # loop could not send a layer until the forward ended. Waiting on an event releases the GIL;
-# two layers of queued work keep the GPU busy. Layers sent at the end (one GPU) do not bound it.
+# two layers of queued work keep the GPU busy. Layers held back (one GPU) do not bound it.
 RUN_AHEAD_LAYERS = 2
-
-
-@dataclass
-class TransferTrace:
-    """When each layer of one transfer was computed (the engine's hook fired) and when its send
-    completed, in `time.monotonic()` seconds; None where that never happened."""
-
-    transfer_id: str
-    request_id: str
-    layer_computed_s: list[float | None]
-    layer_sent_s: list[float | None]
-    # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
-    # hook runs ahead of the GPU; sent at the end: all layers, after the last); CPU: the hook ran
-    # milestones by name: "rpc", "computing", "first_token", "layers_sent", "result"
-    marks_s: dict[str, float] = field(default_factory=dict)
-
-    def mark(self, name: str) -> None:
-        self.marks_s[name] = time.monotonic()
-
-
-@dataclass
-class _PackedLayer:
-    """One layer of one request, packed (or queued to be) for sending."""
-
-    layer_idx: int
-    packed: torch.Tensor | None  # flat uint8 `[2, num_blocks, block_size, kv_heads, head_dim]`
-    ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
-    written: bool = False  # CUDA, in place: copied (`packed` None), `ready` marks it written
-
-    @property
-    def is_packed(self) -> bool:
-        return self.ready is None or self.ready.query()
-
-
-@dataclass
-class _Outgoing:
-    """One request's sends. `broken`, `computing` and `src_ids` are the engine thread's, the
-    rest the event loop's (the engine thread reads `sender`)."""
-
-    trace: TransferTrace
-    num_blocks: int  # the prompt's blocks, each layer's packed size
-    sender: KVSender | None = None  # None until attach (the ticket follows the call)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # the drain task and sends
-    queued: deque[_PackedLayer] = field(default_factory=deque)  # not yet handed to the sender
-    draining: bool = False  # a drain task runs
-    broken: bool = False  # packing a layer failed: later layers are not sent
-    computing: bool = False  # (engine thread) the engine computed a chunk of it
-    started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
-    send_at_end: bool = False  # the receiver shares our GPU (known at attach): every layer
-    # handed to the sender after the last
-    src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
+# One GPU: every layer but the last goes in one message once the one before the last is written
+# (2K on one H200: a message per layer cost the forward ~0.5 ms of GIL time each, 1P1D TTFT
+# 1.23-1.63x colocated; all at the end, after the last, D heard of it 1.6-1.8 ms after it was
+# written; this way 0.5-1.0 ms, TTFT 1.00-1.06x: benchmarks/results/2026-12-03-h200-kv-handoff.txt)
+SAME_GPU_HELD_UNTIL_LAST = 2  # ... the 2nd last layer: the layers before it wait for it
 
 
 class LayerStreamer:
@@ -139,7 +94,7 @@ class LayerStreamer:
         self._layout = layout
         self._loop = loop
         self._max_traces = max_traces
-        self._outgoing: dict[str, _Outgoing] = {}  # by request_id
+        self._outgoing: dict[str, Outgoing] = {}  # by request_id
         device = kv_caches[0][0].device
         self._kv_device = kv_device_id(device) if kv_device is None else kv_device
         self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -159,7 +114,7 @@ class LayerStreamer:
         num_layers = len(self._kv_caches)
         trace = TransferTrace("", request_id, [None] * num_layers, [None] * num_layers)
         num_blocks = self._layout.num_blocks_for(num_tokens)
-        self._outgoing[request_id] = _Outgoing(trace, num_blocks)
+        self._outgoing[request_id] = Outgoing(trace, num_blocks)
         return trace
 
     def attach(self, request_id: str, sender: KVSender) -> None:
@@ -181,19 +136,18 @@ class LayerStreamer:
         while len(self.traces) > self._max_traces:
             self.traces.popitem(last=False)
         # One GPU: a receive per layer on the decode side would interrupt this forward (~0.3
-        # ms each, time-sliced); written in place, a message per layer still took ~0.5 ms of
-        # our loop's GIL time from the launches (2K: 1.3-1.5 -> 1.5-2.5 ms per layer). So
-        # nothing goes before the last layer (writes in place still run as layers compute)
-        same_gpu = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
-        outgoing.send_at_end = same_gpu
+        # ms each, time-sliced); written in place, a message per layer still took our loop's
+        # GIL time from the launches. So layers are held back (writes in place still run as
+        # layers compute): see SAME_GPU_HELD_UNTIL_LAST
+        outgoing.same_gpu = bool(self._kv_device) and sender.dst_kv_device == self._kv_device
+        if outgoing.same_gpu:
+            outgoing.hold_until = max(0, len(self._kv_caches) - SAME_GPU_HELD_UNTIL_LAST)
         outgoing.sender = sender
         if outgoing.started:
             sender.start()
-        if outgoing.queued and not outgoing.draining:
-            last = outgoing.queued[-1].layer_idx == len(self._kv_caches) - 1
-            if last or not outgoing.send_at_end:
-                outgoing.draining = True
-                self._track(outgoing, self._drain(outgoing))
+        queued = outgoing.queued
+        if queued and not outgoing.draining and queued[-1].layer_idx >= outgoing.hold_until:
+            self._start_drain(outgoing)
 
     def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
@@ -224,7 +178,7 @@ class LayerStreamer:
             if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
             self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
-            if not outgoing.send_at_end:  # nothing to send before the last layer otherwise
+            if not outgoing.same_gpu:  # bound the run-ahead only where sends are heavy
                 packed = layer.ready
         if self._pack_stream is None:
             return
@@ -253,16 +207,16 @@ class LayerStreamer:
         logprob: generation_pb2.TokenLogprob | None,
         finish_reason: str,
     ) -> KVSender:
-        """Once every layer's send is done, send the first token and wait for the receiver's
-        result (within the sender's deadline); the finished sender."""
+        """Once every layer is in the sender's hands, send the first token (behind them) and
+        wait for the receiver's result (within the sender's deadline); the finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
         if sender is None:
             raise ValueError(f"request {request_id!r} has no sender (attach) to finish")
         sender.start()  # (the engine's hook started it unless no layer ran, e.g. no hook)
-        while outgoing.tasks and sender.remaining_s > 0:  # a drain task may start more sends
-            await asyncio.wait(set(outgoing.tasks), timeout=sender.remaining_s)
-        outgoing.trace.mark("layers_sent")
+        while outgoing.handing and sender.remaining_s > 0:  # a drain task may start more sends
+            await asyncio.wait(set(outgoing.handing), timeout=sender.remaining_s)
+        outgoing.trace.mark("layers_handed")  # the first token goes right behind them
         try:
             await sender.send_first_token(token_id, logprob, finish_reason)
         except ValueError as error:  # some layer never went out
@@ -286,7 +240,7 @@ class LayerStreamer:
         if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
             outgoing.sender.abort(reason)
 
-    def _pack(self, outgoing: _Outgoing, chunk: ScheduledChunk, layer_idx: int) -> _PackedLayer:
+    def _pack(self, outgoing: Outgoing, chunk: ScheduledChunk, layer_idx: int) -> PackedLayer:
         """The request's blocks of one layer packed into a new buffer on the cache's device;
         on CUDA queued on the pack stream behind the compute stream's KV write, with the
         event that marks it packed."""
@@ -297,7 +251,7 @@ class LayerStreamer:
         num_bytes = self._layout.layer_bytes(outgoing.num_blocks)
         if self._pack_stream is None:
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            return _PackedLayer(
+            return PackedLayer(
                 layer_idx, pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
             )
         computed = torch.cuda.Event()
@@ -313,14 +267,14 @@ class LayerStreamer:
                 blocks = LayerBlocks(k_cache, v_cache, outgoing.src_ids)
                 with contextlib.suppress(ClosedError):  # failed: packed below, sent nowhere
                     written = writer.write([manifest], [blocks])
-                    return _PackedLayer(layer_idx, None, written, written=True)
+                    return PackedLayer(layer_idx, None, written, written=True)
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
             ready = torch.cuda.Event()
             ready.record(self._pack_stream)
-        return _PackedLayer(layer_idx, packed, ready)
+        return PackedLayer(layer_idx, packed, ready)
 
-    def _queue(self, outgoing: _Outgoing, layer: _PackedLayer) -> None:
+    def _queue(self, outgoing: Outgoing, layer: PackedLayer) -> None:
         """(event loop) Queue a packed layer; start the request's drain task if none runs."""
         if self._send_stream is not None and not self._loop_stream_bound:
             # the transport orders its reads after this thread's current stream: make that the
@@ -331,33 +285,43 @@ class LayerStreamer:
         outgoing.queued.append(layer)
         if outgoing.sender is None:
             return  # attach drains the queue
-        if outgoing.send_at_end and layer.layer_idx != len(self._kv_caches) - 1:
-            return  # goes with the last layer
+        if layer.layer_idx < outgoing.hold_until:
+            return  # goes with a later layer
         if not outgoing.draining:
-            outgoing.draining = True
-            self._track(outgoing, self._drain(outgoing))
+            self._start_drain(outgoing)
 
-    def _start(self, outgoing: _Outgoing) -> None:
+    def _start(self, outgoing: Outgoing) -> None:
         """(event loop) The request's prefill started: so does its transfer, once attached."""
         outgoing.started = True
         if outgoing.sender is not None:
             outgoing.sender.start()
 
-    def _track(self, outgoing: _Outgoing, coro: Coroutine[Any, Any, None]) -> None:
+    def _track(self, outgoing: Outgoing, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)
         outgoing.tasks.add(task)
         task.add_done_callback(outgoing.tasks.discard)
 
-    async def _drain(self, outgoing: _Outgoing) -> None:
-        """Hand queued layers to the sender: whatever is packed when the first one is (with
-        send_at_end: the last one, so all), as one message (layers in the order they were
+    def _handing(self, outgoing: Outgoing) -> asyncio.Future[None]:  # `finish` waits for it
+        handed = self._loop.create_future()
+        outgoing.handing.add(handed)
+        handed.add_done_callback(outgoing.handing.discard)
+        return handed
+
+    def _start_drain(self, outgoing: Outgoing) -> None:
+        outgoing.draining = True
+        self._track(outgoing, self._drain(outgoing, self._handing(outgoing)))
+
+    async def _drain(self, outgoing: Outgoing, handed: asyncio.Future[None]) -> None:
+        """Hand queued layers to the sender: whatever is packed when the first one is (one
+        GPU: when the layer held until is), as one message (layers in the order they were
         computed); each send runs on its own."""
         sender = outgoing.sender
         try:
             while outgoing.queued:
                 await asyncio.sleep(0)  # layers the engine thread queued meanwhile join in
                 # packs finish in queue order (one pack stream)
-                awaited = outgoing.queued[-1 if outgoing.send_at_end else 0]
+                upto = max(outgoing.hold_until, outgoing.queued[0].layer_idx)
+                awaited = [layer for layer in outgoing.queued if layer.layer_idx <= upto][-1]
                 if awaited.ready is not None:
                     try:
                         await wait_event(awaited.ready, sender.remaining_s)
@@ -372,11 +336,14 @@ class LayerStreamer:
                 for layer in batch:
                     if layer.ready is not None:  # CUDA: computed when seen packed
                         outgoing.trace.layer_computed_s[layer.layer_idx] = now
-                self._track(outgoing, self._send(outgoing, batch))
+                self._track(outgoing, self._send(outgoing, batch, self._handing(outgoing)))
         finally:
             outgoing.draining = False
+            handed.set_result(None)
 
-    async def _send(self, outgoing: _Outgoing, batch: list[_PackedLayer]) -> None:
+    async def _send(
+        self, outgoing: Outgoing, batch: list[PackedLayer], handed: asyncio.Future[None]
+    ) -> None:
         sender = outgoing.sender
         layers = [layer.layer_idx for layer in batch]
         try:
@@ -389,11 +356,17 @@ class LayerStreamer:
             packed = [(layer.layer_idx, layer.packed) for layer in batch if not layer.written]
             if packed:
                 sends.append(sender.send_packed_layers(packed))
-            await asyncio.gather(*sends)
+            sending = asyncio.gather(*sends)
+            await asyncio.sleep(0)  # its tasks ran first (FIFO): the sender holds the layers
+            handed.set_result(None)
+            await sending
         except Exception as error:  # a bug, not the peer: fail this transfer only
             logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
             sender.abort(f"sending layers {layers} failed: {error!r}")
             return
+        finally:
+            if not handed.done():
+                handed.set_result(None)
         if sender.state != TransferState.FAILED:
             now = time.monotonic()
             for layer_idx in layers:

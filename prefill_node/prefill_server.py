@@ -16,8 +16,9 @@ import grpc
 from engine.engine_core import EngineStats
 from node_common.role_server import RoleServer
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.layer_streamer import LayerStreamer, TransferTrace
+from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.prefill_servicer import PrefillServicer
+from prefill_node.transfer_trace import TransferTrace
 
 
 class PrefillServer(RoleServer):

@@ -30,19 +30,7 @@ def test_slow_sends_do_not_stall_the_forward(transport: str) -> None:
     async def main() -> None:
         async with running_nodes(transport) as nodes:
             gate = asyncio.Event()
-            sends_started = 0
-            kv_transport = nodes.prefill.manager._transport
-            real_send_many = kv_transport.send_many  # every send goes through it
-
-            async def slow_send_many(peer_address, messages):
-                nonlocal sends_started
-                num_layers = sum(payload is not None for _, payload in messages)
-                if num_layers:  # layers' KV (one or several): held until the gate opens
-                    sends_started += num_layers
-                    await gate.wait()
-                await real_send_many(peer_address, messages)
-
-            kv_transport.send_many = slow_send_many
+            sends_started = hold_layer_sends(nodes.prefill.manager._transport, gate)
             decode_call = nodes.decode_stub.Decode(
                 decode_request("p", prompt_ids), timeout=RPC_TIMEOUT_S
             )
@@ -61,7 +49,7 @@ def test_slow_sends_do_not_stall_the_forward(transport: str) -> None:
             gate.set()
             result = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
             assert result.transfer_result.ok, result.transfer_result.error
-            assert sends_started == num_layers
+            assert sum(sends_started) == num_layers
             assert all(t is not None for t in trace.layer_sent_s)
             # the timeline pd-bench ttft prints: computed <= sent (P), landed (D), via GetStats
             prefill_stats, decode_stats = await nodes.stats()
@@ -73,3 +61,31 @@ def test_slow_sends_do_not_stall_the_forward(transport: str) -> None:
             decode_call.cancel()
 
     run(main())
+
+
+def hold_layer_sends(kv_transport, gate: asyncio.Event) -> list[int]:
+    """Make `kv_transport` a slow wire: layers' KV (one or several messages per send) held
+    until `gate` opens, every message in the order its send began (as a transport keeps it).
+    The number of layers each held send carried, appended as it begins."""
+    real_send_many = kv_transport.send_many  # every send goes through it
+    previous: list[asyncio.Future | None] = [None]  # the last send's hand-off
+    started: list[int] = []
+
+    async def slow_send_many(peer_address, messages):
+        before, mine = previous[0], asyncio.get_running_loop().create_future()
+        previous[0] = mine
+        try:
+            if num_layers := sum(payload is not None for _, payload in messages):
+                started.append(num_layers)
+                await gate.wait()
+            if before is not None:
+                await before
+            sending = real_send_many(peer_address, messages)
+            mine.set_result(None)  # the next send begins behind this one
+            await sending
+        finally:
+            if not mine.done():
+                mine.set_result(None)
+
+    kv_transport.send_many = slow_send_many
+    return started

@@ -73,16 +73,15 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
 
 @pytest.mark.parametrize("asks_in_place", [False, True], ids=["sends", "asks-in-place"])
 @pytest.mark.parametrize("transport", ["tcp", "local"])
-def test_a_receiver_on_the_same_gpu_gets_every_layer_in_one_message_after_the_last(
+def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alone(
     transport: str, asks_in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two processes sharing a GPU time-slice it, so a prefill node whose ticket names its own
-    GPU sends nothing during the forward and then every layer as one message; a receiver on
-    another GPU gets layer 0 while later layers compute. So does a sender that asks to write in
-    place (the decode side here cannot grant it: payloads go after all): its messages would
-    take the event loop's GIL time from the forward's launches. (CPU here: the device names
-    are set by hand. After layer 0 the engine thread lets the event loop run its queue: layer
-    0's send is started then, unless it waits for the last layer.)"""
+    """A prefill node whose ticket names its own GPU (the two processes would time-slice it)
+    sends nothing until the layer before the last is computed, then all layers so far as one
+    message, then the last alone; a receiver on another GPU gets layer 0 while later layers
+    compute. So does a sender that asks to write in place (not granted here: payloads go).
+    (CPU: device names set by hand; the engine thread lets the event loop run after layer 0,
+    and after the layer before the last until a message went.)"""
     import cache_transfer.receiver
     from cache_transfer.sender import KVSender
 
@@ -104,6 +103,9 @@ def test_a_receiver_on_the_same_gpu_gets_every_layer_in_one_message_after_the_la
                 real_hook(layer_idx, chunks)
                 if layer_idx == 0:  # the loop runs what layer 0 queued (FIFO), then we go on
                     asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(HOLD_S)
+                if layer_idx == num_layers - 2 and streamer._kv_device == "GPU-shared":
+                    went = harness.wait_until(lambda: batches, HOLD_S)  # the layers held back
+                    asyncio.run_coroutine_threadsafe(went, loop).result(HOLD_S)
 
             nodes.prefill.core.on_layer_done = hook
             batches: list[tuple[int, int]] = []  # (layers in the message, layers computed)
@@ -119,13 +121,12 @@ def test_a_receiver_on_the_same_gpu_gets_every_layer_in_one_message_after_the_la
             streamer._kv_device = "GPU-shared"
             handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
             assert handoff.transfer_result.ok, handoff.transfer_result.error
-            assert batches == [(num_layers, num_layers)]  # all at once, after the last layer
+            assert batches == [(num_layers - 1, num_layers - 1), (1, num_layers)]  # then the last
             local = await harness.run_local(nodes, "local", prompt_ids)
             assert handoff.token_ids == local  # the KV arrived byte-exact
 
             streamer._kv_device = "GPU-other"
-            batches.clear()
-            computed.clear()
+            del batches[:], computed[:]
             again = await harness.run_disaggregated(nodes, "pd2", prompt_ids)
             assert again.transfer_result.ok and again.token_ids == local
             assert batches[0] == (1, 1)  # layer 0 went while layer 1 was still to compute

@@ -1,0 +1,49 @@
+"""What `LayerStreamer` keeps per request: `Outgoing` (one request's queue of layers and the
+tasks that send them) and `PackedLayer` (one layer, packed or written, and when)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cache_transfer import KVSender
+from cache_transfer.packing import CheckedIds
+from prefill_node.transfer_trace import TransferTrace
+
+
+@dataclass
+class PackedLayer:
+    """One layer of one request, packed (or queued to be) for sending."""
+
+    layer_idx: int
+    packed: torch.Tensor | None  # flat uint8 `[2, num_blocks, block_size, kv_heads, head_dim]`
+    ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
+    written: bool = False  # CUDA, in place: copied (`packed` None), `ready` marks it written
+
+    @property
+    def is_packed(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+
+@dataclass
+class Outgoing:
+    """One request's sends. `broken`, `computing` and `src_ids` are the engine thread's, the
+    rest the event loop's (the engine thread reads `sender`)."""
+
+    trace: TransferTrace
+    num_blocks: int  # the prompt's blocks, each layer's packed size
+    sender: KVSender | None = None  # None until attach (the ticket follows the call)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # the drain task and sends
+    # until every queued layer is in the sender's hands: the drain task's and each send's
+    handing: set[asyncio.Future[None]] = field(default_factory=set)
+    queued: deque[PackedLayer] = field(default_factory=deque)  # not yet handed to the sender
+    draining: bool = False  # a drain task runs
+    broken: bool = False  # packing a layer failed: later layers are not sent
+    computing: bool = False  # (engine thread) the engine computed a chunk of it
+    started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
+    same_gpu: bool = False  # the receiver shares our GPU (known at attach)
+    hold_until: int = 0  # (same_gpu) earlier layers wait, queued, until this one is queued
+    src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
