@@ -98,8 +98,8 @@ class InPlaceSending:
                 return
         for manifest in manifests:
             manifest.written_in_place = True
-        if await self._send_all([(None, {"layer_manifest": m}) for m in manifests], submitted):
-            self.num_bytes_sent += sum(m.num_bytes for m in manifests)
+        self.num_bytes_sent += sum(m.num_bytes for m in manifests)  # as in _send_payloads
+        await self._send_all([(None, {"layer_manifest": m}) for m in manifests], submitted)
 
     def _map_pool(self, export: transfer_pb2.KVPoolExport) -> None:
         """The receiver granted writes in place: map its caches (or send payloads after all,

@@ -70,7 +70,7 @@ class KVSender(InPlaceSending, TransferSession):
         self.layout = layout
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
-        self.num_bytes_sent = 0
+        self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
         self._layer_token_end = [0] * layout.num_layers  # tokens of each layer handed to send
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
@@ -325,10 +325,9 @@ class KVSender(InPlaceSending, TransferSession):
     ) -> bool:
         self._advance(TransferState.TRANSFERRING)
         messages = [(p, {"layer_manifest": m}) for m, p in zip(manifests, payloads, strict=True)]
-        sent = await self._send_all(messages, submitted)
-        if sent:
-            self.num_bytes_sent += sum(m.num_bytes for m in manifests)
-        return sent
+        # counted as handed over: the receiver may confirm them before their send completes
+        self.num_bytes_sent += sum(m.num_bytes for m in manifests)
+        return await self._send_all(messages, submitted)
 
     async def _handshake(self) -> None:
         handshake = transfer_pb2.TransferHandshake(

@@ -38,17 +38,21 @@ def test_the_first_token_goes_right_behind_the_layers_not_after_their_sends_comp
         packed = [torch.empty(pair.layout.layer_bytes(4), dtype=torch.uint8) for _ in pair.src_caches]  # fmt: skip
         for (k_cache, v_cache), out in zip(pair.src_caches, packed):
             pack_layer(k_cache, v_cache, src_ids, out)
-        layers = asyncio.ensure_future(sender.send_packed_layers(list(enumerate(packed))))
-        await asyncio.sleep(0)  # the layers are in the sender's hands
-        await asyncio.wait_for(sender.send_first_token(9), 10)
-        assert await receiver.wait() == TransferState.SUCCESS
-        assert not layers.done()  # the layers' send has not returned yet
-        completed.set()
-        await asyncio.wait_for(layers, 10)
-        assert await sender.wait() == TransferState.SUCCESS
-        for (src_k, src_v), (dst_k, dst_v) in zip(pair.src_caches, pair.dst_caches):
-            assert torch.equal(dst_k[[5, 6, 7, 8]], src_k[src_ids])
-            assert torch.equal(dst_v[[5, 6, 7, 8]], src_v[src_ids])
-        await pair.close()
+        try:
+            layers = asyncio.ensure_future(sender.send_packed_layers(list(enumerate(packed))))
+            await asyncio.sleep(0)  # the layers are in the sender's hands
+            await asyncio.wait_for(sender.send_first_token(9), 10)
+            assert await receiver.wait() == TransferState.SUCCESS
+            assert await sender.wait() == TransferState.SUCCESS  # the receiver's result is in
+            assert not layers.done()  # while the layers' send has not returned yet
+            assert sender.num_bytes_sent == receiver.num_bytes_received  # (what metrics count)
+            completed.set()
+            await asyncio.wait_for(layers, 10)
+            for (src_k, src_v), (dst_k, dst_v) in zip(pair.src_caches, pair.dst_caches):
+                assert torch.equal(dst_k[[5, 6, 7, 8]], src_k[src_ids])
+                assert torch.equal(dst_v[[5, 6, 7, 8]], src_v[src_ids])
+        finally:  # a failure must not leave the held send (and the pair) behind
+            completed.set()
+            await pair.close()
 
     run(scenario())
