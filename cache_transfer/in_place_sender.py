@@ -84,7 +84,7 @@ class InPlaceSending:
     ) -> None:
         """Land packed layers in the receiver's blocks ourselves (`payloads` None: the caller
         did, through `in_place_writer`, and saw the write complete); once written, tell the
-        receiver in one message (a header-only manifest per layer)."""
+        receiver in one message (header only: a manifest per token span, naming its layers)."""
         assert self._writer is not None
         self._advance(TransferState.TRANSFERRING)
         if payloads is not None:
@@ -96,10 +96,9 @@ class InPlaceSending:
             except Exception as error:  # closed (failed meanwhile), the deadline, CUDA
                 self.fail(f"an in-place write did not complete: {error!r}")
                 return
-        for manifest in manifests:
-            manifest.written_in_place = True
         self.num_bytes_sent += sum(m.num_bytes for m in manifests)  # as in _send_payloads
-        await self._send_all([(None, {"layer_manifest": m}) for m in manifests], submitted)
+        announced = [(None, {"layer_manifest": m}) for m in _one_per_span(manifests)]
+        await self._send_all(announced, submitted)
 
     def _map_pool(self, export: transfer_pb2.KVPoolExport) -> None:
         """The receiver granted writes in place: map its caches (or send payloads after all,
@@ -114,3 +113,21 @@ class InPlaceSending:
         except Exception as error:  # noqa: BLE001 - the payload path still works
             logger.warning("sender %s: cannot map the receiver's KV pool (%r); sending payloads",
                            self.transfer_id, error)  # fmt: skip
+
+
+def _one_per_span(
+    manifests: list[transfer_pb2.LayerManifest],
+) -> list[transfer_pb2.LayerManifest]:
+    """Manifests of layers written in place, merged: one per token span (the first layer's,
+    the others of that span in `more_layer_ids`): the receiver checks and lands 32 layers of
+    one message for little more than one (~25 us of Python each on one H200 host)."""
+    by_span: dict[tuple[int, int, int, int], transfer_pb2.LayerManifest] = {}
+    for manifest in manifests:
+        span = (manifest.block_offset, manifest.num_blocks, manifest.num_bytes, manifest.token_end)
+        first = by_span.get(span)
+        if first is None:
+            manifest.written_in_place = True
+            by_span[span] = manifest
+        else:
+            first.more_layer_ids.append(manifest.layer_idx)
+    return list(by_span.values())

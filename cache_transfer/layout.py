@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -77,3 +78,23 @@ def kv_device_id(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def check_reservation(
+    layout: KVLayout, pool_size: int, dst_block_ids: Sequence[int], num_tokens: int
+) -> None:
+    """ValueError unless `dst_block_ids` (distinct, in a pool of `pool_size` blocks) hold
+    `num_tokens` tokens of `layout`."""
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0 (the prompt length), got {num_tokens}")
+    needed = layout.num_blocks_for(num_tokens)
+    if len(dst_block_ids) < needed:
+        raise ValueError(
+            f"{num_tokens} tokens need {needed} blocks of {layout.block_size}; "
+            f"only {len(dst_block_ids)} dst_block_ids were reserved"
+        )
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise ValueError(f"dst_block_ids must be distinct, got {list(dst_block_ids)}")
+    bad = [b for b in dst_block_ids if not 0 <= b < pool_size]
+    if bad:
+        raise ValueError(f"dst_block_ids {bad[:8]} are outside the cache's [0, {pool_size}) blocks")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cache_transfer.layout import KVLayout, kv_device_id
+from cache_transfer.layout import KVLayout, check_reservation, kv_device_id
 from cache_transfer.packing import CheckedIds, check_block_ids, unpack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
@@ -74,7 +74,7 @@ class KVReceiver(TransferSession):
         heard (any other is ignored and logged: it neither feeds nor fails the session).
         With `start_timeout_s` the sender's handshake must come within it, and `timeout_s`
         counts from the handshake (the sender starts when its prefill does)."""
-        _check_ticket(layout, kv_caches, dst_block_ids, num_tokens)
+        check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
         super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
         self.layout = layout
         self.dst_block_ids = list(dst_block_ids)
@@ -129,7 +129,7 @@ class KVReceiver(TransferSession):
         if reason is None:
             if kind_of(msg) != "layer_manifest":
                 reason = f"a {kind_of(msg)} message must not carry a payload"
-            elif msg.layer_manifest.written_in_place:
+            elif msg.layer_manifest.written_in_place or msg.layer_manifest.more_layer_ids:
                 reason = "a layer written in place must not carry a payload"
             else:
                 reason = self._check_layer(msg.layer_manifest, payload_bytes)
@@ -160,7 +160,7 @@ class KVReceiver(TransferSession):
             elif not self.in_place:
                 reason = "a layer written in place, which this receiver did not grant"
             else:
-                reason = self._check_layer(manifest, manifest.num_bytes)
+                reason = self._check_written_layers(manifest)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind == "layer_manifest":
@@ -213,9 +213,24 @@ class KVReceiver(TransferSession):
             return "a second handshake"
         return self._check_envelope(msg)
 
-    def _check_layer(self, manifest: transfer_pb2.LayerManifest, payload_bytes: int) -> str | None:
-        """Why a layer manifest does not fit the ticket, or None."""
-        layer_idx, token_end = manifest.layer_idx, manifest.token_end
+    def _check_written_layers(self, manifest: transfer_pb2.LayerManifest) -> str | None:
+        """Why a manifest of layers written in place (its layer and `more_layer_ids`, one
+        span each) does not fit the ticket, or None."""
+        layer_ids = [manifest.layer_idx, *manifest.more_layer_ids]
+        if len(set(layer_ids)) != len(layer_ids):
+            return f"layers {layer_ids[:8]}... announced twice in one manifest"
+        for layer_idx in layer_ids:
+            reason = self._check_layer(manifest, manifest.num_bytes, layer_idx)
+            if reason is not None:
+                return reason
+        return None
+
+    def _check_layer(
+        self, manifest: transfer_pb2.LayerManifest, payload_bytes: int, layer_idx: int | None = None
+    ) -> str | None:
+        """Why a layer manifest (for `layer_idx`: that layer of it) does not fit the ticket."""
+        layer_idx = manifest.layer_idx if layer_idx is None else layer_idx
+        token_end = manifest.token_end
         if self.first_token is not None:
             return "a layer after the first token"
         if layer_idx >= self.layout.num_layers:
@@ -344,22 +359,28 @@ class KVReceiver(TransferSession):
             self._staging.give_back(payload)
 
     def _land_in_place(self, manifest: transfer_pb2.LayerManifest) -> None:
-        """A layer the sender wrote into our blocks itself (its write completed before it
+        """Layers the sender wrote into our blocks itself (its writes completed before it
         sent the manifest)."""
-        self._layer_token_end[manifest.layer_idx] = manifest.token_end
-        self._landed(manifest)
+        layer_ids = [manifest.layer_idx, *manifest.more_layer_ids]
+        for layer_idx in layer_ids:
+            self._layer_token_end[layer_idx] = manifest.token_end
+        self._landed(manifest, layer_ids)
 
-    def _landed(self, manifest: transfer_pb2.LayerManifest) -> None:
-        """A layer is in our blocks (unpacked here, or written by the sender)."""
-        self.num_bytes_received += manifest.num_bytes
+    def _landed(
+        self, manifest: transfer_pb2.LayerManifest, layer_ids: list[int] | None = None
+    ) -> None:
+        """Layers are in our blocks (unpacked here, or written by the sender)."""
+        layer_ids = [manifest.layer_idx] if layer_ids is None else layer_ids
+        self.num_bytes_received += manifest.num_bytes * len(layer_ids)
         self._advance(TransferState.TRANSFERRING)
-        self._notify_layer(manifest)
+        for layer_idx in layer_ids:
+            self._notify_layer(layer_idx, manifest.token_end)
         self._maybe_succeed()
 
-    def _notify_layer(self, manifest: transfer_pb2.LayerManifest) -> None:
+    def _notify_layer(self, layer_idx: int, token_end: int) -> None:
         for callback in self._layer_callbacks:
             try:
-                callback(manifest.layer_idx, manifest.token_end)
+                callback(layer_idx, token_end)
             except Exception:
                 logger.exception("receiver %s: a layer callback failed", self.transfer_id)
 
@@ -367,22 +388,3 @@ class KVReceiver(TransferSession):
         if self.first_token is not None and self._num_landing == 0 and not self.finished:
             self._succeed()
             self.spawn(self._notify(result=transfer_pb2.TransferResult(ok=True)))
-
-
-def _check_ticket(
-    layout: KVLayout, kv_caches: KVCaches, dst_block_ids: Sequence[int], num_tokens: int
-) -> None:
-    if num_tokens <= 0:
-        raise ValueError(f"num_tokens must be > 0 (the prompt length), got {num_tokens}")
-    needed = layout.num_blocks_for(num_tokens)
-    if len(dst_block_ids) < needed:
-        raise ValueError(
-            f"{num_tokens} tokens need {needed} blocks of {layout.block_size}; "
-            f"only {len(dst_block_ids)} dst_block_ids were reserved"
-        )
-    if len(set(dst_block_ids)) != len(dst_block_ids):
-        raise ValueError(f"dst_block_ids must be distinct, got {list(dst_block_ids)}")
-    pool_size = kv_caches[0][0].shape[0]
-    bad = [b for b in dst_block_ids if not 0 <= b < pool_size]
-    if bad:
-        raise ValueError(f"dst_block_ids {bad[:8]} are outside the cache's [0, {pool_size}) blocks")

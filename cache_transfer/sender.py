@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.checked_caches import derived
 from cache_transfer.in_place_sender import InPlaceSending, Source
 from cache_transfer.in_place_writer import InPlaceWriter
 from cache_transfer.layout import KVLayout
@@ -132,6 +133,9 @@ class KVSender(InPlaceSending, TransferSession):
             raise ValueError(f"send_layers needs distinct layers, got {len(layers)}")
         manifests, sources = [], []
         span_ids: dict[tuple, CheckedIds] = {}  # checked once per span and pool, not per layer
+        caches = [cache for _, k_cache, v_cache in layers for cache in (k_cache, v_cache)]
+        if derived(caches, lambda: self._check_caches(layers)) != self.layout:
+            self._check_caches(layers)  # checked against another layout before
         for layer_idx, k_cache, v_cache in layers:
             span = self._layer_span(layer_idx, token_end)
             if len(src_block_ids) < span[1]:
@@ -139,7 +143,6 @@ class KVSender(InPlaceSending, TransferSession):
                     f"{token_end} tokens span {span[1]} blocks; src_block_ids has "
                     f"{len(src_block_ids)}"
                 )
-            check_kv_cache(self.layout, k_cache, v_cache)
             key = (*span, k_cache.shape[0], k_cache.device)
             if key not in span_ids:
                 ids = src_block_ids[span[0] : span[1]]
@@ -149,6 +152,13 @@ class KVSender(InPlaceSending, TransferSession):
         for layer_idx, _, _ in layers:
             self._layer_token_end[layer_idx] = token_end
         await self._send_layers(manifests, sources, layers[0][1].device)
+
+    def _check_caches(self, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> KVLayout:
+        """ValueError unless every layer's caches fit our layout (kept per set of caches by
+        `derived`: the same ones every request; ~10 us a layer on one H200's host)."""
+        for _, k_cache, v_cache in layers:
+            check_kv_cache(self.layout, k_cache, v_cache)
+        return self.layout
 
     async def send_packed(
         self, layer_idx: int, payload: torch.Tensor, token_end: int | None = None

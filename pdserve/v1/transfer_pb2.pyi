@@ -98,20 +98,22 @@ class HandshakeAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pool: _Optional[_Union[KVPoolExport, _Mapping]] = ...) -> None: ...
 
 class LayerManifest(_message.Message):
-    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end", "written_in_place")
+    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end", "written_in_place", "more_layer_ids")
     LAYER_IDX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    MORE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     layer_idx: int
     block_offset: int
     num_blocks: int
     num_bytes: int
     token_end: int
     written_in_place: bool
-    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
+    more_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ..., more_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "finish_reason")

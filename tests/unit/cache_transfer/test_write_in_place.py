@@ -21,6 +21,7 @@ from cache_transfer import (
 )
 from cache_transfer import receiver as receiver_module
 from cache_transfer.sender import KVSender
+from pdserve.v1 import transfer_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,8 +138,37 @@ def test_send_layers_copies_blocks_in_place_or_sends_them_packed(same_device: bo
             assert torch.equal(dst_k[DST_IDS], src_k[SRC_IDS])
             assert torch.equal(dst_v[DST_IDS], src_v[SRC_IDS])
         assert bool((dst[0][0][:5] == SENTINEL).all())  # nothing outside the ticket's blocks
-        assert LAYOUT.num_layers in sent_messages  # the layers went as one message
+        # one message: sent, a manifest and payload per layer; in place, one manifest naming all
+        assert (1 if same_device else LAYOUT.num_layers) in sent_messages
         assert (sum(payload_bytes) == 0) == same_device
+        await prefill.close()
+        await decode.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("more_layer_ids", "refusal"),
+    [([0], "announced twice"), ([LAYOUT.num_layers], "outside"), ([1, 1], "announced twice")],
+)
+def test_a_manifest_naming_bad_layers_is_refused_and_lands_none(more_layer_ids, refusal) -> None:
+    """A manifest of layers written in place names each layer once, each within the layout;
+    otherwise the receiver fails the transfer and lands none of them."""
+
+    async def scenario() -> None:
+        prefill, decode, _, _ = await managers("tcp", "GPU-a", "GPU-a")
+        receiver = decode.create_receiver(DST_IDS, NUM_TOKENS, timeout_s=10)
+        landed: list[int] = []
+        receiver.add_layer_callback(lambda layer_idx, _: landed.append(layer_idx))
+        sender = prefill.create_sender(receiver.ticket(), timeout_s=10)
+        assert await sender._wait_acked() and sender.in_place
+        manifest = transfer_pb2.LayerManifest(
+            layer_idx=0, block_offset=0, num_blocks=4, num_bytes=LAYOUT.layer_bytes(4),
+            token_end=NUM_TOKENS, written_in_place=True, more_layer_ids=more_layer_ids,
+        )  # fmt: skip
+        await sender._send_all([(None, {"layer_manifest": manifest})])
+        assert await receiver.wait() == TransferState.FAILED
+        assert refusal in receiver.error and landed == []
         await prefill.close()
         await decode.close()
 

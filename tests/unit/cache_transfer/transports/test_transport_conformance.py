@@ -168,9 +168,16 @@ def test_sending_to_a_closed_peer_never_delivers(backend: str) -> None:
     async def scenario() -> None:
         src, dst, recorder = await _endpoints(backend)
         await dst.close()
-        # local refuses at once; tcp has no connection to send on and waits for one.
-        with pytest.raises((TransportError, TimeoutError)):
+        # local refuses at once; tcp has no connection to send on and waits for one, except
+        # that libzmq closes a listener on its I/O thread: its port may still accept for a
+        # moment (a loaded machine), and the send is then queued to a peer that reads nothing
+        try:
             await asyncio.wait_for(src.send(dst.address, b"late", _random_bytes(1024, 0)), 0.5)
+        except (TransportError, TimeoutError):
+            pass
+        else:
+            assert backend == "tcp", "a send to a closed peer completed"
+        await asyncio.sleep(0.1)  # whatever was in flight would have landed by now
         assert recorder.completed == []
         await src.close()
 
