@@ -73,7 +73,7 @@ RUN_AHEAD_LAYERS = 2
 # One GPU: every layer but the last goes in one message once the one before the last is written
 # (2K on one H200: a message per layer cost the forward ~0.5 ms of GIL time each, 1P1D TTFT
 # 1.23-1.63x colocated; all at the end, after the last, D heard of it 1.6-1.8 ms after it was
-# written; this way 0.5-1.0 ms, TTFT 1.00-1.06x: benchmarks/results/2026-12-03-h200-kv-handoff.txt)
+# written; this way 0.5-1.0 ms (8K), 2K TTFT 1.02-1.10x: results/2026-12-03-h200-kv-handoff.txt)
 SAME_GPU_HELD_UNTIL_LAST = 2  # ... the 2nd last layer: the layers before it wait for it
 
 
