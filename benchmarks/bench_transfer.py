@@ -10,10 +10,10 @@ runs from the handshake's ack to the decode side having unpacked the last layer 
 included). "sequential" awaits each layer's send before the next (per-layer latency);
 "pipelined" puts every layer in flight at once, as when compute outpaces the wire; "batched"
 hands every layer over in one call (`KVSender.send_layers`: one message, as a prefill node
-sends all the layers packed by the time it looks), so per-message costs are paid once, and the
-first token goes right behind it, not after its send completed (as a prefill node sends it). Written
-in place (`--in-place`), a layer is copied block to block into the receiver's blocks (nothing
-packed) and only headers cross the transport.
+sends all the layers packed by the time it looks), so per-message costs are paid once; the
+first token goes right behind it, not after its send completed, as a prefill node sends it.
+Written in place (`--in-place`), a layer is copied block to block into the receiver's blocks
+(nothing packed) and only headers cross the transport.
 
 Ceilings, measured in the same run: on CPU a plain TCP socket between the same two processes
 and `ucx_perftest` over tcp (when its binary is present); on CUDA a torch copy of the same

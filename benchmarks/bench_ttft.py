@@ -12,8 +12,8 @@ also waits for the KV hand-off and the decode node's first step). Prints TTFT me
 both, their ratio, the milestones of each length's last 1P1D request (node marks and client
 token arrivals), and the per-layer timeline of the last 1P1D request (computed and sent on the
 prefill node, landed on the decode node; ms after the request was sent, one host clock). With
-both nodes on one GPU the prefill hands every layer over after the last (cache_transfer/
-README.md), so every layer shows the time it saw them all written.
+both nodes on one GPU the prefill holds every layer but the last back until the one before the
+last is written (cache_transfer/README.md), so those layers all show the time it saw that one.
 """
 
 from __future__ import annotations

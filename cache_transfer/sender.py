@@ -155,7 +155,7 @@ class KVSender(InPlaceSending, TransferSession):
 
     def _check_caches(self, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> KVLayout:
         """ValueError unless every layer's caches fit our layout (kept per set of caches by
-        `derived`: the same ones every request; ~10 us a layer on one H200's host)."""
+        `derived`: the same ones every request, so checked once, not 32 times a request)."""
         for _, k_cache, v_cache in layers:
             check_kv_cache(self.layout, k_cache, v_cache)
         return self.layout

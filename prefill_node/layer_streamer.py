@@ -71,9 +71,9 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # two layers of queued work keep the GPU busy. Layers held back (one GPU) do not bound it.
 RUN_AHEAD_LAYERS = 2
 # One GPU: every layer but the last goes in one message once the one before the last is written
-# (2K on one H200: a message per layer cost the forward ~0.5 ms of GIL time each, 1P1D TTFT
-# 1.23-1.63x colocated; all at the end, after the last, D heard of it 1.6-1.8 ms after it was
-# written; this way 0.5-1.0 ms (8K), 2K TTFT 1.02-1.10x: results/2026-12-03-h200-kv-handoff.txt)
+# (2K on one H200: a message per layer slowed the forward, 1P1D TTFT 1.23-1.63x colocated; all
+# after the last layer, D heard of it 1.6-1.8 ms after it was written; this way 0.5-1.0 ms (8K),
+# 2K TTFT 1.02-1.10x: benchmarks/results/2026-12-03-h200-kv-handoff.txt runs 23-27)
 SAME_GPU_HELD_UNTIL_LAST = 2  # ... the 2nd last layer: the layers before it wait for it
 
 

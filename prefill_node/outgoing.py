@@ -36,7 +36,7 @@ class Outgoing:
     trace: TransferTrace
     num_blocks: int  # the prompt's blocks, each layer's packed size
     sender: KVSender | None = None  # None until attach (the ticket follows the call)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # the drain task and sends
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # drain and sends, kept alive
     # until every queued layer is in the sender's hands: the drain task's and each send's
     handing: set[asyncio.Future[None]] = field(default_factory=set)
     queued: deque[PackedLayer] = field(default_factory=deque)  # not yet handed to the sender
