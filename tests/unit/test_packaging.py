@@ -4,6 +4,7 @@ also names of other PyPI distributions, which must not shadow ours."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -36,4 +37,15 @@ def test_package_resolves_to_this_repo(name: str) -> None:
     assert path.is_relative_to(REPO_ROOT), (
         f"`import {name}` loads {path}, outside {REPO_ROOT}: another distribution provides "
         f"`{name}`; uninstall it, or install this project (pip install -e .)"
+    )
+
+
+@pytest.mark.parametrize("name", ["kernels", "router", "proto"])
+def test_no_other_installed_distribution_provides_our_top_level_names(name: str) -> None:
+    """Another distribution's package of the same name is shadowed by ours; whatever imports it
+    then fails (transformers 5.25 requires Hugging Face's `kernels`)."""
+    providers = set(importlib.metadata.packages_distributions().get(name, [])) - {"pdserve"}
+    assert not providers, (
+        f"{sorted(providers)} also install(s) a top-level `{name}` package, which this project's "
+        f"{name}/ shadows: uninstall it, or pin what requires it (pyproject.toml, constraints.txt)"
     )
