@@ -98,6 +98,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 receiver = await self._reserve(job, engine_request, timeout_s, context)
                 job.trace.mark("ticket")
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
+                if self._kv_authenticated:  # received KV may enter the prefix cache
+                    self._engine.hash_prompt_ahead(engine_request)  # while P computes the KV
                 chunks = await self._after_transfer(job, engine_request, receiver)
             else:
                 chunks = self._prefill_locally(job, engine_request)

@@ -157,10 +157,23 @@ def test_authenticated_kv_is_cached(tmp_path: Path) -> None:
             nodes.channels.extend(channels)
             nodes.prefill_stub = node_pb2_grpc.PrefillNodeStub(channels[0])
             nodes.decode_stub = node_pb2_grpc.DecodeNodeStub(channels[1])
+            scheduler = nodes.decode.core.scheduler
+            admitted_with = []  # the digests a request holds when the engine thread admits it
+            add_prefilled = scheduler.add_prefilled
+
+            def spy(request):
+                admitted_with.append(list(request.block_hashes))
+                return add_prefilled(request)
+
+            scheduler.add_prefilled = spy
             handoff = await run_disaggregated(nodes, "signed", PROMPT)
             assert handoff.transfer_result.ok
             assert not nodes.decode.traces["signed"].prefilled_locally
             await asyncio.sleep(0)
-            assert len(_cached_blocks(nodes)) >= len(PROMPT) // BLOCK_SIZE
+            cached = _cached_blocks(nodes)
+            assert len(cached) >= len(PROMPT) // BLOCK_SIZE
+            # The prompt's blocks were hashed while its KV was on the way, not on admission.
+            [digests] = admitted_with
+            assert len(digests) == len(PROMPT) // BLOCK_SIZE and set(digests) <= set(cached)
 
     run(main())
