@@ -76,7 +76,12 @@ class UcxOutbound:
         if self._inflight and not self.failed:
             await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
         self._fail("the transport closed")
-        self._connecting.cancel()
+        # A connect under way is let finish, not cut short: cancelled mid-handshake, its UCX
+        # endpoint (and the listener's half of the handshake) outlive it, and UCX shutting down
+        # under them (the last transport closing) crashed the process. It ends within
+        # CONNECT_TIMEOUT_S, and _connect aborts the endpoint it gets, this connection failed.
+        await asyncio.wait({self._connecting}, timeout=CONNECT_TIMEOUT_S + 1.0)
+        self._connecting.cancel()  # (done by then)
         if self._inflight:  # UCX cancelled their requests: they end with TransportError
             await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
 
