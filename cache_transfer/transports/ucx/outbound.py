@@ -81,7 +81,7 @@ class UcxOutbound:
         # under them (the last transport closing) crashed the process. It ends within
         # CONNECT_TIMEOUT_S, and _connect aborts the endpoint it gets, this connection failed.
         await asyncio.wait({self._connecting}, timeout=CONNECT_TIMEOUT_S + 1.0)
-        self._connecting.cancel()  # (done by then)
+        self._connecting.cancel()  # only a connect past its own wait_for is still running
         if self._inflight:  # UCX cancelled their requests: they end with TransportError
             await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
 

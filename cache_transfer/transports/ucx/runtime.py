@@ -14,7 +14,6 @@ Importing this module sets defaults for UCX and ucxx (below) unless the environm
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 from typing import Any
@@ -82,10 +81,6 @@ class UcxRuntime:
     def _stop(self) -> None:
         self._loop = None
         _wake_notifier()
-        # Endpoints that only a garbage cycle still holds (a connect cut short mid-handshake:
-        # its traceback's frames) are destroyed now, while UCX is up: ucxx.reset collects them
-        # after dropping the context, and an endpoint destroyed after its worker crashes.
-        gc.collect()
         try:
             ucxx.reset()
         except UCXError as error:  # something still holds the old context: it lingers

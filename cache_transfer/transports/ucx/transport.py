@@ -39,7 +39,7 @@ from cache_transfer.transports.base import (
     check_messages,
 )
 from cache_transfer.transports.ucx.inbound import UcxInbound
-from cache_transfer.transports.ucx.outbound import CONNECT_TIMEOUT_S, UcxOutbound
+from cache_transfer.transports.ucx.outbound import UcxOutbound
 from cache_transfer.transports.ucx.runtime import RUNTIME, ucxx
 from pdserve.net import WILDCARD_HOSTS, bracket, dial_host
 
@@ -105,23 +105,10 @@ class UcxTransport(KVTransport):
         for inbound in self._inbound:
             inbound.close()
         await asyncio.gather(*(connection.close() for connection in outbound))
-        del outbound  # nothing of ours holds a UCX endpoint when UCX shuts down (release)
         if self._serving:
             await asyncio.wait(set(self._serving))
-        await self._handshakes_done()
         self._listener.close()
         await RUNTIME.release(self)
-
-    async def _handshakes_done(self) -> None:
-        """Wait (bounded) for connections our listener took that are still in ucxx's own peer
-        handshake, before our callback sees them: each holds a UCX endpoint and requests, and
-        UCX shut down under them (the last transport closing) crashes the process."""
-        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S + 1.0
-        while (
-            getattr(self._listener, "active_clients", 0)
-            and asyncio.get_running_loop().time() < deadline
-        ):
-            await asyncio.sleep(0.005)
 
     def _connection(self, peer_address: str) -> UcxOutbound:
         """The live connection to `peer_address`, opening a new one after a failure."""
