@@ -2,15 +2,17 @@
 
 ```
 input_ids [T], positions [T]           all tokens of the step, requests concatenated
-  embed_tokens -> residual [T, hidden]; x = norm(residual)
-  per layer:  q, k, v = qk_norm?(qkv_proj(x))
+  embed_tokens -> residual [T, hidden]; x = None (nothing to add yet)
+  per layer:  qkv, residual = normed_projection(x, residual, input_layernorm, qkv_proj)
+                                       (residual += x; qkv = qkv_proj(norm(residual)))
+              q, k, v = qk_norm?(qkv)
               rotary_qk_write_kv: q, k rotated; k, v stored in the paged KV cache (one op)
               x = o_proj(attn(q))                  (the backend attends; it does not write)
               on_layer_done(layer_idx)             (the layer's KV is in the cache)
-              x, residual = add_rms_norm(x, residual)      (residual += x; x = norm(residual))
-              x = down_proj(silu_and_mul(gate_up_proj(x)))
-              x, residual = add_rms_norm(x, residual)      (the next layer's input norm)
-  the last add_rms_norm uses the final norm -> hidden [T, hidden]
+              gate_up, residual = normed_projection(x, residual, post_attention_layernorm,
+                                                    gate_up_proj)
+              x = down_proj(silu_and_mul(gate_up))
+  hidden, _ = add_rms_norm(x, residual) with the final norm -> hidden [T, hidden]
   compute_logits(hidden[rows]) -> [rows, vocab] float32
 ```
 
@@ -19,8 +21,8 @@ into them. Attention itself is the injected `AttentionBackend`; the residual add
 rotary on q and k with the KV-cache write, and SwiGLU are `LayerOps` (kernels/fused: one
 Triton launch each on CUDA; the torch reference, bit-identical to the unfused code, on CPU and
 with the "torch" backend). The projections (Linear layers, LM head) run through
-`LayerOps.linear`: F.linear, or the Triton skinny GEMM for small steps when
-PDSERVE_SKINNY_GEMM_MAX_M is set.
+`LayerOps.linear`: F.linear, or the Triton skinny GEMM for small steps (which also takes the
+norm before QKV and gate_up, and the SwiGLU before down_proj, into its launch).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def _project(ops: LayerOps, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, linear.weight, linear.bias)
 
 
+def _normed_project(
+    ops: LayerOps,
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm: RMSNorm,
+    linear: nn.Linear,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual): a pre-norm block's input (one launch where
+    the skinny GEMM takes the norm)."""
+    return ops.normed_projection(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -77,13 +91,12 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: qkv_proj of the normed input
         cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
         sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        qkv = _project(self.ops, self.qkv_proj, hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -107,9 +120,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.ops = REFERENCE_OPS
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = _project(self.ops, self.gate_up_proj, hidden)  # [T, 2 * intermediate]
-        return _project(self.ops, self.down_proj, self.ops.silu_and_mul(gate_up))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, hidden]
+        down = self.down_proj  # silu_and_mul, then down_proj (fused in one launch where it can)
+        return self.ops.down_projection(gate_up, down.weight, down.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,20 +136,25 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]: normed input of this layer
-        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream before this layer
+        hidden: torch.Tensor | None,  # [num_tokens, hidden]: the last block's output, not yet
+        # added to the residual (None before the first layer)
+        residual: torch.Tensor,  # [num_tokens, hidden]: the residual stream before the add
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         on_kv_written: Callable[[], None] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual before the MLP's add)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = _normed_project(
+            self.ops, hidden, residual, self.input_layernorm, attn.qkv_proj
+        )
+        hidden = attn(qkv, cos, sin, kv_cache, meta)
         if on_kv_written is not None:
             on_kv_written()
         norm = self.post_attention_layernorm
-        hidden, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        gate_up, residual = _normed_project(self.ops, hidden, residual, norm, mlp.gate_up_proj)
+        return mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,19 +182,18 @@ class LlamaModel(nn.Module):
             )
         residual = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, residual.dtype)  # [T, 1, head_dim // 2] each
-        ops = self.ops
-        first_norm = self.layers[0].input_layernorm
-        hidden = ops.rms_norm(residual, first_norm.weight, first_norm.eps)
-        # Each layer's MLP output is added to the residual by the next norm (the final norm
-        # after the last layer): one fused add + RMSNorm per norm.
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer_idx, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+        # Each block's output is added to the residual by the norm after it, fused with the
+        # projection that follows (the next layer's QKV; the final norm's add stands alone).
+        hidden: torch.Tensor | None = None
+        for layer_idx, layer in enumerate(self.layers):
             on_kv_written = None if on_layer_done is None else partial(on_layer_done, layer_idx)
             hidden, residual = layer(
                 hidden, residual, cos, sin, kv_caches[layer_idx], meta, on_kv_written
             )
-            hidden, residual = ops.add_rms_norm(hidden, residual, next_norm.weight, next_norm.eps)
-        return hidden
+        norm = self.norm
+        if hidden is None:  # a model without layers
+            return self.ops.rms_norm(residual, norm.weight, norm.eps)
+        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -4,7 +4,9 @@
 attention backend "triton" or "flash_attn", on CUDA, triton installed -> the Triton kernels
 anything else (CPU, the "torch" reference backend)                    -> the torch reference
 linear (the projections): F.linear (cuBLAS); with the Triton kernels and skinny_gemm_max_m > 0,
-  the skinny GEMM (kernels/gemm) for steps of 1..skinny_gemm_max_m tokens in fp16/bf16
+  the skinny GEMM (kernels/gemm) for steps of 1..skinny_gemm_max_m tokens in fp16/bf16, the
+  MLP's down projection then with the SwiGLU in its loads (down_projection: one launch, not two)
+  and QKV / gate_up with the residual add + RMSNorm before them (normed_projection: one, not two)
 ```
 
 Both compute the same values (the kernels round where the reference rounds); the reference on
@@ -49,6 +51,38 @@ class LayerOps:
     rotary_qk_write_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (x [T, K], weight [N, K], bias [N] | None) -> [T, N]: nn.Linear's projection
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
+    # (gate_up [T, 2K], weight [N, K], bias) -> linear(silu_and_mul(gate_up)) in one launch
+    # where the skinny GEMM runs; None: the two ops (see down_projection)
+    gated_linear: Callable[..., torch.Tensor] | None = None
+    # (x | None, residual, norm_weight, eps, weight, bias) -> (y, residual): the norm and the
+    # projection after it in one launch where the skinny GEMM runs; None: the two ops
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def down_projection(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The MLP's down projection of the SwiGLU of gate_up ([T, 2K] -> [T, N])."""
+        if self.gated_linear is not None:
+            return self.gated_linear(gate_up, weight, bias)
+        return self.linear(self.silu_and_mul(gate_up), weight, bias)
+
+    def normed_projection(
+        self,
+        x: torch.Tensor | None,  # [T, K]: the block output the norm adds first; None: no add
+        residual: torch.Tensor,  # [T, K]
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,  # [N, K]
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (linear(rms_norm(x + residual)), x + residual)
+        """A pre-norm block's input: the residual add, the RMSNorm and the projection after it."""
+        if self.norm_linear is not None:
+            return self.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        if x is None:
+            normed = self.rms_norm(residual, norm_weight, eps)
+        else:
+            normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), residual
 
 
 def _ops_of(name: str, module: ModuleType) -> LayerOps:
@@ -75,9 +109,21 @@ def with_skinny_gemm(ops: LayerOps, max_m: int) -> LayerOps:
     """`ops` whose projections of 1..max_m tokens (fp16/bf16) run on the skinny GEMM."""
     if not 1 <= max_m <= MAX_M:
         raise ValueError(f"the skinny GEMM takes steps of 1..{MAX_M} tokens, got max_m={max_m}")
-    routed = importlib.import_module("kernels.gemm.skinny_gemm").routed_linear
-    name = f"{ops.name}+skinny_gemm(M<={max_m})"
-    return dataclasses.replace(ops, name=name, linear=partial(routed, max_m=max_m))
+    skinny = importlib.import_module("kernels.gemm.skinny_gemm")
+    return dataclasses.replace(
+        ops,
+        name=f"{ops.name}+skinny_gemm(M<={max_m})",
+        linear=partial(skinny.routed_linear, max_m=max_m),
+        gated_linear=partial(
+            skinny.routed_gated_linear, max_m=max_m, silu_and_mul=ops.silu_and_mul
+        ),
+        norm_linear=partial(
+            skinny.routed_norm_linear,
+            max_m=max_m,
+            add_rms_norm=ops.add_rms_norm,
+            rms_norm=ops.rms_norm,
+        ),
+    )
 
 
 def get_layer_ops(

@@ -128,6 +128,21 @@ def measured_win(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
     return MEASURED_WINS.get((m, n, k))
 
 
+# Launches for the fused prologues (the RMSNorm of a QKV or gate_up input, the SwiGLU of a down
+# projection's) where the plain GEMM is not a measured win but the fusion saves a launch:
+# llama3-8b's one-token gate_up, the sweep's fastest (57.2 us, cuBLAS 58.3: within 3%). In the
+# engine, b1: 4.570 ms/step unfused, 4.47 with the SwiGLU fused, 4.41 with the norms fused too
+# (benchmarks/results/2026-12-03-h200-fused-prologues.txt).
+_FUSED_ONLY: dict[tuple[int, int, int], SkinnyGemmConfig] = {
+    (1, 28672, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
+}
+
+
+def fused_config(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
+    """The launch for a GEMM with a fused prologue at exactly (M, N, K), else None."""
+    return measured_win(m, n, k) or _FUSED_ONLY.get((m, n, k))
+
+
 def skinny_gemm_config(m: int, n: int, k: int) -> SkinnyGemmConfig:
     """The table's launch for y[M, N] = x[M, K] @ W[N, K]^T (1 <= M <= MAX_M)."""
     if not 1 <= m <= MAX_M:

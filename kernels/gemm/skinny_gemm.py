@@ -10,6 +10,11 @@ dot path  (M padded to >= 16): acc += tl.dot(W [BLOCK_N, BLOCK_K], x^T [BLOCK_K,
           (mma.sync m16n8k16 for small tiles; wgmma once BLOCK_N >= 64 and BLOCK_M >= 64)
 fma path  (tiny M, no padding): acc3[BLOCK_N, BLOCK_M, BLOCK_K] += W * x in fp32, summed over K
           once after the loop (no per-step shuffles)
+prologues on the x tile as it loads (one launch instead of two):
+  GATED   x is gate | up: the tile is silu(gate) * up             (the MLP's down projection)
+  NORMED  s = residual (+ x) stored once as the new residual; the tile is s * norm weight; the
+          per-row sum of s^2 accumulates alongside, and 1/rms scales acc after the K loop
+                                                                  (QKV and gate_up)
 ```
 
 Both tiles are loaded straight in the layout they are used in (x as the x^T tile [BLOCK_K,
@@ -32,13 +37,20 @@ no autotuning, no sync: CUDA-graph safe).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gemm.skinny_config import MAX_M, SkinnyGemmConfig, measured_win, skinny_gemm_config
+from kernels.gemm.skinny_config import (
+    MAX_M,
+    SkinnyGemmConfig,
+    fused_config,
+    measured_win,
+    skinny_gemm_config,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton's CPU interpreter (the unit tests) multiplies bfloat16 tiles as their raw uint16 bits:
@@ -47,11 +59,47 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _residual_sum(x_ptrs, r_ptrs, mask, HAS_ADD: tl.constexpr):
+    """residual (+ x), rounded to the dtype where add_rms_norm rounds the sum."""
+    s = tl.load(r_ptrs, mask=mask, other=0.0)
+    if HAS_ADD:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + x.to(tl.float32)).to(s.dtype)
+    return s
+
+
+@triton.jit
+def _x_tile(
+    x_ptrs, r_ptrs, ro_ptrs, nw_ptrs, x_mask, K, store_residual,
+    GATED: tl.constexpr, NORMED: tl.constexpr, HAS_ADD: tl.constexpr,
+):  # fmt: skip
+    """(the GEMM's x^T tile [BLOCK_K, BLOCK_M], the tile the norm's squares come from): as
+    loaded (plain); the SwiGLU of gate | up (GATED, rounded as silu_and_mul); or for the
+    RMSNorm of s = residual (+ x) (NORMED): s times the norm's weight, s stored once to ro_ptrs.
+    The norm's 1 / rms, a per-row scalar, scales the accumulator after the K loop."""
+    if NORMED:
+        s = _residual_sum(x_ptrs, r_ptrs, x_mask, HAS_ADD)
+        if HAS_ADD:  # noqa: SIM102 (a constexpr, then a runtime test): one N tile stores the sum
+            if store_residual:
+                tl.store(ro_ptrs, s, mask=x_mask)
+        nw = tl.load(nw_ptrs, mask=x_mask, other=0.0)  # x's tile shape: pipelined like x
+        return (nw.to(tl.float32) * s.to(tl.float32)).to(s.dtype), s
+    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+    if GATED:  # x's row is gate | up (K each): silu(gate) * up, rounded as silu_and_mul
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return x, x
+
+
+@triton.jit
 def _skinny_gemm_kernel(
-    y_ptr, x_ptr, w_ptr, bias_ptr, M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    y_ptr, x_ptr, w_ptr, bias_ptr, r_ptr, ro_ptr, nw_ptr, eps, M, N, K,
+    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, HAS_ADD: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -63,19 +111,31 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+    rows = offs_m.to(tl.int64)[None, :]
+    x_ptrs = x_ptr + rows * stride_xm + offs_k[:, None]  # [BK, BM]
+    r_ptrs = r_ptr + rows * stride_rm + offs_k[:, None]  # [BK, BM] (NORMED only)
+    ro_ptrs = ro_ptr + rows * stride_rom + offs_k[:, None]
+    nw_ptrs = nw_ptr + offs_k[:, None] + rows * 0  # [BK, BM]: the norm's weight, every row
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORMED: each row's sum of squares
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k < K - k0
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+            x_mask = mask_m[None, :]
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         else:
-            x = tl.load(x_ptrs, mask=mask_m[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            x_mask = mask_m[None, :] & k_mask[:, None]
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & k_mask[None, :], other=0.0)
+        x, s = _x_tile(
+            x_ptrs, r_ptrs, ro_ptrs, nw_ptrs, x_mask, K, pid_n == 0, GATED, NORMED, HAS_ADD
+        )  # fmt: skip
+        if NORMED:
+            s = s.to(tl.float32)
+            ssq += tl.sum(s * s, axis=0)
         if UPCAST_DOT:  # the CPU interpreter's dot reads bf16 as raw uint16 bits
             acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         elif USE_DOT:
@@ -83,9 +143,14 @@ def _skinny_gemm_kernel(
         else:
             acc3 += w.to(tl.float32)[:, None, :] * tl.trans(x).to(tl.float32)[None, :, :]
         x_ptrs += BLOCK_K
+        r_ptrs += BLOCK_K
+        ro_ptrs += BLOCK_K
+        nw_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)  # [BN, BM]
+    if NORMED:  # as the norm kernel: 1 / sqrt(mean(s^2) + eps)
+        acc = acc * (1.0 / tl.sqrt(ssq / K + eps))[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
         acc += bias.to(tl.float32)[:, None]
@@ -98,27 +163,80 @@ def skinny_linear(
     weight: torch.Tensor,  # [N, K], K contiguous (nn.Linear's weight)
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyGemmConfig | None = None,  # None: skinny_gemm_config(M, N, K)
+    *,
+    gated: bool = False,  # x is [M, 2K], gate | up: the GEMM's input is silu(gate) * up
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """F.linear(x, weight, bias) in one Triton launch, fp32 accumulation, one rounding."""
-    _check_inputs(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    """F.linear(x, weight, bias) in one Triton launch, fp32 accumulation, one rounding; gated:
+    F.linear(silu_and_mul(x), weight, bias), the SwiGLU computed on the x tiles as they load
+    (rounded where silu_and_mul rounds: the same values, one launch and no [M, K] buffer)."""
+    if gated and (x.dim() != 2 or x.shape[-1] != 2 * weight.shape[-1]):
+        raise ValueError(
+            f"the gated skinny GEMM needs x [M, 2K] (gate | up) for weight [N, K]; got x "
+            f"{tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    _check_inputs(x[:, : weight.shape[-1]] if gated else x, weight, bias)
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(y, x, weight, bias, config, gated=gated)
+    return y
+
+
+def skinny_norm_linear(
+    x: torch.Tensor | None,  # [M, K]: added to the residual first; None: no add
+    residual: torch.Tensor,  # [M, K], K contiguous
+    norm_weight: torch.Tensor,  # [K]: the RMSNorm's weight, of residual's dtype
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    config: SkinnyGemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], the residual stream after the add)
+    """F.linear(rms_norm(x + residual), weight, bias) and x + residual in ONE launch: the
+    add_rms_norm kernel's work done on the GEMM's x tiles, in one pass over K. The norm's
+    1 / rms is a per-row scalar, so it scales the accumulator after the K loop, where each
+    row's sum of squares is complete: the GEMM's input is s * norm_weight rounded once, where
+    add_rms_norm rounds s * (1 / rms) and then its product with the weight (a one-ulp-of-bf16
+    difference in the input, not bitwise the two launches). The sum s = x + residual is rounded
+    as add_rms_norm rounds it and goes to a new tensor (programs read residual while it is
+    written); without x the residual is returned as it is."""
+    _check_inputs(residual, weight, bias)
+    k = residual.shape[1]
+    if x is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must match the residual {residual.dtype}")
+    if x is not None and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError("skinny_norm_linear needs a contiguous K dim in x")
+    if norm_weight.shape != (k,) or norm_weight.dtype != residual.dtype:
+        raise ValueError(
+            f"the norm's weight must be [K={k}] of the residual's dtype; got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype}"
+        )
+    summed = residual if x is None else torch.empty_like(residual)
+    y = torch.empty(
+        (residual.shape[0], weight.shape[0]), dtype=residual.dtype, device=residual.device
+    )
+    _launch(y, x, weight, bias, config, norm=(residual, summed, norm_weight.contiguous(), eps))
+    return y, summed
+
+
+def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
+    """One launch of the kernel into y; norm = (residual, summed out, norm weight, eps)."""
+    m, n = y.shape
+    k = weight.shape[1]
     if m == 0 or n == 0:
-        return y
+        return
     config = skinny_gemm_config(m, n, k) if config is None else config
-    block_m = config.tile_m(m)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 only ever applies to fp32
-    upcast = config.use_dot and x.dtype == torch.bfloat16 and _INTERPRET
+    residual, summed, norm_weight, eps = norm if norm is not None else (y, y, y, 0.0)
+    x = residual if x is None else x  # NORMED without the add reads only the residual
+    precision = "ieee" if y.dtype == torch.float32 else "tf32"  # tf32 only ever applies to fp32
+    upcast = config.use_dot and y.dtype == torch.bfloat16 and _INTERPRET
     _skinny_gemm_kernel[(config.num_programs(m, n),)](
-        y, x, weight, weight if bias is None else bias, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, USE_DOT=config.use_dot, EVEN_K=k % config.block_k == 0,
+        y, x, weight, weight if bias is None else bias, residual, summed, norm_weight, eps, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0), residual.stride(0), summed.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, NORMED=norm is not None,
+        HAS_ADD=norm is not None and summed is not residual,
+        USE_DOT=config.use_dot, EVEN_K=k % config.block_k == 0,
         DOT_PRECISION=precision, UPCAST_DOT=upcast,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.tile_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return y
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -173,3 +291,62 @@ def routed_linear(
         if config is not None:
             return skinny_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def routed_gated_linear(
+    gate_up: torch.Tensor,  # [M, 2K]: gate | up
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    *,
+    max_m: int,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The MLP's down projection of silu_and_mul(gate_up): one gated skinny GEMM launch where
+    the plain skinny GEMM measured faster for this (M, N, K) (routed_linear's rule), else
+    `silu_and_mul` then F.linear. The same values either way (the kernel rounds the SwiGLU
+    where silu_and_mul does)."""
+    m = gate_up.shape[0] if gate_up.dim() == 2 else 0
+    if (
+        1 <= m <= max_m
+        and gate_up.dtype in (torch.float16, torch.bfloat16)
+        and gate_up.stride(-1) == 1
+        and weight.stride(-1) == 1
+    ):
+        config = fused_config(m, weight.shape[0], weight.shape[1])
+        if config is not None:
+            return skinny_linear(gate_up, weight, bias, config, gated=True)
+    return F.linear(silu_and_mul(gate_up), weight, bias)
+
+
+def routed_norm_linear(
+    x: torch.Tensor | None,  # [M, K] added to the residual first; None: the norm only
+    residual: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    max_m: int,
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    rms_norm: Callable[..., torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y, the residual after the add)
+    """linear(rms_norm(x + residual)) and x + residual: one skinny_norm_linear launch where a
+    launch for this (M, N, K) is known (`fused_config`), else the norm op then
+    routed_linear."""
+    m = residual.shape[0] if residual.dim() == 2 else 0
+    if (
+        1 <= m <= max_m
+        and residual.dtype in (torch.float16, torch.bfloat16)
+        and norm_weight.dtype == residual.dtype
+        and residual.stride(-1) == 1
+        and (x is None or x.stride(-1) == 1)
+        and weight.stride(-1) == 1
+    ):
+        config = fused_config(m, weight.shape[0], weight.shape[1])
+        if config is not None:
+            return skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config)
+    if x is None:
+        normed = rms_norm(residual, norm_weight, eps)
+    else:
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return routed_linear(normed, weight, bias, max_m=max_m), residual

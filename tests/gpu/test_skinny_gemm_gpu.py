@@ -58,3 +58,59 @@ def test_cuda_graph_replay_equals_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, skinny_linear(x, w)) and not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_gated_down_projection_equals_silu_and_mul_then_the_gemm(m) -> None:
+    """llama3-8b's down projection with the SwiGLU on its loads: bitwise the two launches."""
+    from kernels.fused.triton_ops import silu_and_mul
+    from kernels.gemm.skinny_gemm import skinny_linear
+
+    gate_up, w, _ = _inputs(m, 4096, 2 * 14336, torch.bfloat16)
+    w = w[:, :14336].contiguous()
+    fused = skinny_linear(gate_up, w, gated=True)
+    assert torch.equal(fused, skinny_linear(silu_and_mul(gate_up), w))
+    torch.testing.assert_close(fused, F.linear(silu_and_mul(gate_up), w), atol=3e-2, rtol=2e-2)
+
+
+def test_routed_gated_linear_fuses_only_measured_wins() -> None:
+    from kernels.fused.triton_ops import silu_and_mul
+    from kernels.gemm.skinny_config import measured_win
+    from kernels.gemm.skinny_gemm import routed_gated_linear, skinny_linear
+
+    gate_up, w, _ = _inputs(1, 4096, 2 * 14336, torch.bfloat16)
+    w = w[:, :14336].contiguous()
+    routed = routed_gated_linear(gate_up, w, max_m=MAX_M, silu_and_mul=silu_and_mul)
+    config = measured_win(1, 4096, 14336)
+    assert torch.equal(routed, skinny_linear(gate_up, w, None, config, gated=True))  # measured
+    two = torch.cat([gate_up, gate_up])
+    routed = routed_gated_linear(two, w, max_m=MAX_M, silu_and_mul=silu_and_mul)
+    assert torch.equal(routed, F.linear(silu_and_mul(two), w))  # two tokens: cuBLAS
+
+
+@pytest.mark.parametrize("n", [6144, 28672])  # llama3-8b's QKV and gate_up
+@pytest.mark.parametrize("m", [1, 5])
+def test_normed_projection_close_to_add_rms_norm_then_cublas(n, m) -> None:
+    """The residual add + RMSNorm in the GEMM's loads: the new residual bitwise the norm
+    kernel's, the projection within bf16 rounding of add_rms_norm + F.linear, bitwise the same
+    from run to run and under CUDA-graph replay."""
+    from kernels.fused.triton_ops import add_rms_norm
+    from kernels.gemm.skinny_config import fused_config
+    from kernels.gemm.skinny_gemm import skinny_norm_linear
+
+    x, w, _ = _inputs(m, n, 4096, torch.bfloat16)
+    residual = torch.randn_like(x) * 4
+    norm_w = torch.rand(4096, device="cuda").to(torch.bfloat16) + 0.5
+    config = fused_config(m, n, 4096)  # the engine's launch at one token, the table's at 5
+    y, summed = skinny_norm_linear(x, residual, norm_w, 1e-5, w, None, config)
+    normed, want_sum = add_rms_norm(x, residual.clone(), norm_w, 1e-5)
+    assert torch.equal(summed, want_sum)
+    torch.testing.assert_close(y, F.linear(normed, w), atol=3e-2, rtol=2e-2)
+    again, _ = skinny_norm_linear(x, residual, norm_w, 1e-5, w, None, config)
+    assert torch.equal(y, again)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed, _ = skinny_norm_linear(x, residual, norm_w, 1e-5, w, None, config)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, y)

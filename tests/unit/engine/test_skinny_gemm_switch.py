@@ -75,19 +75,32 @@ def test_small_steps_project_on_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch)
     prefill (every prompt > 4 tokens) on F.linear; decode steps of <= 4 tokens: every
     projection of every layer and the LM head on the skinny GEMM."""
     monkeypatch.setattr(skinny_gemm, "measured_win", skinny_gemm.skinny_gemm_config)
+    monkeypatch.setattr(skinny_gemm, "fused_config", skinny_gemm.skinny_gemm_config)
     llm = LLM("synthetic:tiny-llama", device="cpu", dtype="bfloat16", max_num_seqs=2,
               enable_prefix_caching=False)  # fmt: skip
     model = llm.engine.loaded.model
     model.set_layer_ops(with_skinny_gemm(triton_ops(), 4))
     assert model.layer_ops.name == "triton+skinny_gemm(M<=4)"
     seen: dict[int, set[int]] = {}  # weight data_ptr -> the M of each call
+    gated: set[int] = set()  # weight data_ptr of the calls with the SwiGLU in the GEMM
     real = skinny_gemm.skinny_linear
 
-    def spy(x, weight, bias=None, config=None):
+    def spy(x, weight, bias=None, config=None, **kw):
         seen.setdefault(weight.data_ptr(), set()).add(x.shape[0])
-        return real(x, weight, bias, config)
+        if kw.get("gated"):
+            gated.add(weight.data_ptr())
+        return real(x, weight, bias, config, **kw)
+
+    normed: set[int] = set()  # weight data_ptr of the calls with the RMSNorm in the GEMM
+    real_normed = skinny_gemm.skinny_norm_linear
+
+    def normed_spy(x, residual, norm_weight, eps, weight, bias=None, config=None):
+        seen.setdefault(weight.data_ptr(), set()).add(residual.shape[0])
+        normed.add(weight.data_ptr())
+        return real_normed(x, residual, norm_weight, eps, weight, bias, config)
 
     monkeypatch.setattr(skinny_gemm, "skinny_linear", spy)
+    monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", normed_spy)
     prompts = [list(range(3, 11)), list(range(20, 29))]  # 8 and 9 tokens
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outputs = llm.generate(prompts, params)
@@ -100,4 +113,13 @@ def test_small_steps_project_on_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch)
         ms = seen.get(module.weight.data_ptr())
         assert ms and max(ms) <= 4, (module, ms)
     assert len(seen) == len(projections)
+    downs = {layer.mlp.down_proj.weight.data_ptr() for layer in model.model.layers}
+    assert gated == downs, "the down projections take the SwiGLU in the GEMM (one launch)"
+    layers = model.model.layers
+    firsts = {
+        w.data_ptr()
+        for layer in layers
+        for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight)
+    }
+    assert normed == firsts, "QKV and gate_up take the norm before them in the GEMM (one launch)"
     llm.engine.check_no_leaks()

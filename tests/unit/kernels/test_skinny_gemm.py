@@ -161,3 +161,75 @@ def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> Non
         assert calls == ([(m, 40)] if routed else []), (m, dtype)
         want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(y.float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tiles", list(SMALL_TILES))
+def test_gated_equals_silu_and_mul_then_the_gemm(dtype, shape, tiles) -> None:
+    """The SwiGLU computed on the loaded tiles is rounded where silu_and_mul rounds: the gated
+    GEMM gives exactly the two launches' values."""
+    from kernels.fused import triton_ops
+
+    m, n, k = shape
+    gate_up, weight = _randn(m, 2 * k, dtype=dtype, seed=7), _randn(n, k, dtype=dtype, seed=8)
+    config = SMALL_TILES[tiles]
+    fused = skinny_linear(gate_up, weight, None, config, gated=True)
+    two_launches = skinny_linear(triton_ops.silu_and_mul(gate_up), weight, None, config)
+    assert torch.equal(fused, two_launches)
+
+
+def test_gated_needs_gate_and_up_of_the_weights_k() -> None:
+    weight = torch.zeros(32, 64)
+    with pytest.raises(ValueError, match=re.escape("x [M, 2K] (gate | up)")):
+        skinny_linear(torch.zeros(2, 64), weight, gated=True)
+    with pytest.raises(ValueError, match=re.escape("x [M, 2K] (gate | up)")):
+        skinny_linear(torch.zeros(128), weight, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tiles", list(SMALL_TILES))
+@pytest.mark.parametrize("with_add", [True, False])
+def test_normed_equals_add_rms_norm_then_the_gemm(dtype, shape, tiles, with_add) -> None:
+    """The residual add + RMSNorm computed on the loaded tiles: the sum bitwise the norm
+    kernel's, the projection that of the two launches up to the input's rounding (1 / rms
+    scales the accumulator instead of the input)."""
+    from kernels.fused import triton_ops
+    from kernels.gemm.skinny_gemm import skinny_norm_linear
+
+    m, n, k = shape
+    x, residual = _randn(m, k, dtype=dtype, seed=9), _randn(m, k, dtype=dtype, seed=10)
+    norm_w, weight = _randn(k, dtype=dtype, seed=11), _randn(n, k, dtype=dtype, seed=12)
+    bias = _randn(n, dtype=dtype, seed=13)
+    config = SMALL_TILES[tiles]
+    before = residual.clone()
+    y, summed = skinny_norm_linear(
+        x if with_add else None, residual, norm_w, 1e-5, weight, bias, config
+    )
+    if with_add:
+        normed, want_sum = triton_ops.add_rms_norm(x, before.clone(), norm_w, 1e-5)
+        assert torch.equal(summed, want_sum) and torch.equal(residual, before)  # a new tensor
+    else:
+        normed, want_sum = triton_ops.rms_norm(before, norm_w, 1e-5), before
+        assert summed is residual and torch.equal(residual, before)
+    two_launches = skinny_linear(normed, weight, bias, config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # Against the exact math on the (bitwise-checked) sum: no less accurate than the two launches
+    s = want_sum.double()
+    exact = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()) @ (
+        weight.double().t()
+    ) + bias.double()
+    err, err_two = ((t.double() - exact).abs().max().item() for t in (y, two_launches))
+    assert err <= 1.5 * err_two + 1e-4, (err, err_two)
+    torch.testing.assert_close(y.float(), two_launches.float(), atol=0.13, rtol=2e-2)
+
+
+def test_normed_checks_the_norm_inputs() -> None:
+    from kernels.gemm.skinny_gemm import skinny_norm_linear
+
+    residual, weight = torch.zeros(2, 64), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match=re.escape("the norm's weight must be [K=64]")):
+        skinny_norm_linear(None, residual, torch.zeros(32), 1e-5, weight)
+    with pytest.raises(ValueError, match="must match the residual"):
+        skinny_norm_linear(torch.zeros(3, 64), residual, torch.zeros(64), 1e-5, weight)

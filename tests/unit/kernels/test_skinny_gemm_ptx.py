@@ -1,6 +1,7 @@
 """The skinny GEMM compiled for an H100/H200 (sm_90) without a GPU: the table's launches for the
 llama3-8b shapes stream W and x through 16-byte cp.async into shared memory (pipelined, no
-scalar global loads), use no atomics (deterministic), and the 64 x 64 tiles use wgmma.
+scalar global loads), use no atomics (deterministic), and the 64 x 64 tiles use wgmma; the
+gated launch (the down projection taking gate | up) pipelines both halves of x the same way.
 
 Triton compiles ahead of time on CPU (its wheel ships ptxas); the kernel module is imported in a
 child process with TRITON_INTERPRET=0, since this session's kernels are interpreted. The
@@ -27,16 +28,20 @@ import inspect, json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.gemm import skinny_gemm_config
+from kernels.gemm.skinny_config import fused_config
 from kernels.gemm.skinny_gemm import _skinny_gemm_kernel as k
 names = list(inspect.signature(k.fn).parameters)
 out = {}
-for m, n, kdim in json.loads(sys.argv[1]):
-    c = skinny_gemm_config(m, n, kdim)
-    consts = dict(HAS_BIAS=False, USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
+for m, n, kdim, prologue in json.loads(sys.argv[1]):
+    c = fused_config(m, n, kdim) or skinny_gemm_config(m, n, kdim)  # the engine's launch
+    normed = prologue == "normed"
+    consts = dict(HAS_BIAS=False, GATED=prologue == "gated", NORMED=normed, HAS_ADD=normed,
+                  USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
                   DOT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=c.tile_m(m),
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages)
     sig = {a: "constexpr" if a in consts else ("*bf16" if a.endswith("_ptr") else "i32")
            for a in names}
+    sig["eps"] = "fp32"
     aligned = [a for a in names if a.endswith("_ptr") or a in ("N", "K") or a.startswith("stride")]
     aligned += ["M"] if m % 16 == 0 else []
     src = ASTSource(fn=k, signature=sig,
@@ -44,10 +49,19 @@ for m, n, kdim in json.loads(sys.argv[1]):
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=c.num_warps, num_stages=c.num_stages))
-    out[f"{m},{n},{kdim}"] = kernel.asm["ptx"]
+    out[f"{m},{n},{kdim},{prologue}"] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
-CASES = [(1, 4096, 4096), (1, 28672, 4096), (8, 6144, 4096), (32, 4096, 14336), (128, 4096, 4096)]
+CASES = [
+    (1, 4096, 4096, ""),
+    (1, 28672, 4096, ""),
+    (8, 6144, 4096, ""),
+    (32, 4096, 14336, ""),
+    (128, 4096, 4096, ""),
+    (1, 4096, 14336, "gated"),  # the down projection with the SwiGLU on its gate | up loads
+    (1, 6144, 4096, "normed"),  # QKV with the residual add + RMSNorm on its x loads
+    (1, 28672, 4096, "normed"),  # gate_up, the same
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +78,21 @@ def ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_loads_are_pipelined_16_byte_copies_and_no_atomics(ptx, case) -> None:
-    code = ptx[",".join(map(str, case))]
+    m, n, k, prologue = case
+    code = ptx[f"{m},{n},{k},{prologue}"]
     # .cg: the 16-byte copies (W, and x from 8 tokens on); one token's x row goes in 4-byte .ca
     copies = [line for line in code.splitlines() if "cp.async.cg.shared.global" in line]
     assert copies and all(", 0x10," in line for line in copies), "16-byte cp.async for W"
     assert "cp.async.wait_group" in code, "a pipelined (multi-buffered) K loop"
-    assert "ld.global" not in code, "no synchronous global loads (W and x both go async)"
+    if prologue == "normed":  # the norm's pre-pass reads the row (from L2) before the loop
+        main_loop = code[code.index("cp.async") :]
+        assert "ld.global" not in main_loop, "the K loop's loads all go async"
+    else:
+        assert "ld.global" not in code, "no synchronous global loads (W and x both go async)"
     atomics = re.findall(r"^\s*(?:atom|red)\.", code, flags=re.MULTILINE)
     assert not atomics, "no atomics: one program per output"
 
 
 def test_large_tiles_use_wgmma(ptx) -> None:
-    assert "wgmma.mma_async" in ptx["128,4096,4096"]
-    assert "mma.sync" in ptx["8,6144,4096"]
+    assert "wgmma.mma_async" in ptx["128,4096,4096,"]
+    assert "mma.sync" in ptx["8,6144,4096,"]
