@@ -130,11 +130,13 @@ def measured_win(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
 
 # Launches for the fused prologues (the RMSNorm of a QKV or gate_up input, the SwiGLU of a down
 # projection's) where the plain GEMM is not a measured win but the fusion saves a launch:
-# llama3-8b's one-token gate_up, the sweep's fastest (57.2 us, cuBLAS 58.3: within 3%). In the
-# engine, b1: 4.570 ms/step unfused, 4.47 with the SwiGLU fused, 4.41 with the norms fused too
-# (benchmarks/results/2026-12-03-h200-fused-prologues.txt).
+# llama3-8b's one-token gate_up on the multiply-add path (the table's launch; the sweep's
+# fastest, a tl.dot one, puts the normed x tile through shared memory a second time). In the
+# engine, b1 (benchmarks/results/2026-12-03-h200-fused-prologues.txt): 4.570 ms/step unfused,
+# 4.47 with the SwiGLU fused, 4.41 with the norms fused too (gate_up on tl.dot: no better than
+# cuBLAS + the norm kernel, 4.415), 4.34 with this launch and the squares summed once.
 _FUSED_ONLY: dict[tuple[int, int, int], SkinnyGemmConfig] = {
-    (1, 28672, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
+    (1, 28672, 4096): SkinnyGemmConfig(32, 256, 4, 4, block_m=1, use_dot=False),
 }
 
 
