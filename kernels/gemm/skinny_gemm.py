@@ -273,6 +273,18 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("skinny_linear needs a contiguous bias")
 
 
+def _takes_skinny(x: torch.Tensor, weight: torch.Tensor, max_m: int) -> bool:
+    """1..max_m rows of float16/bfloat16, K contiguous in x and weight: the skinny GEMM's
+    inputs (decided on shapes and dtypes only: host-side, CUDA-graph safe)."""
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= max_m
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
 def routed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int
 ) -> torch.Tensor:
@@ -280,14 +292,8 @@ def routed_linear(
     contiguous K where it measured faster than cuBLAS for this very (M, N, K) (`measured_win`),
     else F.linear (cuBLAS). The choice is on shapes and dtypes only (host-side, CUDA-graph
     safe: a captured batch size always takes the same path)."""
-    m = x.shape[0] if x.dim() == 2 else 0
-    if (
-        1 <= m <= max_m
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    ):
-        config = measured_win(m, weight.shape[0], weight.shape[1])
+    if _takes_skinny(x, weight, max_m):
+        config = measured_win(x.shape[0], weight.shape[0], weight.shape[1])
         if config is not None:
             return skinny_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
@@ -302,17 +308,10 @@ def routed_gated_linear(
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The MLP's down projection of silu_and_mul(gate_up): one gated skinny GEMM launch where
-    the plain skinny GEMM measured faster for this (M, N, K) (routed_linear's rule), else
-    `silu_and_mul` then F.linear. The same values either way (the kernel rounds the SwiGLU
-    where silu_and_mul does)."""
-    m = gate_up.shape[0] if gate_up.dim() == 2 else 0
-    if (
-        1 <= m <= max_m
-        and gate_up.dtype in (torch.float16, torch.bfloat16)
-        and gate_up.stride(-1) == 1
-        and weight.stride(-1) == 1
-    ):
-        config = fused_config(m, weight.shape[0], weight.shape[1])
+    a launch for this (M, N, K) is known (`fused_config`), else `silu_and_mul` then F.linear.
+    The same values either way (the kernel rounds the SwiGLU where silu_and_mul does)."""
+    if _takes_skinny(gate_up, weight, max_m):
+        config = fused_config(gate_up.shape[0], weight.shape[0], weight.shape[1])
         if config is not None:
             return skinny_linear(gate_up, weight, bias, config, gated=True)
     return F.linear(silu_and_mul(gate_up), weight, bias)
@@ -333,16 +332,12 @@ def routed_norm_linear(
     """linear(rms_norm(x + residual)) and x + residual: one skinny_norm_linear launch where a
     launch for this (M, N, K) is known (`fused_config`), else the norm op then
     routed_linear."""
-    m = residual.shape[0] if residual.dim() == 2 else 0
     if (
-        1 <= m <= max_m
-        and residual.dtype in (torch.float16, torch.bfloat16)
+        _takes_skinny(residual, weight, max_m)
         and norm_weight.dtype == residual.dtype
-        and residual.stride(-1) == 1
         and (x is None or x.stride(-1) == 1)
-        and weight.stride(-1) == 1
     ):
-        config = fused_config(m, weight.shape[0], weight.shape[1])
+        config = fused_config(residual.shape[0], weight.shape[0], weight.shape[1])
         if config is not None:
             return skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config)
     if x is None:
