@@ -54,9 +54,9 @@ class LayerOps:
     # (gate_up [T, 2K], weight [N, K], bias) -> linear(silu_and_mul(gate_up)) in one launch
     # where the skinny GEMM runs; None: the two ops (see down_projection)
     gated_linear: Callable[..., torch.Tensor] | None = None
-    # (x | None, residual, norm_weight, eps, weight, bias) -> (y, residual): the norm and the
-    # projection after it in one launch where the skinny GEMM runs; None: the two ops
-    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (x | None, residual, norm_weight, eps, weight, bias) -> (y, residual) in one launch, or
+    # None where it has no launch for the shape; the field None: always the two ops
+    norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def down_projection(
         self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -77,7 +77,9 @@ class LayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (linear(rms_norm(x + residual)), x + residual)
         """A pre-norm block's input: the residual add, the RMSNorm and the projection after it."""
         if self.norm_linear is not None:
-            return self.norm_linear(x, residual, norm_weight, eps, weight, bias)
+            fused = self.norm_linear(x, residual, norm_weight, eps, weight, bias)
+            if fused is not None:
+                return fused
         if x is None:
             normed = self.rms_norm(residual, norm_weight, eps)
         else:
@@ -117,12 +119,7 @@ def with_skinny_gemm(ops: LayerOps, max_m: int) -> LayerOps:
         gated_linear=partial(
             skinny.routed_gated_linear, max_m=max_m, silu_and_mul=ops.silu_and_mul
         ),
-        norm_linear=partial(
-            skinny.routed_norm_linear,
-            max_m=max_m,
-            add_rms_norm=ops.add_rms_norm,
-            rms_norm=ops.rms_norm,
-        ),
+        norm_linear=partial(skinny.routed_norm_linear, max_m=max_m),
     )
 
 

@@ -326,12 +326,10 @@ def routed_norm_linear(
     bias: torch.Tensor | None = None,
     *,
     max_m: int,
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-    rms_norm: Callable[..., torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:  # (y, the residual after the add)
-    """linear(rms_norm(x + residual)) and x + residual: one skinny_norm_linear launch where a
-    launch for this (M, N, K) is known (`fused_config`), else the norm op then
-    routed_linear."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (y, the residual after the add)
+    """linear(rms_norm(x + residual)) and x + residual in one skinny_norm_linear launch where
+    a launch for this (M, N, K) is known (`fused_config`); None elsewhere (the caller,
+    LayerOps.normed_projection, then runs the norm op and the projection)."""
     if (
         _takes_skinny(residual, weight, max_m)
         and norm_weight.dtype == residual.dtype
@@ -340,8 +338,4 @@ def routed_norm_linear(
         config = fused_config(residual.shape[0], weight.shape[0], weight.shape[1])
         if config is not None:
             return skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config)
-    if x is None:
-        normed = rms_norm(residual, norm_weight, eps)
-    else:
-        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return routed_linear(normed, weight, bias, max_m=max_m), residual
+    return None
