@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         stopping.set()
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Both explicitly: a process started in a non-interactive shell's background inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
     code = 0
     try:
         address = cluster.start()
