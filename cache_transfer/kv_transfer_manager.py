@@ -37,6 +37,7 @@ from cache_transfer.staging_pool import StagingPool
 from cache_transfer.state import TransferState
 from cache_transfer.ticket_auth import check_handshake
 from cache_transfer.transports.base import KVTransport, TransportError
+from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
 
@@ -80,7 +81,8 @@ class KVTransferManager:
         self.num_succeeded = 0
         self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
-        self._transport = transport
+        # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
+        self._transport = CoalescingTransport(transport)
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}

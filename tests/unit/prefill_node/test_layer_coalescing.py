@@ -26,6 +26,20 @@ TRANSPORTS = [
 ]
 
 
+def count_layer_messages(kv_transport) -> list[int]:
+    """From now on, the number of layers (payloads) in each message `kv_transport` sends."""
+    batches: list[int] = []
+    real_send_many = kv_transport.send_many
+
+    async def counting_send_many(peer_address, messages):
+        if num := sum(payload is not None for _, payload in messages):
+            batches.append(num)
+        await real_send_many(peer_address, messages)
+
+    kv_transport.send_many = counting_send_many
+    return batches
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) -> None:
     prompt_ids = harness.prompt(41, seed=7)
@@ -46,16 +60,7 @@ def test_layers_packed_before_the_sender_runs_go_as_one_message(transport: str) 
                     last_layer_done.set()
 
             nodes.prefill.core.on_layer_done = hook
-            batches: list[int] = []
-            kv_transport = nodes.prefill.manager._transport
-            real_send_many = kv_transport.send_many
-
-            async def counting_send_many(peer_address, messages):
-                if num := sum(payload is not None for _, payload in messages):
-                    batches.append(num)
-                await real_send_many(peer_address, messages)
-
-            kv_transport.send_many = counting_send_many
+            batches = count_layer_messages(nodes.prefill.manager._transport)
             handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
             assert handoff.transfer_result.ok, handoff.transfer_result.error
             assert batches == [num_layers]  # every layer in one message
@@ -130,5 +135,62 @@ def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alon
             again = await harness.run_disaggregated(nodes, "pd2", prompt_ids)
             assert again.transfer_result.ok and again.token_ids == local
             assert batches[0] == (1, 1)  # layer 0 went while layer 1 was still to compute
+
+    harness.run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_batchs_layers_to_one_decode_node_go_as_one_message(transport: str) -> None:
+    """Requests prefilled in one step, all to one decode node: the layers that are packed by
+    the time their senders run go out as one transport message for the whole batch (the
+    transfers' own sends join in `CoalescingTransport`), and every hand-off stays byte-exact.
+    (The engine thread is held until all requests are queued, so they share a step; layer 0
+    goes while the handshakes are answered; the loop is then held until the last layer.)"""
+    from cache_transfer import TransferState
+
+    num_requests = 4
+    prompts = [harness.prompt(21 + 6 * i, seed=20 + i) for i in range(num_requests)]
+
+    async def main() -> None:
+        async with harness.running_nodes(transport) as nodes:
+            loop = asyncio.get_running_loop()
+            streamer, engine = nodes.prefill.streamer, nodes.prefill.engine
+            num_layers = nodes.prefill.layout.num_layers
+            step_sizes: list[int] = []
+            last_layer_done = threading.Event()
+            real_hook = streamer.on_layer_done
+
+            def acked() -> bool:
+                senders = [o.sender for o in streamer._outgoing.values()]
+                return all(s is not None and s.state >= TransferState.WAITING for s in senders)
+
+            def hook(layer_idx, chunks):  # engine thread
+                real_hook(layer_idx, chunks)
+                if layer_idx == 0:
+                    step_sizes.append(len(chunks))
+                    waiting = harness.wait_until(acked, HOLD_S)
+                    asyncio.run_coroutine_threadsafe(waiting, loop).result(HOLD_S)
+                    loop.call_soon_threadsafe(last_layer_done.wait, HOLD_S)  # hold the loop
+                if layer_idx == num_layers - 1:
+                    last_layer_done.set()
+
+            nodes.prefill.core.on_layer_done = hook
+            # layers in each message the wire carried (below the coalescing)
+            batches = count_layer_messages(nodes.prefill.manager._transport.inner)
+            gate = threading.Event()
+            held = asyncio.ensure_future(engine.call(lambda core: gate.wait(HOLD_S), HOLD_S))
+            handoffs = asyncio.gather(
+                *(harness.run_disaggregated(nodes, f"r{i}", p) for i, p in enumerate(prompts))
+            )
+            await harness.wait_until(lambda: engine._commands.qsize() >= num_requests, HOLD_S)
+            gate.set()
+            await held
+            results = await handoffs
+            assert step_sizes == [num_requests]  # one prefill step
+            assert all(r.transfer_result.ok for r in results), [r.transfer_result for r in results]
+            assert sum(batches) == num_requests * num_layers
+            assert batches[-1] == num_requests * (num_layers - 1)  # the batch's, after layer 0
+            for i, (handoff, prompt_ids) in enumerate(zip(results, prompts, strict=True)):
+                assert handoff.token_ids == await harness.run_local(nodes, f"l{i}", prompt_ids)
 
     harness.run(main())
