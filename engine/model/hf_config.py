@@ -46,8 +46,8 @@ def arch_config_from_hf(
     architecture = _architecture(config)
     _check_supported_features(config)
     implied = SUPPORTED_ARCHITECTURES[architecture]
-    hidden_size = _require(config, "hidden_size")
-    num_heads = _require(config, "num_attention_heads")
+    hidden_size = _require_size(config, "hidden_size")
+    num_heads = _require_size(config, "num_attention_heads")
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     if num_heads % num_kv_heads != 0:
         raise ValueError(
@@ -58,10 +58,10 @@ def arch_config_from_hf(
     bos_token_id = config.get("bos_token_id", generation_config.get("bos_token_id"))
     return ModelArchConfig(
         architecture=architecture,
-        vocab_size=_require(config, "vocab_size"),
+        vocab_size=_require_size(config, "vocab_size"),
         hidden_size=hidden_size,
-        intermediate_size=_require(config, "intermediate_size"),
-        num_layers=_require(config, "num_hidden_layers"),
+        intermediate_size=_require_size(config, "intermediate_size"),
+        num_layers=_require_size(config, "num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=config.get("head_dim") or hidden_size // num_heads,
@@ -101,6 +101,14 @@ def _check_supported_features(config: dict[str, Any]) -> None:
             "quantized checkpoints (quantization_config) are not supported; "
             "use a float32/bfloat16/float16 checkpoint or a .gguf file"
         )
+
+
+def _require_size(config: dict[str, Any], key: str) -> int:
+    """A size the model's shapes are made of: present and a positive integer."""
+    value = _require(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json's {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def _require(config: dict[str, Any], key: str) -> Any:

@@ -190,10 +190,8 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(
                 hidden, residual, cos, sin, kv_caches[layer_idx], meta, on_kv_written
             )
-        norm = self.norm
-        if hidden is None:  # a model without layers
-            return self.ops.rms_norm(residual, norm.weight, norm.eps)
-        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
+        assert hidden is not None  # a model has layers (its config is checked on load)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class LlamaForCausalLM(nn.Module):
