@@ -16,6 +16,7 @@ numbering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
@@ -36,7 +37,16 @@ from cache_transfer.transports.ucx.wire import (
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0  # one attempt (ucxx's peer-info exchange; its listener's is 5 s too)
+# A connect that times out is tried again, once, if the peer still listens: under CPU load about
+# 1 in 100 ucxx connects on loopback stalls in the peer-info exchange until the listener's side
+# gives up (2 spinners on 2 cores: 3 of 250 rounds), and a fresh attempt goes through. A dead
+# peer's connect fails at once or, now and then, also by timing out (ucxx waits out its exchange
+# though UCX saw the refusal): a plain TCP connect to its port (the ucx listener over tcp)
+# tells the two apart, so a dead peer still fails after one attempt. (Where UCX listens
+# through RDMA CM, nothing answers TCP there, and no attempt is retried.)
+CONNECT_ATTEMPTS = 2
+LISTENING_PROBE_S = 1.0
 _CLOSE_FLUSH_S = 1.0  # how long close() lets queued messages (failure notices) go out
 
 
@@ -79,20 +89,27 @@ class UcxOutbound:
         # A connect under way is let finish, not cut short: cancelled mid-handshake, its UCX
         # endpoint (and the listener's half of the handshake) outlive it, and UCX shutting down
         # under them (the last transport closing) crashed the process. It ends within
-        # CONNECT_TIMEOUT_S, and _connect aborts the endpoint it gets, this connection failed.
-        await asyncio.wait({self._connecting}, timeout=CONNECT_TIMEOUT_S + 1.0)
+        # its attempts' timeouts, and _connect aborts the endpoint it gets, this connection failed.
+        await asyncio.wait({self._connecting}, timeout=CONNECT_ATTEMPTS * CONNECT_TIMEOUT_S + 1.0)
         self._connecting.cancel()  # only a connect past its own wait_for is still running
         if self._inflight:  # UCX cancelled their requests: they end with TransportError
             await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
 
     async def _connect(self, host: str, port: int) -> ucxx.Endpoint:
-        try:
-            endpoint = await asyncio.wait_for(
-                ucxx.create_endpoint(host, port, connect_timeout=CONNECT_TIMEOUT_S),
-                CONNECT_TIMEOUT_S,
-            )
-        except (UCXError, OSError, TimeoutError, RuntimeError) as error:
-            raise self._fail(f"cannot connect: {error!r}") from None
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                endpoint = await asyncio.wait_for(
+                    ucxx.create_endpoint(host, port, connect_timeout=CONNECT_TIMEOUT_S),
+                    CONNECT_TIMEOUT_S + 1.0,  # ucxx's own timeout first: it cleans up after it
+                )
+                break
+            except TimeoutError as error:
+                if attempt == CONNECT_ATTEMPTS or self.failed or not await _listening(host, port):
+                    raise self._fail(f"cannot connect ({attempt} attempts): {error!r}") from None
+                logger.info("ucx connection to %s: attempt %d timed out, trying again",
+                            self.peer_address, attempt)  # fmt: skip
+            except (UCXError, OSError, RuntimeError) as error:
+                raise self._fail(f"cannot connect: {error!r}") from None
         if self.failed:  # closed while connecting
             endpoint.abort()
             raise self._fail("closed while connecting")
@@ -125,6 +142,18 @@ class UcxOutbound:
             if self._endpoint is not None:
                 self._endpoint.abort()
         return TransportError(f"ucx connection to {self.peer_address} failed: {self.error}")
+
+
+async def _listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port (closed again at once)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), LISTENING_PROBE_S)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 def _num_bytes(payload: torch.Tensor | None) -> int:
