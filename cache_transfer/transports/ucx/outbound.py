@@ -46,7 +46,7 @@ CONNECT_TIMEOUT_S = 5.0  # one attempt (ucxx's peer-info exchange; its listener'
 # tells the two apart, so a dead peer still fails after one attempt. (Where UCX listens
 # through RDMA CM, nothing answers TCP there, and no attempt is retried.)
 CONNECT_ATTEMPTS = 2
-LISTENING_PROBE_S = 1.0
+LISTENING_PROBE_S = 3.0  # generous: an event loop under load answers late
 _CLOSE_FLUSH_S = 1.0  # how long close() lets queued messages (failure notices) go out
 
 
