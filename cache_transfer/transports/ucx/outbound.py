@@ -47,6 +47,8 @@ CONNECT_TIMEOUT_S = 5.0  # one attempt (ucxx's peer-info exchange; its listener'
 # through RDMA CM, nothing answers TCP there, and no attempt is retried.)
 CONNECT_ATTEMPTS = 2
 LISTENING_PROBE_S = 3.0  # generous: an event loop under load answers late
+_ATTEMPT_S = CONNECT_TIMEOUT_S + 1.0  # our bound on one attempt: ucxx's own timeout fires first
+CONNECT_BOUND_S = CONNECT_ATTEMPTS * _ATTEMPT_S + LISTENING_PROBE_S  # the longest _connect runs
 _CLOSE_FLUSH_S = 1.0  # how long close() lets queued messages (failure notices) go out
 
 
@@ -90,7 +92,7 @@ class UcxOutbound:
         # endpoint (and the listener's half of the handshake) outlive it, and UCX shutting down
         # under them (the last transport closing) crashed the process. It ends within
         # its attempts' timeouts, and _connect aborts the endpoint it gets, this connection failed.
-        await asyncio.wait({self._connecting}, timeout=CONNECT_ATTEMPTS * CONNECT_TIMEOUT_S + 1.0)
+        await asyncio.wait({self._connecting}, timeout=CONNECT_BOUND_S + 1.0)
         self._connecting.cancel()  # only a connect past its own wait_for is still running
         if self._inflight:  # UCX cancelled their requests: they end with TransportError
             await asyncio.wait(set(self._inflight), timeout=_CLOSE_FLUSH_S)
@@ -100,12 +102,12 @@ class UcxOutbound:
             try:
                 endpoint = await asyncio.wait_for(
                     ucxx.create_endpoint(host, port, connect_timeout=CONNECT_TIMEOUT_S),
-                    CONNECT_TIMEOUT_S + 1.0,  # ucxx's own timeout first: it cleans up after it
+                    _ATTEMPT_S,  # ucxx's own timeout first: it cleans up after it
                 )
                 break
             except TimeoutError as error:
                 if attempt == CONNECT_ATTEMPTS or self.failed or not await _listening(host, port):
-                    raise self._fail(f"cannot connect ({attempt} attempts): {error!r}") from None
+                    raise self._fail(f"cannot connect (attempt {attempt}): {error!r}") from None
                 logger.info("ucx connection to %s: attempt %d timed out, trying again",
                             self.peer_address, attempt)  # fmt: skip
             except (UCXError, OSError, RuntimeError) as error:
