@@ -17,6 +17,8 @@ bitwise determinism. The grid per M:
 table   skinny_gemm_config(M, N, K) (what skinny_linear runs by default), marked "table"
 dot     BLOCK_N x BLOCK_K in TILES, 3 and 4 stages, 4 warps (8 too for tiles of 64 x 64 and up),
         the M tile M padded to a power of two >= 16 (for M > 64 also capped at 64: two M tiles)
+split   each dot launch of fewer than SPLIT_FILL programs again with K split in SPLITS ways
+        (at least MIN_SPLIT_STEPS K steps a program; the reduce launch is in the time)
 fma     (M <= 4) the no-dot path over FMA_TILES, 3 and 4 stages, 4 and 8 warps
 ```
 
@@ -52,6 +54,9 @@ MAX_COPIES = 64
 MIN_PROGRAMS = 64
 REL_TOLERANCE = 1e-2  # max abs error over max |F.linear|: a few bf16 ulps
 TILES = [(16, 256), (16, 512), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64), (128, 128)]
+SPLITS = (2, 3, 4)  # split-K factors tried on launches of fewer than SPLIT_FILL programs
+SPLIT_FILL = 264  # two programs per SM of an H200 (132 SMs)
+MIN_SPLIT_STEPS = 4  # K steps per split program at least (the pipeline's depth)
 FMA_TILES = [(4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (16, 512), (32, 128), (64, 64)]
 
 
@@ -82,6 +87,7 @@ def settings(m: int, n: int, k: int, grid: str) -> list[tuple[str, SkinnyGemmCon
             candidates.append(config)
             if block_n * config.tile_m(m) >= 64 * 64:
                 candidates.append(dataclasses.replace(config, num_warps=8))
+    candidates += split_candidates(candidates, m, n, k)
     if m <= 4:
         padded_m = 1 << (m - 1).bit_length()
         for (block_n, block_k), stages in ((t, s) for t in FMA_TILES for s in (3, 4)):
@@ -96,10 +102,28 @@ def settings(m: int, n: int, k: int, grid: str) -> list[tuple[str, SkinnyGemmCon
     return found
 
 
+def split_candidates(
+    candidates: list[SkinnyGemmConfig], m: int, n: int, k: int
+) -> list[SkinnyGemmConfig]:
+    """Split-K variants of the tl.dot launches that leave SMs idle (fewer than SPLIT_FILL
+    programs): every split of SPLITS that keeps at least MIN_SPLIT_STEPS K steps a program
+    and at most 2 * SPLIT_FILL programs."""
+    found = []
+    for config in candidates:
+        programs = config.num_programs(m, n)
+        if programs >= SPLIT_FILL:
+            continue
+        for split in SPLITS:
+            steps = -(-k // config.block_k) // split
+            if steps >= MIN_SPLIT_STEPS and programs * split <= 2 * SPLIT_FILL:
+                found.append(dataclasses.replace(config, split_k=split))
+    return found
+
+
 def launch_key(config: SkinnyGemmConfig, m: int) -> tuple:
     """What the launch for M tokens depends on (block_m only through the M tile)."""
     return (config.use_dot, config.tile_m(m), config.block_n, config.block_k,
-            config.num_warps, config.num_stages)  # fmt: skip
+            config.num_warps, config.num_stages, config.split_k)  # fmt: skip
 
 
 @dataclass
@@ -233,9 +257,10 @@ def summary(results: list[Result], copy_bps: float) -> str:
 
 def config_code(config: SkinnyGemmConfig) -> str:
     fma = "" if config.use_dot else ", use_dot=False"
+    split = f", split_k={config.split_k}" if config.split_k > 1 else ""
     return (
         f"SkinnyGemmConfig({config.block_n}, {config.block_k}, {config.num_warps}, "
-        f"{config.num_stages}, block_m={config.block_m}{fma})"
+        f"{config.num_stages}, block_m={config.block_m}{fma}{split})"
     )
 
 
@@ -289,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_bps = memory_bandwidth(device, 1 << 30)
     print(f"{torch.cuda.get_device_name()}: HBM copy {copy_bps / 1e12:.2f} TB/s (read + write, "
           f"1 GiB; the ceiling); bf16; times are CUDA-graph replays over W copies, median of "
-          f"{args.reps}; setting = kind, BLOCK_N, BLOCK_K, M tile cap, warps, stages")  # fmt: skip
+          f"{args.reps}; setting = kind, BLOCK_N, BLOCK_K, M tile cap, warps, stages, split-K")  # fmt: skip
     results = []
     for name in args.shapes:
         for m in args.ms:

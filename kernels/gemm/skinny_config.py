@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 MAX_M = 128  # the largest M (tokens) the kernel is meant for; above it use cuBLAS
 MIN_DOT_M = 16  # tl.dot needs every dim >= 16: M is padded to 16 on the dot path
+MAX_SPLIT_K = 16  # the reduce launch sums split_k fp32 partials per output, unrolled
 _MAX_SMEM_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KiB, headroom for the epilogue
 _MAX_GEMV_REGS = 64  # fp32 accumulator registers per thread on the no-dot path
 
@@ -33,7 +34,11 @@ _MAX_GEMV_REGS = 64  # fp32 accumulator registers per thread on the no-dot path
 @dataclass(frozen=True)
 class SkinnyGemmConfig:
     """One launch of the skinny GEMM: a program computes a [block_m, block_n] tile of y over
-    the whole of K, block_k at a time (no split-K: every output has one program, one order)."""
+    its share of K, block_k at a time. split_k == 1: the whole of K (every output has one
+    program, one order, no second launch); split_k > 1: K in split_k equal runs of whole
+    block_k steps, each program's fp32 partial tile to a workspace that a reduce launch sums
+    in split order (more programs where the N tiles alone leave SMs idle; still bitwise
+    deterministic)."""
 
     block_n: int  # rows of W (outputs) per program
     block_k: int  # K step
@@ -41,6 +46,7 @@ class SkinnyGemmConfig:
     num_stages: int  # software pipeline depth of the W/x loads
     block_m: int = 16  # the M tile's cap (tokens per program); M is padded to a power of two
     use_dot: bool = True  # tl.dot (M padded to >= 16) or a multiply-add reduction
+    split_k: int = 1  # programs per output tile along K (1: no split, no reduce launch)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "block_m"):
@@ -53,6 +59,8 @@ class SkinnyGemmConfig:
             )
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad num_warps/num_stages: {self.label()}")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"split_k must be in 1..{MAX_SPLIT_K}: {self.label()}")
 
     def tile_m(self, m: int) -> int:
         """BLOCK_M for M tokens: M rounded up to a power of two (16 at least with tl.dot),
@@ -61,7 +69,12 @@ class SkinnyGemmConfig:
         return min(self.block_m, max(padded, MIN_DOT_M if self.use_dot else 1))
 
     def num_programs(self, m: int, n: int) -> int:
-        return -(-m // self.tile_m(m)) * -(-n // self.block_n)
+        return -(-m // self.tile_m(m)) * -(-n // self.block_n) * self.split_k
+
+    def k_per_split(self, k: int) -> int:
+        """The K run of one split: whole block_k steps, the last run the shorter."""
+        steps = -(-k // self.block_k)
+        return -(-steps // self.split_k) * self.block_k
 
     def smem_bytes(self, m: int, itemsize: int) -> int:
         """Shared memory of the pipelined W and x tiles (what num_stages multiplies)."""
@@ -78,9 +91,10 @@ class SkinnyGemmConfig:
 
     def label(self) -> str:
         kind = "dot" if self.use_dot else "fma"
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
         return (
             f"{kind} N{self.block_n} K{self.block_k} M{self.block_m} "
-            f"w{self.num_warps} s{self.num_stages}"
+            f"w{self.num_warps} s{self.num_stages}{split}"
         )
 
 
@@ -120,6 +134,10 @@ MEASURED_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
     (1, 4096, 4096): SkinnyGemmConfig(8, 512, 4, 3, block_m=1, use_dot=False),
     (1, 4096, 14336): SkinnyGemmConfig(8, 512, 4, 3, block_m=1, use_dot=False),
     (1, 128256, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
+    # 32 tokens, o_proj split over K in 4 (64 N tiles x 4 = 256 programs): 13.2 -> 12.6 us,
+    # and in the engine b32 5.962 / 5.966 -> 5.918 / 5.911 ms (A/B twice in one process,
+    # benchmarks/results/2026-12-04-h200-split-k.txt); the other split wins were < 3%
+    (32, 4096, 4096): SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4),
 }
 
 

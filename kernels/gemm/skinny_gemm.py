@@ -2,9 +2,11 @@
 Triton launch, streaming W (the nn.Linear layout, K contiguous) once from HBM.
 
 ```
-grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)   the M tiles of one N tile are adjacent programs
-program: acc[BLOCK_N, BLOCK_M] fp32 = sum over K, BLOCK_K at a time, of W tile . x tile^T
-         (+ bias), rounded once to the dtype, stored transposed into y [M, N]
+grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * split_k,)   the M tiles of one N tile (and the
+         split programs of one tile) are adjacent programs
+program: acc[BLOCK_N, BLOCK_M] fp32 = sum over K (or its split's run), BLOCK_K at a time, of
+         W tile . x tile^T (+ bias), rounded once to the dtype, stored transposed into y [M, N]
+         (split: the fp32 tile to the workspace; a reduce launch sums the splits into y)
 dot path  (M padded to >= 16): acc += tl.dot(W [BLOCK_N, BLOCK_K], x^T [BLOCK_K, BLOCK_M])
           W is the mma's A operand ("swap AB"): BLOCK_N is its wide dim, the tokens its narrow one
           (mma.sync m16n8k16 for small tiles; wgmma once BLOCK_N >= 64 and BLOCK_M >= 64)
@@ -27,11 +29,16 @@ registers for the table's launches, wgmma for the 64 x 64 tiles of M = 128.
 
 At decode sizes the GEMM reads W (N*K*2 bytes) and next to nothing else, so it is bound by HBM
 bandwidth: the launch must keep enough loads in flight on every SM (num_stages deep) over enough
-programs. It does not split K: the N tiles alone fill the GPU for the llama3-8b shapes (a
-4096-row W in 16-row tiles is 256 programs for 132 SMs), so there is no second reduce launch,
-no workspace, no atomics, and each output is one program's sum in one fixed order: bitwise
-deterministic from run to run. The launch comes from `skinny_gemm_config`'s table (host-side,
-no autotuning, no sync: CUDA-graph safe).
+programs. With one token the N tiles alone fill the GPU (a 4096-row W in 8-row tiles is 512
+programs for 132 SMs); the tl.dot tiles of 32-128 tokens are wider (BLOCK_N 32-128: 32-128
+programs for a 4096-row W), so a launch may split K (`split_k`): split_k adjacent programs per
+output tile, each over an equal run of whole BLOCK_K steps, store fp32 partial tiles to a
+workspace [split_k, M, N], and a second launch (`_split_k_reduce_kernel`) sums them in split
+order, adds the bias and rounds once. No atomics: each output is the same sum in the same order
+every run (bitwise deterministic), though not bitwise the unsplit launch's. The fused RMSNorm
+needs the whole of K in one program (its sum of squares): it never splits. The launch comes from
+`skinny_gemm_config`'s table (host-side, no autotuning, no sync: CUDA-graph safe; the workspace
+is a torch allocation, from the graph's pool when captured).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Triton's CPU interpreter (the unit tests) multiplies bfloat16 tiles as their raw uint16 bits:
 # there, and only there, the dot path converts bfloat16 tiles to float32 first.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_REDUCE_BLOCK = 1024  # outputs per program of the split-K reduce launch
 
 
 @triton.jit
@@ -95,34 +103,37 @@ def _x_tile(
 
 @triton.jit
 def _skinny_gemm_kernel(
-    y_ptr, x_ptr, w_ptr, bias_ptr, r_ptr, ro_ptr, nw_ptr, eps, M, N, K,
+    y_ptr, x_ptr, w_ptr, bias_ptr, r_ptr, ro_ptr, nw_ptr, ws_ptr, eps, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, HAS_ADD: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K  # the split programs of one output tile are adjacent
     num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_n = pid // num_m_tiles
-    pid_m = pid % num_m_tiles
+    pid_n = pid // SPLIT_K // num_m_tiles
+    pid_m = pid // SPLIT_K % num_m_tiles
+    k_start = pid_k * k_per_split  # SPLIT_K == 1: 0, and k_per_split covers K
+    k_stop = tl.minimum(K, k_start + k_per_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     rows = offs_m.to(tl.int64)[None, :]
-    x_ptrs = x_ptr + rows * stride_xm + offs_k[:, None]  # [BK, BM]
-    r_ptrs = r_ptr + rows * stride_rm + offs_k[:, None]  # [BK, BM] (NORMED only)
+    x_ptrs = x_ptr + rows * stride_xm + (k_start + offs_k)[:, None]  # [BK, BM]
+    r_ptrs = r_ptr + rows * stride_rm + offs_k[:, None]  # [BK, BM] (NORMED only: no split)
     ro_ptrs = ro_ptr + rows * stride_rom + offs_k[:, None]
     nw_ptrs = nw_ptr + offs_k[:, None] + rows * 0  # [BK, BM]: the norm's weight, every row
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     ssq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # NORMED: s^2, summed over K at the end
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         if EVEN_K:
             x_mask = mask_m[None, :]
@@ -151,11 +162,33 @@ def _skinny_gemm_kernel(
         acc = tl.sum(acc3, axis=2)  # [BN, BM]
     if NORMED:  # as the norm kernel: 1 / sqrt(mean(s^2) + eps)
         acc = acc * (1.0 / tl.sqrt(tl.sum(ssq, axis=0) / K + eps))[None, :]
+    out_mask = mask_n[:, None] & mask_m[None, :]
+    if SPLIT_K > 1:  # the fp32 partial to ws [SPLIT_K, M, N]; _split_k_reduce_kernel finishes
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptrs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
+            acc += bias.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # [BN, BM]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    y_ptr, ws_ptr, bias_ptr, M, N, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """y[m, n] = sum over s of ws[s, m, n] (+ bias[n]), in split order, rounded once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
-        acc += bias.to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # [BN, BM]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs // N * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def skinny_linear(
@@ -223,20 +256,30 @@ def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
     if m == 0 or n == 0:
         return
     config = skinny_gemm_config(m, n, k) if config is None else config
+    if norm is not None and config.split_k > 1:
+        raise ValueError(f"the fused RMSNorm needs the whole of K in one program: {config.label()}")
     residual, summed, norm_weight, eps = norm if norm is not None else (y, y, y, 0.0)
     x = residual if x is None else x  # NORMED without the add reads only the residual
     precision = "ieee" if y.dtype == torch.float32 else "tf32"  # tf32 only ever applies to fp32
     upcast = config.use_dot and y.dtype == torch.bfloat16 and _INTERPRET
+    split = config.split_k
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=y.device) if split > 1 else y
     _skinny_gemm_kernel[(config.num_programs(m, n),)](
-        y, x, weight, weight if bias is None else bias, residual, summed, norm_weight, eps, m, n, k,
+        y, x, weight, weight if bias is None else bias, residual, summed, norm_weight, ws, eps,
+        m, n, k, config.k_per_split(k),
         x.stride(0), weight.stride(0), y.stride(0), residual.stride(0), summed.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, NORMED=norm is not None,
         HAS_ADD=norm is not None and summed is not residual,
         USE_DOT=config.use_dot, EVEN_K=k % config.block_k == 0,
-        DOT_PRECISION=precision, UPCAST_DOT=upcast,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, SPLIT_K=split,
         BLOCK_M=config.tile_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if split > 1:
+        _split_k_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+            y, ws, weight if bias is None else bias, m, n, y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK,
+        )  # fmt: skip
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -328,7 +371,7 @@ def routed_norm_linear(
     max_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (y, the residual after the add)
     """linear(rms_norm(x + residual)) and x + residual in one skinny_norm_linear launch where
-    a launch for this (M, N, K) is known (`fused_config`); None elsewhere (the caller,
+    a launch for this (M, N, K) is known (`fused_config`) and does not split K; None elsewhere (the caller,
     LayerOps.normed_projection, then runs the norm op and the projection)."""
     if (
         _takes_skinny(residual, weight, max_m)
@@ -336,6 +379,6 @@ def routed_norm_linear(
         and (x is None or x.stride(-1) == 1)
     ):
         config = fused_config(residual.shape[0], weight.shape[0], weight.shape[1])
-        if config is not None:
+        if config is not None and config.split_k == 1:  # the norm needs all of K in a program
             return skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config)
     return None

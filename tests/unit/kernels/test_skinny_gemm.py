@@ -26,6 +26,12 @@ SMALL_TILES = {
     "fma": SkinnyGemmConfig(8, 32, 4, 2, block_m=4, use_dot=False),
     "table": None,  # skinny_gemm_config(M, N, K): large tiles, K and N masked
 }
+# split-K: K in runs of whole BLOCK_K steps, fp32 partials summed by a second launch; with
+# 3 splits of K = 48 or 100 in 32-steps one run is empty (its partial is zeros)
+SPLIT_TILES = {
+    "dot_split3": SkinnyGemmConfig(16, 32, 4, 2, block_m=16, split_k=3),
+    "fma_split2": SkinnyGemmConfig(8, 32, 4, 2, block_m=4, use_dot=False, split_k=2),
+}
 LLAMA3_8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
@@ -46,13 +52,13 @@ def _reference(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tiles", list(SMALL_TILES))
+@pytest.mark.parametrize("tiles", list(SMALL_TILES) + list(SPLIT_TILES))
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float32_matmul(dtype, shape, tiles, with_bias) -> None:
     m, n, k = shape
     x, weight = _randn(m, k, dtype=dtype, seed=1), _randn(n, k, dtype=dtype, seed=2)
     bias = _randn(n, dtype=dtype, seed=3) if with_bias else None
-    y = skinny_linear(x, weight, bias, SMALL_TILES[tiles])
+    y = skinny_linear(x, weight, bias, {**SMALL_TILES, **SPLIT_TILES}[tiles])
     assert y.shape == (m, n) and y.dtype == dtype
     torch.testing.assert_close(y.float(), _reference(x, weight, bias), **_tol(dtype))
 
@@ -102,7 +108,8 @@ def test_bad_input_is_refused_with_a_clear_error(message, x, weight, bias) -> No
 @pytest.mark.parametrize("n, k", LLAMA3_8B_NK)
 def test_table_has_a_fitting_launch_for_every_m(n, k) -> None:
     """Every M of 1..MAX_M gets a launch within shared memory (and registers without tl.dot)
-    with at least 64 programs (half an H200's 132 SMs: no split-K, so the N tiles must fill it)."""
+    with at least 64 programs (half an H200's 132 SMs: the table does not split K, so the N tiles
+    must fill it)."""
     for m in range(1, MAX_M + 1):
         config = skinny_gemm_config(m, n, k)
         assert config.fits(m), (m, n, k, config.label())
@@ -121,12 +128,23 @@ def test_m_tile_is_padded_for_dot_and_capped_by_block_m() -> None:
     assert [fma.tile_m(m) for m in (1, 2, 3, 5)] == [1, 2, 4, 4]
 
 
+def test_split_k_multiplies_the_programs_and_runs_whole_k_steps() -> None:
+    split = SkinnyGemmConfig(64, 64, 4, 4, block_m=64, split_k=4)
+    assert split.num_programs(128, 4096) == 2 * 64 * 4
+    assert split.k_per_split(14336) == 3584  # 224 steps of 64: 56 per split
+    assert split.k_per_split(100) == 64  # 2 steps in 4 splits: 1 each, two runs empty
+    assert SkinnyGemmConfig(64, 64, 4, 4).k_per_split(14336) == 14336
+    assert "split4" in split.label() and "split" not in SkinnyGemmConfig(64, 64, 4, 4).label()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"block_n": 24, "block_k": 64}, "power of two"),
         ({"block_n": 8, "block_k": 64}, "tl.dot needs"),
         ({"block_n": 64, "block_k": 64, "num_warps": 3}, "num_warps"),
+        ({"block_n": 64, "block_k": 64, "split_k": 0}, "split_k must be in 1..16"),
+        ({"block_n": 64, "block_k": 64, "split_k": 17}, "split_k must be in 1..16"),
     ],
 )
 def test_bad_config_is_refused(kwargs, message) -> None:
@@ -165,15 +183,15 @@ def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> Non
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("tiles", list(SMALL_TILES))
+@pytest.mark.parametrize("tiles", list(SMALL_TILES) + list(SPLIT_TILES))
 def test_gated_equals_silu_and_mul_then_the_gemm(dtype, shape, tiles) -> None:
     """The SwiGLU computed on the loaded tiles is rounded where silu_and_mul rounds: the gated
-    GEMM gives exactly the two launches' values."""
+    GEMM gives exactly the two launches' values (split K too: the same runs, the same sums)."""
     from kernels.fused import triton_ops
 
     m, n, k = shape
     gate_up, weight = _randn(m, 2 * k, dtype=dtype, seed=7), _randn(n, k, dtype=dtype, seed=8)
-    config = SMALL_TILES[tiles]
+    config = {**SMALL_TILES, **SPLIT_TILES}[tiles]
     fused = skinny_linear(gate_up, weight, None, config, gated=True)
     two_launches = skinny_linear(triton_ops.silu_and_mul(gate_up), weight, None, config)
     assert torch.equal(fused, two_launches)
@@ -229,7 +247,32 @@ def test_normed_checks_the_norm_inputs() -> None:
     from kernels.gemm.skinny_gemm import skinny_norm_linear
 
     residual, weight = torch.zeros(2, 64), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match="the fused RMSNorm needs the whole of K"):
+        skinny_norm_linear(None, residual, torch.zeros(64), 1e-5, weight, None,
+                           SPLIT_TILES["dot_split3"])  # fmt: skip
     with pytest.raises(ValueError, match=re.escape("the norm's weight must be [K=64]")):
         skinny_norm_linear(None, residual, torch.zeros(32), 1e-5, weight)
     with pytest.raises(ValueError, match="must match the residual"):
         skinny_norm_linear(torch.zeros(3, 64), residual, torch.zeros(64), 1e-5, weight)
+
+
+def test_a_split_launch_never_takes_the_norm(monkeypatch) -> None:
+    """A split-K launch recorded for a shape that a normed projection also has (the norm needs
+    all of K in one program): routed_norm_linear declines (the caller runs the norm, then the
+    split GEMM), the gated down projection takes it."""
+    from kernels.fused import triton_ops
+    from kernels.gemm import skinny_gemm
+
+    split = SPLIT_TILES["dot_split3"]
+    monkeypatch.setattr(skinny_gemm, "fused_config", lambda m, n, k: split)
+    residual, weight = (
+        _randn(2, 64, dtype=torch.bfloat16, seed=14),
+        _randn(40, 64, dtype=torch.bfloat16, seed=15),
+    )
+    norm_w = _randn(64, dtype=torch.bfloat16, seed=16)
+    assert skinny_gemm.routed_norm_linear(None, residual, norm_w, 1e-5, weight, max_m=4) is None
+    gate_up = _randn(2, 128, dtype=torch.bfloat16, seed=17)
+    y = skinny_gemm.routed_gated_linear(
+        gate_up, weight, max_m=4, silu_and_mul=triton_ops.silu_and_mul
+    )
+    assert torch.equal(y, skinny_linear(triton_ops.silu_and_mul(gate_up), weight, None, split))
