@@ -159,7 +159,9 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:  # e.g. raise_exception("roles must alternate")
-            raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
+            raise InvalidRequestError(
+                f"chat template rejected the messages: {exc}", "messages"
+            ) from exc
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -176,14 +178,19 @@ class Tokenizer:
 
 def _validate_messages(messages: list[dict[str, Any]]) -> None:
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {role, content} dicts")
+        raise InvalidRequestError(
+            "messages must be a non-empty list of {role, content} dicts", "messages"
+        )
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be a dict with role and content")
+            raise InvalidRequestError(
+                f"messages[{i}] must be a dict with role and content", "messages"
+            )
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{i}] has role {role!r}; allowed roles: {', '.join(CHAT_ROLES)}"
+                f"messages[{i}] has role {role!r}; allowed roles: {', '.join(CHAT_ROLES)}",
+                "messages",
             )
 
 

@@ -21,19 +21,38 @@ from pdserve import envs
 from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
 from router.client import GenerationClient, GenerationResult
 
+
+def _int_within(low: int, high: int):
+    """An argparse type: an integer the flag's protobuf field can hold (the router checks what
+    it means: a usage error here, not a traceback, for what could never be sent)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's "invalid integer value" wording
+    return parse
+
+
+_UINT32 = _int_within(0, 2**32 - 1)
 # (flag, type, help) of SamplingParams fields; unset flags leave the engine's default.
 _SAMPLING_FLAGS = (
-    ("--max-tokens", int, "tokens to generate at most"),
+    ("--max-tokens", _UINT32, "tokens to generate at most"),
     ("--temperature", float, "0: greedy"),
     ("--top-p", float, "nucleus sampling mass, in (0, 1]"),
-    ("--top-k", int, "0 or -1: disabled"),
+    ("--top-k", _int_within(-(2**31), 2**31 - 1), "0 or -1: disabled"),
     ("--min-p", float, "in [0, 1]"),
     ("--repetition-penalty", float, "> 0; 1 disables"),
     ("--presence-penalty", float, "in [-2, 2]"),
     ("--frequency-penalty", float, "in [-2, 2]"),
-    ("--seed", int, "same seed, same tokens"),
-    ("--min-tokens", int, "no stop before this many tokens"),
-    ("--logprobs", int, "0: the sampled token's; n: plus the top n"),
+    ("--seed", _int_within(0, 2**64 - 1), "same seed, same tokens"),
+    ("--min-tokens", _UINT32, "no stop before this many tokens"),
+    ("--logprobs", _UINT32, "0: the sampled token's; n: plus the top n"),
 )
 _SAMPLING_FIELDS = (
     *(flag[2:].replace("-", "_") for flag, _, _ in _SAMPLING_FLAGS),
@@ -67,7 +86,7 @@ def build_client_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--stop-token-id",
         dest="stop_token_ids",
-        type=int,
+        type=_UINT32,
         action="append",
         default=None,
         help="stop token id (repeatable)",

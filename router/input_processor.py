@@ -19,6 +19,7 @@ from pdserve.v1 import generation_pb2, node_pb2
 _SEED_BITS = 63
 CHARS_PER_TOKEN_CAP = 32  # no tokenizer packs more characters than this into a token, in practice
 NO_TOKENIZER = "this model has no tokenizer: send prompt_token_ids"
+MAX_REQUEST_ID_CHARS = 256  # a client request id: what every log line of the request carries
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class InputProcessor:
         self._max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN_CAP * self._max_model_len
 
     def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+        _check_request_id(request.request_id)
         params = SamplingParams.from_proto(request.sampling)
         if params.seed is None:  # P and a falling-back D must draw the same first token
             params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
@@ -133,6 +135,26 @@ class InputProcessor:
                     f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})",
                     name.removeprefix("sampling."),
                 )
+
+
+def _check_request_id(request_id: str) -> None:
+    """The client's id goes into every log line of the request on every node: short and
+    printable only (a newline in it would forge log lines)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequestError(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters (no "
+            f"newlines or other control characters); got {len(request_id)} characters: "
+            f"{request_id[:40]!r}{'...' if len(request_id) > 40 else ''}",
+            "request_id",
+        )
+
+
+def loggable_request_id(request_id: str) -> str:
+    """The client's id as a rejected request's log line may carry it: as sent when valid,
+    else escaped and cut short (`repr`: no raw control characters reach the log)."""
+    if len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable():
+        return request_id
+    return repr(request_id[:40])
 
 
 def _internal_id(client_id: str) -> str:

@@ -20,6 +20,7 @@ import grpc
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
 from router.errors import RouterError
+from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
 
@@ -39,7 +40,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(
-                "grpc", request.request_id, error.code.name, error.message, start_s
+                "grpc",
+                loggable_request_id(request.request_id),
+                error.code.name,
+                error.message,
+                start_s,
             )
             await context.abort(error.code, error.message)
         try:

@@ -8,7 +8,8 @@ parse_completion(body) / parse_chat(body)
   messages (text content)                -> GenerateRequest.messages (the model's chat template)
   sampling parameters                    -> generation_pb2.SamplingParams (validated later by
                                             the same InputProcessor the gRPC API uses)
-  n                                      -> n choices per prompt (seed + i when seeded)
+  n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
+  integers beyond their protobuf field, lone UTF-16 surrogates in strings -> OpenAIError 400
 ```
 """
 
@@ -22,6 +23,11 @@ from router.http.openai_errors import OpenAIError
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 20
+_UINT32_MAX, _INT32_MAX, _UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
+# The integer sampling parameters' ranges: what their protobuf fields hold (the values'
+# meaning is checked later, by the InputProcessor that also serves gRPC).
+_INT_RANGES = {"seed": (0, _UINT64_MAX), "min_tokens": (0, _UINT32_MAX),
+               "top_k": (-_INT32_MAX - 1, _INT32_MAX)}  # fmt: skip
 
 # Parameters both endpoints take, with their sampling field (None: handled by the endpoint).
 _SAMPLING = {
@@ -73,7 +79,7 @@ def parse_completion(body: Any) -> OpenAIRequest:
     n = _int(body, "n", 1, MAX_N) or 1
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    max_tokens = _int(body, "max_tokens", 1, None)
+    max_tokens = _int(body, "max_tokens", 1, _UINT32_MAX)
     sampling = _sampling(body, 16 if max_tokens is None else max_tokens, logprobs)
     requests = []
     for prompt in prompts:
@@ -95,9 +101,9 @@ def parse_chat(body: Any) -> OpenAIRequest:
     if top is not None and not want_logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", 1, None)
+    max_tokens = _int(body, "max_completion_tokens", 1, _UINT32_MAX)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, None)
+        max_tokens = _int(body, "max_tokens", 1, _UINT32_MAX)
     n = _int(body, "n", 1, MAX_N) or 1
     sampling = _sampling(body, max_tokens, logprobs)
     parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
@@ -133,7 +139,7 @@ def _request(
             request.CopyFrom(prompt)
             request.sampling.CopyFrom(sampling)
             if sampling.HasField("seed"):  # distinct but reproducible choices
-                request.sampling.seed = sampling.seed + i
+                request.sampling.seed = (sampling.seed + i) % (_UINT64_MAX + 1)
             choices.append(Choice(index, request))
     return OpenAIRequest(
         model=model,
@@ -155,7 +161,30 @@ def _check_keys(body: Any, allowed: set[str]) -> dict:
             raise OpenAIError(f"unsupported parameter: {key!r} is not supported by pdserve", key)
         if key in _NO_OP and value not in _NO_OP[key]:
             raise OpenAIError(f"unsupported parameter: {key!r} is not supported by pdserve", key)
+        _check_text(value, key)
     return {k: v for k, v in body.items() if v is not None}  # null means "not given"
+
+
+def _check_text(value: Any, param: str) -> None:
+    """Every string in `value` is text UTF-8 can carry: JSON's \\ud800-style escapes can spell
+    a lone surrogate, which no protobuf string (nor the tokenizer) takes."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise OpenAIError(
+                    f"{param} holds a lone UTF-16 surrogate ({item[error.start]!r} at character "
+                    f"{error.start}), which is not text: send valid Unicode",
+                    param,
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _sampling(
@@ -168,10 +197,8 @@ def _sampling(
         sampling.logprobs = logprobs
     for name, (kind, dest) in _SAMPLING.items():
         if name in body:
-            value = _number(body, name, kind)
-            if name in ("seed", "min_tokens") and value < 0:
-                raise OpenAIError(f"{name} must be >= 0, got {value}", name)
-            setattr(sampling, dest, value)
+            value = _int(body, name, *_INT_RANGES[name]) if name in _INT_RANGES else None
+            setattr(sampling, dest, _number(body, name, kind) if value is None else value)
     stop = body.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -179,7 +206,9 @@ def _sampling(
         raise OpenAIError("stop must be a non-empty string or a list of them", "stop")
     sampling.stop.extend(stop)
     stop_ids = body.get("stop_token_ids", [])
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(
+        _is_int(t) and 0 <= t <= _UINT32_MAX for t in stop_ids
+    ):
         raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
     sampling.stop_token_ids.extend(stop_ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")

@@ -4,7 +4,7 @@ as gRPC Generate), one task per choice, and builds the responses (`openai_respon
 ```
 prepare(parsed)     model check (404), per choice: request id "<id>-<i>", RequestHandler.process
                     (bad input: 400; chat without max_tokens: the rest of the context)
-complete(...)       every choice to its end -> one JSON body
+complete(...)       every choice to its end -> one JSON body (MAX_CHOICES_IN_FLIGHT at a time)
 stream(...)         SSE: "data: {chunk}" as tokens arrive ... [usage chunk] "data: [DONE]"
 ```
 """
@@ -33,6 +33,10 @@ from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 logger = logging.getLogger(__name__)
 
 _Event = tuple[int, generation_pb2.GenerateResponse | RouterError | None]
+# Choices of one request run at most this many at a time, the rest as those finish: a batch of
+# hundreds of prompts would otherwise meet a decode node's cap on awaited hand-offs
+# (--max-pending-transfers, 256 by default) all at once and fail with a 429 on every retry.
+MAX_CHOICES_IN_FLIGHT = 64
 
 
 @dataclasses.dataclass
@@ -168,8 +172,9 @@ class OpenAIServing:
         """(choice index, GenerateResponse) as they come, from one task per choice; a failed
         choice raises OpenAIError; leaving early cancels every choice."""
         queue: asyncio.Queue[_Event] = asyncio.Queue()
+        gate = asyncio.Semaphore(MAX_CHOICES_IN_FLIGHT)
         tasks = [
-            asyncio.create_task(self._run_choice(i, p, prepared.start_s, queue))
+            asyncio.create_task(self._run_choice(i, p, prepared.start_s, queue, gate))
             for i, p in enumerate(prepared.processed)
         ]
         try:
@@ -188,11 +193,17 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_choice(
-        self, index: int, processed: ProcessedRequest, start_s: float, queue: asyncio.Queue
+        self,
+        index: int,
+        processed: ProcessedRequest,
+        start_s: float,
+        queue: asyncio.Queue,
+        gate: asyncio.Semaphore,
     ) -> None:
         try:
-            async for response in self.handler.stream(processed, "http", None, start_s):
-                queue.put_nowait((index, response))
+            async with gate:
+                async for response in self.handler.stream(processed, "http", None, start_s):
+                    queue.put_nowait((index, response))
             queue.put_nowait((index, None))
         except RouterError as error:
             queue.put_nowait((index, error))

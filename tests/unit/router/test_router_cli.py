@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from router_fakes import FakeModel, FakeNode, run
 
 from pdserve.v1 import node_pb2
@@ -88,6 +89,24 @@ def test_pd_client_flags_mirror_sampling_params() -> None:
         True,
     )
     assert args.temperature is None and args.max_tokens is None  # unset: the engine's default
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-tokens", "-1"], "--max-tokens: must be between 0 and 4294967295, got -1"),
+        (["--seed", str(2**64)], "--seed: must be between 0 and 18446744073709551615"),
+        (["--top-k", "3000000000"], "--top-k: must be between -2147483648 and 2147483647"),
+        (["--stop-token-id", "-1"], "--stop-token-id: must be between 0 and 4294967295"),
+        (["--logprobs", "x"], "--logprobs: expected an integer, got 'x'"),
+    ],
+)
+def test_pd_client_refuses_what_no_request_can_hold(capsys, flags, message) -> None:
+    """A usage error naming the flag, not a protobuf traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        build_client_parser().parse_args(["p", *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_pd_client_reports_an_unreachable_router(capsys) -> None:

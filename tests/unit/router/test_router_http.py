@@ -117,6 +117,12 @@ def test_streaming_n2_logprobs_stop_and_usage(tokenizer_files, tokenizer, output
         ({"prompt": [999999]}, 400, "prompt"),
         ({"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),  # over the context
         ({"prompt": "x", "model": "other"}, 404, "model"),
+        # beyond what the protobuf fields hold: a 400 naming them, not a 500
+        ({"prompt": "x", "max_tokens": 2**32}, 400, "max_tokens"),
+        ({"prompt": "x", "seed": 10**23}, 400, "seed"),
+        ({"prompt": "x", "top_k": 2**31}, 400, "top_k"),
+        ({"prompt": "x", "min_tokens": 2**32}, 400, "min_tokens"),
+        ({"prompt": "x", "stop_token_ids": [2**32]}, 400, "stop_token_ids"),
     ],
 )
 def test_bad_requests_get_openai_errors(tokenizer_files, output_ids, payload, status, param):
@@ -137,6 +143,35 @@ def test_bad_requests_get_openai_errors(tokenizer_files, output_ids, payload, st
     assert not h.decode[0].requests  # nothing reached a node
     label = "INVALID_ARGUMENT" if status == 400 else "NOT_FOUND"
     assert f'pdserve_requests_total{{api="http",finish_reason="",status="{label}"}} 1.0' in metrics
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(tokenizer_files, output_ids) -> None:
+    """JSON's \\u escapes can spell half a UTF-16 pair, which is no text: refused by name
+    (it once reached the protobuf and came back as a 500); a chat role is named too."""
+    bodies = [
+        ("/completions", rb'{"model": "fake-model", "prompt": "\ud800"}'),
+        ("/completions", rb'{"model": "fake-model", "prompt": "x", "stop": ["ok", "\udfff"]}'),
+        ("/chat/completions",
+         rb'{"model": "fake-model", "messages": [{"role": "user", "content": "a\ud800b"}]}'),
+        ("/chat/completions",
+         rb'{"model": "fake-model", "messages": [{"role": "wizard", "content": "hi"}]}'),
+    ]  # fmt: skip
+
+    async def body():
+        headers = {"content-type": "application/json"}
+        async with (
+            harness(tokenizer_files, output_ids) as h,
+            httpx.AsyncClient(base_url=base_url(h)) as http,
+        ):
+            return [await http.post(path, content=raw, headers=headers) for path, raw in bodies], h
+
+    responses, h = run(body())
+    assert [r.status_code for r in responses] == [400] * 4
+    errors = [r.json()["error"] for r in responses]
+    assert [e["param"] for e in errors] == ["prompt", "stop", "messages", "messages"]
+    assert all("surrogate" in e["message"] for e in errors[:3]), errors
+    assert "wizard" in errors[3]["message"]
+    assert not h.decode[0].requests
 
 
 def test_a_chat_error_names_the_parameter_the_body_used(tokenizer_files, output_ids) -> None:
@@ -276,3 +311,45 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(tokenizer_files, out
         assert "--max-request-bytes" in response.json()["error"]["message"]
     assert small.status_code == 200
     assert len(h.decode[0].requests) == 1
+
+
+def test_a_large_batch_runs_its_choices_a_few_at_a_time(
+    tokenizer_files, output_ids, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of more prompts than MAX_CHOICES_IN_FLIGHT completes, never running more than
+    that many choices at once (hundreds at once met the decode node's cap on awaited
+    hand-offs: a 429 on every retry)."""
+    from router.http import openai_serving
+    from router.request_handler import RequestHandler
+
+    monkeypatch.setattr(openai_serving, "MAX_CHOICES_IN_FLIGHT", 3)
+    active, peak = 0, 0
+    real = RequestHandler.stream
+
+    async def counting(self, *args, **kwargs):
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            async for response in real(self, *args, **kwargs):
+                yield response
+        finally:
+            active -= 1
+
+    monkeypatch.setattr(RequestHandler, "stream", counting)
+    prompts = [f"prompt {i}" for i in range(10)]
+
+    async def body():
+        payload = {"model": "fake-model", "prompt": prompts, "max_tokens": 3}
+        async with (
+            harness(tokenizer_files, output_ids) as h,
+            httpx.AsyncClient(base_url=base_url(h), timeout=TEST_TIMEOUT_S) as http,
+        ):
+            return await http.post("/completions", json=payload)
+
+    response = run(body())
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(10))
+    assert all(c["text"] and c["finish_reason"] == "length" for c in choices)
+    assert 1 <= peak <= 3, peak

@@ -40,6 +40,11 @@ def processor(tokenizer) -> InputProcessor:
         (build_request("hi", stop=[""]), "stop strings must be non-empty"),
         (build_request("hi", stop_token_ids=[999]), "stop_token_ids[0] = 999 is not a token id"),
         (build_request("hi", logprobs=21), "logprobs must be between 0 and 20"),
+        (
+            generation_pb2.GenerateRequest(request_id="abc\n2026 FAKE ERROR", prompt="hi"),
+            "request_id must be at most 256 printable characters (no newlines",
+        ),
+        (generation_pb2.GenerateRequest(request_id="r" * 257, prompt="hi"), "got 257 characters"),
     ],
 )
 def test_invalid_requests_say_what_to_fix(processor, request_, message) -> None:
@@ -138,3 +143,19 @@ def test_a_huge_prompt_is_refused_before_tokenizing(tokenizer):
         assert processor.process(build_request("x" * 10)).prompt_len > 0
     finally:
         tokenizer.encode = original
+
+
+def test_a_rejected_request_id_reaches_the_log_escaped() -> None:
+    from router.input_processor import loggable_request_id
+
+    assert loggable_request_id("client-7") == "client-7"
+    assert loggable_request_id("abc\nFAKE") == "'abc\\nFAKE'"
+    assert len(loggable_request_id("r" * 10_000)) == 42  # cut to 40, quoted
+
+
+def test_seeded_choices_wrap_at_the_seed_fields_width() -> None:
+    """n choices take seed, seed + 1, ...: past 2^64 - 1 they wrap instead of overflowing."""
+    from router.http.openai_protocol import parse_completion
+
+    parsed = parse_completion({"model": "m", "prompt": "hi", "seed": 2**64 - 1, "n": 3})
+    assert [c.request.sampling.seed for c in parsed.choices] == [2**64 - 1, 0, 1]
