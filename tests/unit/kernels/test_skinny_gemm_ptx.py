@@ -1,6 +1,7 @@
 """The skinny GEMM compiled for an H100/H200 (sm_90) without a GPU: the table's launches for the
 llama3-8b shapes stream W and x through 16-byte cp.async into shared memory (pipelined, no
-scalar global loads), use no atomics (deterministic), and the 64 x 64 tiles use wgmma; the
+scalar global loads), use no atomics (deterministic; split-K launches too), and the 64 x 64
+tiles use wgmma; the
 gated launch (the down projection taking gate | up) pipelines both halves of x the same way.
 
 Triton compiles ahead of time on CPU (its wheel ships ptxas); the kernel module is imported in a
@@ -37,12 +38,13 @@ for m, n, kdim, prologue in json.loads(sys.argv[1]):
     normed = prologue == "normed"
     consts = dict(HAS_BIAS=False, GATED=prologue == "gated", NORMED=normed, HAS_ADD=normed,
                   USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
-                  DOT_PRECISION="tf32", UPCAST_DOT=False, BLOCK_M=c.tile_m(m),
+                  DOT_PRECISION="tf32", UPCAST_DOT=False, SPLIT_K=c.split_k, BLOCK_M=c.tile_m(m),
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages)
     sig = {a: "constexpr" if a in consts else ("*bf16" if a.endswith("_ptr") else "i32")
            for a in names}
-    sig["eps"] = "fp32"
-    aligned = [a for a in names if a.endswith("_ptr") or a in ("N", "K") or a.startswith("stride")]
+    sig["eps"], sig["ws_ptr"] = "fp32", "*fp32"  # ws: the split launches' fp32 partials
+    aligned = [a for a in names if a.endswith("_ptr") or a in ("N", "K", "k_per_split")
+               or a.startswith("stride")]  # k_per_split: whole BLOCK_K steps
     aligned += ["M"] if m % 16 == 0 else []
     src = ASTSource(fn=k, signature=sig,
                     constexprs={(names.index(a),): v for a, v in consts.items()},
@@ -58,6 +60,7 @@ CASES = [
     (8, 6144, 4096, ""),
     (32, 4096, 14336, ""),
     (128, 4096, 4096, ""),
+    (32, 4096, 4096, ""),  # o_proj at 32 tokens: the split-K launch (MEASURED_WINS)
     (1, 4096, 14336, "gated"),  # the down projection with the SwiGLU on its gate | up loads
     (1, 6144, 4096, "normed"),  # QKV with the residual add + RMSNorm on its x loads
     (1, 28672, 4096, "normed"),  # gate_up, the same
@@ -96,3 +99,9 @@ def test_loads_are_pipelined_16_byte_copies_and_no_atomics(ptx, case) -> None:
 def test_large_tiles_use_wgmma(ptx) -> None:
     assert "wgmma.mma_async" in ptx["128,4096,4096,"]
     assert "mma.sync" in ptx["8,6144,4096,"]
+
+
+def test_a_split_launch_is_among_the_cases() -> None:
+    from kernels.gemm.skinny_config import fused_config
+
+    assert fused_config(32, 4096, 4096).split_k > 1  # the (32, 4096, 4096) case above
