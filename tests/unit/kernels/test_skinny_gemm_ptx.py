@@ -1,8 +1,8 @@
 """The skinny GEMM compiled for an H100/H200 (sm_90) without a GPU: the table's launches for the
 llama3-8b shapes stream W and x through 16-byte cp.async into shared memory (pipelined, no
 scalar global loads), use no atomics (deterministic; split-K launches too), and the 64 x 64
-tiles use wgmma; the
-gated launch (the down projection taking gate | up) pipelines both halves of x the same way.
+tiles use wgmma; the gated launch (the down projection taking gate | up) pipelines both halves
+of x the same way.
 
 Triton compiles ahead of time on CPU (its wheel ships ptxas); the kernel module is imported in a
 child process with TRITON_INTERPRET=0, since this session's kernels are interpreted. The
