@@ -59,6 +59,7 @@ class NodeClient:
         self.record: NodeRecord | None = None  # the registry's, for a registered node
         self.load = NodeLoad()
         self.unreachable_until_s = 0.0  # monotonic; policies skip the node until then
+        self._up = True  # admitted: it answered; see `up`
 
     def __repr__(self) -> str:
         return f"NodeClient({self.address})"
@@ -112,6 +113,21 @@ class NodeClient:
         request = node_pb2.AbortRequest(request_id=request_id)
         response = await self.node_stub.Abort(request, timeout=timeout_s)
         return response.found
+
+    def up(self) -> bool:
+        """Whether the node's connection looks alive, from the channel's state alone (no RPC,
+        no wait): READY or IDLE yes, TRANSIENT_FAILURE or SHUTDOWN no (a dead node's channel
+        gets there once a connection attempt fails; this asks the channel to attempt), and
+        while it is CONNECTING as it last looked (no flapping while it reconnects)."""
+        state = self._channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.IDLE):
+            self._up = True
+        elif state in (
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+            grpc.ChannelConnectivity.SHUTDOWN,
+        ):
+            self._up = False
+        return self._up
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

@@ -77,6 +77,13 @@ class NodeRegistry:
     def ready_addresses(self) -> list[str]:
         return list(self._ready)
 
+    def serving(self) -> bool:
+        """At least one admitted decode node whose connection looks alive (`NodeClient.up`):
+        what the router's health reports. A static node list never shrinks, so without this
+        a router whose every decode node died would go on reporting healthy."""
+        decode = [n for n in self._ready.values() if n.info.role == node_pb2.NODE_ROLE_DECODE]
+        return any([node.up() for node in decode])  # every channel asked: each one reconnects
+
     def mark_unreachable(self, node: NodeClient) -> None:
         """`node` did not answer: policies skip it for UNREACHABLE_COOLDOWN_S."""
         node.unreachable_until_s = time.monotonic() + UNREACHABLE_COOLDOWN_S

@@ -3,7 +3,8 @@
 ```
 start():  bind (health NOT_SERVING) -> serve -> NodeRegistry.start(static source) (until
           node_wait_s) -> with a registry: admit its nodes (until node_wait_s), then follow it
-          in the background; health SERVING while at least one decode node is ready
+          in the background; health SERVING while at least one decode node is ready and its
+          connection alive (re-checked every HEALTH_CHECK_INTERVAL_S)
           + the HTTP server (OpenAI API, /health, /metrics) on http_port unless 0
 stop():   stop following the registry, health NOT_SERVING, HTTP and gRPC in-flight requests
           get grace_s, node channels closed
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+HEALTH_CHECK_INTERVAL_S = 1.0  # how often health re-checks the decode nodes' connections
 
 
 class RouterServer:
@@ -59,7 +61,9 @@ class RouterServer:
             RedisNodeSource(config.registry, self.auth) if config.registry else None
         )
         self._watch_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
         self._health = health.aio.HealthServicer()
+        self._health_status: int | None = None  # last set; None: not yet
         self.api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
         install(self.api_keys)
         check = self.api_keys.grpc_check if self.api_keys is not None else None
@@ -85,7 +89,7 @@ class RouterServer:
             app = build_app(
                 OpenAIServing(self.handler),
                 self.stats.metrics,
-                lambda: bool(self.registry.decode_nodes),
+                self.registry.serving,
                 config.max_request_bytes,
                 self.api_keys,
             )
@@ -116,6 +120,8 @@ class RouterServer:
         await self.registry.start(self._source)
         if self.registry_source is not None:
             await self._follow_registry(self.registry_source)
+        self._health_task = asyncio.create_task(self._watch_health(), name="health")
+        self._health_task.add_done_callback(_log_failure)
         return self.port
 
     async def wait_for_termination(self) -> None:
@@ -123,10 +129,11 @@ class RouterServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting requests; in-flight ones get `grace_s` (default: config.grace_s)."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        for task in (self._watch_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._health.enter_graceful_shutdown()
         if self.http is not None:
             await self.http.stop()
@@ -150,12 +157,20 @@ class RouterServer:
         self._watch_task.add_done_callback(_log_failure)
 
     async def _update_health(self) -> None:
-        serving = bool(self.registry.decode_nodes)
         status = health_pb2.HealthCheckResponse.SERVING
-        if not serving:
+        if not self.registry.serving():
             status = health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", GENERATION_SERVICE):
-            await self._health.set(service, status)
+        if status != self._health_status:
+            self._health_status = status
+            for service in ("", GENERATION_SERVICE):
+                await self._health.set(service, status)
+
+    async def _watch_health(self) -> None:
+        """Re-checks the decode nodes' connections every HEALTH_CHECK_INTERVAL_S: health
+        follows a node that died (or came back) without waiting for a request to find out."""
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+            await self._update_health()
 
 
 def _log_failure(task: asyncio.Task) -> None:

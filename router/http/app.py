@@ -4,7 +4,7 @@
 GET  /v1/models              the served model
 POST /v1/completions         prompt(s) -> text; "stream": true for server-sent events
 POST /v1/chat/completions    messages (the model's chat template) -> assistant message
-GET  /health                 200 while a decode node is ready, else 503
+GET  /health                 200 while a decode node is ready and reachable, else 503
 GET  /metrics                Prometheus text format (RouterMetrics)
 errors                       {"error": {"message", "type", "param", "code"}} (OpenAI's shape)
 ```

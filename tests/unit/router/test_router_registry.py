@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import grpc
@@ -155,3 +156,48 @@ def test_a_model_without_a_tokenizer_is_served_on_token_ids_only() -> None:
     assert [code for code, _ in failures] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
     assert all("this model has no tokenizer: send prompt_token_ids" in m for _, m in failures)
     assert "stop strings cannot be matched" in failures[2][1]
+
+
+def test_health_follows_a_decode_node_that_dies_and_comes_back(tokenizer_files) -> None:
+    """A static decode node that goes away turns the router's health NOT_SERVING (gRPC) and
+    503 (HTTP /health) with no request needed to find out; back on its port, SERVING again."""
+    import httpx
+
+    async def body():
+        node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel([5, 6]), tokenizer_files)
+        address = await node.start()
+        with socket.socket() as sock:  # a free port for the HTTP API
+            sock.bind(("127.0.0.1", 0))
+            http_port = sock.getsockname()[1]
+        config = RouterConfig(port=0, http_port=http_port, decode_addrs=(address,))
+        router = RouterServer(config)
+        await asyncio.wait_for(router.start(), TEST_TIMEOUT_S)
+        channel = grpc.aio.insecure_channel(router.address)
+        stub = health_pb2_grpc.HealthStub(channel)
+        seen = []
+
+        async def wait_for(want: int, http_status: int) -> None:
+            deadline = time.monotonic() + TEST_TIMEOUT_S
+            async with httpx.AsyncClient(base_url=router.http.url) as http:
+                while time.monotonic() < deadline:
+                    check = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                    status = (await http.get("/health")).status_code
+                    if (check.status, status) == (want, http_status):
+                        seen.append((want, http_status))
+                        return
+                    await asyncio.sleep(0.1)
+            raise TimeoutError(f"health never became {(want, http_status)}")
+
+        try:
+            await wait_for(SERVING, 200)
+            await node.stop()
+            await wait_for(NOT_SERVING, 503)
+            await node.start(int(address.rsplit(":", 1)[1]))
+            await wait_for(SERVING, 200)
+        finally:
+            await channel.close()
+            await router.stop(0)
+            await node.stop()
+        return seen
+
+    assert run(body()) == [(SERVING, 200), (NOT_SERVING, 503), (SERVING, 200)]
