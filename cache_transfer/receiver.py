@@ -19,6 +19,12 @@ handshake) is past by QUARANTINE_MARGIN_S: the node reuses the blocks only then.
 Every message is checked against the ticket before its payload lands: the peer that
 handshook, the sequence number, the layer index, the exact token span and block range, the
 byte count. Payloads are scattered only into this session's own `dst_block_ids`.
+
+Takeover (the router's retry of a prefill node that died after it handshook): a valid handshake
+from another sender (with a cluster secret: one proving it) replaces the first one while no
+layer of the first is landing, none was written in place and no first token came. The layers
+start over from the new sender (the same blocks, overwritten), the first sender's later
+messages are dropped, and the deadline stays the first handshake's.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_transfer.layout import KVLayout, check_reservation, kv_device_id
+from cache_transfer.manifest_checks import (
+    handshake_refusal,
+    layer_refusal,
+    written_layers_refusal,
+)
 from cache_transfer.packing import CheckedIds, check_block_ids, unpack_layer
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
@@ -86,6 +97,7 @@ class KVReceiver(TransferSession):
         self._layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
         self._num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
         self._peer_id: str | None = None
+        self._superseded: set[str] = set()  # senders a takeover replaced: heard no more
         self._staging = staging
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
@@ -123,7 +135,7 @@ class KVReceiver(TransferSession):
         self, peer_id: str, msg: TransferMessage, payload_bytes: int
     ) -> torch.Tensor | None:
         """A message with a payload: accept a valid layer and hand out its staging buffer."""
-        if self._ignored(peer_id, msg):
+        if self._ignored(peer_id, msg) or self._from_superseded(peer_id, msg):
             return None
         reason = self._check_sender(peer_id, msg)
         if reason is None:
@@ -132,7 +144,7 @@ class KVReceiver(TransferSession):
             elif msg.layer_manifest.written_in_place or msg.layer_manifest.more_layer_ids:
                 reason = "a layer written in place must not carry a payload"
             else:
-                reason = self._check_layer(msg.layer_manifest, payload_bytes)
+                reason = layer_refusal(*self._layer_state(), msg.layer_manifest, payload_bytes)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
             return None
@@ -147,11 +159,13 @@ class KVReceiver(TransferSession):
         if payload is not None:
             self._land_layer(msg.layer_manifest, payload)
             return
-        if self._ignored(peer_id, msg):
+        if self._ignored(peer_id, msg) or self._from_superseded(peer_id, msg):
             return
         if self.finished and kind == "result" and msg.result.writes_drained:
             self._on_writes_drained(peer_id)
             return
+        if self._may_take_over(peer_id, msg):
+            self._drop_sender(peer_id)
         reason = self._check_sender(peer_id, msg)
         if reason is None and kind == "layer_manifest":
             manifest = msg.layer_manifest
@@ -160,7 +174,7 @@ class KVReceiver(TransferSession):
             elif not self.in_place:
                 reason = "a layer written in place, which this receiver did not grant"
             else:
-                reason = self._check_written_layers(manifest)
+                reason = written_layers_refusal(*self._layer_state(), manifest)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind == "layer_manifest":
@@ -189,7 +203,7 @@ class KVReceiver(TransferSession):
         messages are logged and dropped; they neither feed nor fail the session."""
         if self._auth is None or self.finished:
             return False
-        if kind_of(msg) == "handshake" and self._peer_id is None:
+        if kind_of(msg) == "handshake" and peer_id != self._peer_id:  # first, or a takeover
             reason = check_handshake(self._auth, self._ticket, msg.handshake)
         elif peer_id != self._peer_id:
             reason = f"a {kind_of(msg)} message from a peer that proved no cluster secret"
@@ -199,6 +213,46 @@ class KVReceiver(TransferSession):
             logger.warning("receiver %s: ignored a message from %s: %s",
                            self.transfer_id, peer_id, reason)  # fmt: skip
         return reason is not None
+
+    def _from_superseded(self, peer_id: str, msg: TransferMessage) -> bool:
+        """A message from a sender a takeover replaced: dropped (logged), harmless."""
+        if peer_id not in self._superseded:
+            return False
+        logger.info("receiver %s: dropped a %s message from %s, which a takeover replaced",
+                    self.transfer_id, kind_of(msg), peer_id)  # fmt: skip
+        return True
+
+    def _may_take_over(self, peer_id: str, msg: TransferMessage) -> bool:
+        """A handshake from another sender while this session still waits: the router's
+        retry of a prefill node that died (or hung) after it handshook, with the same ticket
+        (and, with a cluster secret, a proof `_ignored` checked). Allowed while no layer of
+        the first sender is landing, none was written in place (its writes cannot be fenced)
+        and no first token came: the new sender starts the layers over, within the deadline
+        the first handshake started."""
+        return (
+            kind_of(msg) == "handshake"
+            and self._peer_id is not None
+            and peer_id != self._peer_id
+            and not self.finished
+            and not self.in_place
+            and self._num_landing == 0
+            and self.first_token is None
+        )
+
+    def _drop_sender(self, peer_id: str) -> None:
+        """Forget the sender `peer_id` replaces: its later messages are dropped, the layers
+        received so far will be sent again (the blocks are simply overwritten)."""
+        logger.warning("receiver %s: %s takes over from %s (a prefill retry); the layers start "
+                       "over", self.transfer_id, peer_id, self._peer_id)  # fmt: skip
+        assert self._peer_id is not None
+        self._superseded.add(self._peer_id)
+        self._peer_id = None
+        self._layer_token_end = [0] * self.layout.num_layers
+        self._send_seq = self._recv_seq = 0
+
+    def _layer_state(self) -> tuple[KVLayout, list[int], int, bool]:
+        """What a layer manifest is checked against (manifest_checks)."""
+        return self.layout, self._layer_token_end, self.num_tokens, self.first_token is not None
 
     def _check_sender(self, peer_id: str, msg: TransferMessage) -> str | None:
         """Why this message may not come from `peer_id` now, or None (and count its seq)."""
@@ -213,53 +267,10 @@ class KVReceiver(TransferSession):
             return "a second handshake"
         return self._check_envelope(msg)
 
-    def _check_written_layers(self, manifest: transfer_pb2.LayerManifest) -> str | None:
-        """Why a manifest of layers written in place (its layer and `more_layer_ids`, one
-        span each) does not fit the ticket, or None."""
-        layer_ids = [manifest.layer_idx, *manifest.more_layer_ids]
-        if len(set(layer_ids)) != len(layer_ids):
-            return f"layers {layer_ids[:8]}... announced twice in one manifest"
-        for layer_idx in layer_ids:
-            reason = self._check_layer(manifest, manifest.num_bytes, layer_idx)
-            if reason is not None:
-                return reason
-        return None
-
-    def _check_layer(
-        self, manifest: transfer_pb2.LayerManifest, payload_bytes: int, layer_idx: int | None = None
-    ) -> str | None:
-        """Why a layer manifest (for `layer_idx`: that layer of it) does not fit the ticket."""
-        layer_idx = manifest.layer_idx if layer_idx is None else layer_idx
-        token_end = manifest.token_end
-        if self.first_token is not None:
-            return "a layer after the first token"
-        if layer_idx >= self.layout.num_layers:
-            return f"layer index {layer_idx} outside [0, {self.layout.num_layers})"
-        prev_end = self._layer_token_end[layer_idx]
-        if not prev_end < token_end <= self.num_tokens:
-            return (
-                f"layer {layer_idx}: token_end {token_end} must exceed {prev_end} (already "
-                f"received) and not exceed {self.num_tokens}"
-            )
-        block_offset = prev_end // self.layout.block_size
-        num_blocks = self.layout.num_blocks_for(token_end) - block_offset
-        if (manifest.block_offset, manifest.num_blocks) != (block_offset, num_blocks):
-            return (
-                f"layer {layer_idx}: blocks [{manifest.block_offset}, +{manifest.num_blocks}) "
-                f"for tokens [{prev_end}, {token_end}), expected [{block_offset}, +{num_blocks})"
-            )
-        num_bytes = self.layout.layer_bytes(num_blocks)
-        if manifest.num_bytes != num_bytes or payload_bytes != num_bytes:
-            return (
-                f"layer {layer_idx}: {payload_bytes} payload bytes (manifest says "
-                f"{manifest.num_bytes}) for {num_blocks} blocks of {num_bytes} bytes"
-            )
-        return None
-
     def _on_handshake(self, peer_id: str, handshake: transfer_pb2.TransferHandshake) -> None:
         self._peer_id = peer_id
         self._peer_address = handshake.src_address or None
-        reason = self._check_handshake(handshake)
+        reason = handshake_refusal(self.layout, self.num_tokens, handshake)
         if reason is not None:
             self.fail(f"refused the handshake from {peer_id}: {reason}", notify_peer=False)
             if self._peer_address is not None:
@@ -314,22 +325,6 @@ class KVReceiver(TransferSession):
         if self._quarantine_timer is not None:
             self._quarantine_timer.cancel()
         self.writes_settled.set()
-
-    def _check_handshake(self, handshake: transfer_pb2.TransferHandshake) -> str | None:
-        expected = {
-            "protocol_version": PROTOCOL_VERSION,
-            "layout_hash": self.layout.layout_hash(),
-            "num_layers": self.layout.num_layers,
-            "num_tokens": self.num_tokens,
-            "num_blocks": self.num_blocks,
-        }
-        for field, want in expected.items():
-            got = getattr(handshake, field)
-            if got != want:
-                return f"{field} is {got!r}, this receiver expects {want!r}"
-        if not handshake.src_address:
-            return "no src_address to reply to"
-        return None
 
     def _on_first_token(self, first_token: transfer_pb2.FirstToken) -> None:
         if self.first_token is not None:

@@ -341,3 +341,59 @@ def test_a_payload_landing_after_the_session_failed_is_not_written() -> None:
         await forger.peer.transport.close()
 
     run(scenario())
+
+
+def test_a_retried_sender_takes_over_a_waiting_session(backend: str) -> None:
+    """The router's prefill retry: a second sender's handshake (same ticket) takes over from
+    one that sent a layer and went silent; its KV lands, the first one's late layer is dropped."""
+
+    async def scenario() -> tuple[TransferState, str | None, bool, list]:
+        manager, receiver, first = await _setup(backend)
+        retry = Forger(await make_raw_peer(backend), receiver)
+        try:
+            await first.handshake()
+            await first.layer(0, value=1.0)
+            await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
+            await retry.handshake()
+            await first.layer(1, value=MARKER)  # the first sender, late: dropped
+            for layer_idx in range(LAYOUT.num_layers):
+                await retry.layer(layer_idx, value=2.0)
+            await retry.first_token()
+            state = await receiver.wait(timeout_s=5)
+            landed = all(
+                bool((k[DST_BLOCK_IDS[:3]] == 2.0).all() and (v[DST_BLOCK_IDS[:3]] == 2.0).all())
+                for k, v in _caches(manager)
+            )
+            await wait_until(lambda: len(retry.peer.received) >= 2, 2.0)  # ack, result
+            return state, receiver.error, landed, [h for _, h in retry.peer.received]
+        finally:
+            await manager.close()
+            for forger in (first, retry):
+                await forger.peer.transport.close()
+
+    state, error, landed, headers = run(scenario())
+    assert state == TransferState.SUCCESS, error
+    assert landed, "every block holds the retried sender's KV"
+    replies = [protocol.decode(header) for header in headers]
+    assert [m.seq for m in replies] == [0, 1] and replies[1].result.ok
+
+
+def test_no_takeover_once_the_first_token_came(backend: str) -> None:
+    """A session that succeeded: a late handshake and layer from anyone change nothing."""
+
+    async def scenario() -> tuple[TransferState, bool]:
+        manager, receiver, first = await _setup(backend)
+        late = Forger(await make_raw_peer(backend), receiver)
+        try:
+            await _full_transfer(first)
+            assert await receiver.wait(timeout_s=5) == TransferState.SUCCESS
+            await late.handshake()
+            await late.layer(0, value=MARKER)
+            await asyncio.sleep(0.2)
+            return receiver.state, _no_marker(manager)
+        finally:
+            await manager.close()
+            for forger in (first, late):
+                await forger.peer.transport.close()
+
+    assert run(scenario()) == (TransferState.SUCCESS, True)
