@@ -142,3 +142,39 @@ def test_no_secret_keeps_the_open_protocol(backend: str):
 
     ticket = run(scenario())
     assert ticket.signature == b"" and ticket.expires_at_unix_s == 0
+
+
+def test_with_the_secret_only_a_proven_sender_takes_a_session_over(backend: str):
+    """The prefill retry's takeover under a cluster secret: a handshake without a proof is
+    ignored (the first sender keeps the session), one proving the secret takes it over."""
+    from cache_transfer.ticket_auth import handshake_proof
+
+    async def scenario():
+        decode = _decode(backend)
+        receiver = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
+        peers = [Forger(await make_raw_peer(backend), receiver) for _ in range(3)]
+        first, unproven, retry = peers
+
+        def proof(forger: Forger) -> bytes:
+            return handshake_proof(AUTH, receiver.ticket(), forger.peer.transport.address)
+
+        try:
+            await first.handshake(proof=proof(first))
+            await first.layer(0, value=1.0)
+            await unproven.handshake()  # no proof: ignored, the session stays the first's
+            await asyncio.sleep(0.2)
+            kept = receiver.state == TransferState.TRANSFERRING and not unproven.peer.received
+            await retry.handshake(proof=proof(retry))
+            for layer in range(LAYOUT.num_layers):
+                await retry.layer(layer, value=2.0)
+            await retry.first_token()
+            state = await receiver.wait(timeout_s=5)
+            k_cache, _ = decode._kv_caches[0]
+            return kept, state, bool((k_cache[DST_BLOCK_IDS[:3]] == 2.0).all()), receiver.error
+        finally:
+            await decode.close()
+            for forger in peers:
+                await forger.peer.transport.close()
+
+    kept, state, landed, error = run(scenario())
+    assert kept and state == TransferState.SUCCESS and landed, error
