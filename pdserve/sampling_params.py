@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 # proto3 `optional` fields of both SamplingParams messages: unset means "the default".
@@ -28,6 +29,20 @@ OPTIONAL_PROTO_FIELDS = (
     "logprobs",
 )
 ProtoT = TypeVar("ProtoT", bound=Message)
+_INT_TYPE_RANGES = {
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+}
+
+
+def int_field_range(message_type: type[Message], name: str) -> tuple[int, int]:
+    """(lowest, highest) integer a message's integer field (or each element of a repeated
+    one) can hold, from its protobuf type: what an API can check before building the message
+    (protobuf raises a bare ValueError beyond it)."""
+    return _INT_TYPE_RANGES[message_type.DESCRIPTOR.fields_by_name[name].type]
+
 
 _FLOAT_FIELDS = (
     "temperature",

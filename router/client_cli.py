@@ -19,6 +19,8 @@ import grpc
 
 from pdserve import envs
 from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from pdserve.sampling_params import int_field_range
+from pdserve.v1 import generation_pb2
 from router.client import GenerationClient, GenerationResult
 
 
@@ -39,20 +41,24 @@ def _int_within(low: int, high: int):
     return parse
 
 
-_UINT32 = _int_within(0, 2**32 - 1)
+def _field(name: str):
+    """The argparse type of a SamplingParams integer field: what its protobuf type holds."""
+    return _int_within(*int_field_range(generation_pb2.SamplingParams, name))
+
+
 # (flag, type, help) of SamplingParams fields; unset flags leave the engine's default.
 _SAMPLING_FLAGS = (
-    ("--max-tokens", _UINT32, "tokens to generate at most"),
+    ("--max-tokens", _field("max_tokens"), "tokens to generate at most"),
     ("--temperature", float, "0: greedy"),
     ("--top-p", float, "nucleus sampling mass, in (0, 1]"),
-    ("--top-k", _int_within(-(2**31), 2**31 - 1), "0 or -1: disabled"),
+    ("--top-k", _field("top_k"), "0 or -1: disabled"),
     ("--min-p", float, "in [0, 1]"),
     ("--repetition-penalty", float, "> 0; 1 disables"),
     ("--presence-penalty", float, "in [-2, 2]"),
     ("--frequency-penalty", float, "in [-2, 2]"),
-    ("--seed", _int_within(0, 2**64 - 1), "same seed, same tokens"),
-    ("--min-tokens", _UINT32, "no stop before this many tokens"),
-    ("--logprobs", _UINT32, "0: the sampled token's; n: plus the top n"),
+    ("--seed", _field("seed"), "same seed, same tokens"),
+    ("--min-tokens", _field("min_tokens"), "no stop before this many tokens"),
+    ("--logprobs", _field("logprobs"), "0: the sampled token's; n: plus the top n"),
 )
 _SAMPLING_FIELDS = (
     *(flag[2:].replace("-", "_") for flag, _, _ in _SAMPLING_FLAGS),
@@ -86,7 +92,7 @@ def build_client_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--stop-token-id",
         dest="stop_token_ids",
-        type=_UINT32,
+        type=_field("stop_token_ids"),
         action="append",
         default=None,
         help="stop token id (repeatable)",

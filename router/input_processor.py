@@ -137,14 +137,18 @@ class InputProcessor:
                 )
 
 
-def _check_request_id(request_id: str) -> None:
+def _request_id_ok(request_id: str) -> bool:
     """The client's id goes into every log line of the request on every node: short and
     printable only (a newline in it would forge log lines)."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+    return len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable()
+
+
+def _check_request_id(request_id: str) -> None:
+    if not _request_id_ok(request_id):
         raise InvalidRequestError(
             f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters (no "
             f"newlines or other control characters); got {len(request_id)} characters: "
-            f"{request_id[:40]!r}{'...' if len(request_id) > 40 else ''}",
+            f"{loggable_request_id(request_id)}",
             "request_id",
         )
 
@@ -152,9 +156,7 @@ def _check_request_id(request_id: str) -> None:
 def loggable_request_id(request_id: str) -> str:
     """The client's id as a rejected request's log line may carry it: as sent when valid,
     else escaped and cut short (`repr`: no raw control characters reach the log)."""
-    if len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isprintable():
-        return request_id
-    return repr(request_id[:40])
+    return request_id if _request_id_ok(request_id) else repr(request_id[:40])
 
 
 def _internal_id(client_id: str) -> str:

@@ -18,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
 from router.http.openai_errors import OpenAIError
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 20
-_UINT32_MAX, _INT32_MAX, _UINT64_MAX = 2**32 - 1, 2**31 - 1, 2**64 - 1
-# The integer sampling parameters' ranges: what their protobuf fields hold (the values'
-# meaning is checked later, by the InputProcessor that also serves gRPC).
-_INT_RANGES = {"seed": (0, _UINT64_MAX), "min_tokens": (0, _UINT32_MAX),
-               "top_k": (-_INT32_MAX - 1, _INT32_MAX)}  # fmt: skip
+# Integers are checked against what their protobuf field holds (`int_field_range`); what the
+# values mean is checked later, by the InputProcessor that also serves gRPC.
+_MAX_TOKENS_MAX = int_field_range(generation_pb2.SamplingParams, "max_tokens")[1]
+_SEED_END = int_field_range(generation_pb2.SamplingParams, "seed")[1] + 1  # seeds wrap here
 
 # Parameters both endpoints take, with their sampling field (None: handled by the endpoint).
 _SAMPLING = {
@@ -79,7 +79,7 @@ def parse_completion(body: Any) -> OpenAIRequest:
     n = _int(body, "n", 1, MAX_N) or 1
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    max_tokens = _int(body, "max_tokens", 1, _UINT32_MAX)
+    max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
     sampling = _sampling(body, 16 if max_tokens is None else max_tokens, logprobs)
     requests = []
     for prompt in prompts:
@@ -101,9 +101,9 @@ def parse_chat(body: Any) -> OpenAIRequest:
     if top is not None and not want_logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", 1, _UINT32_MAX)
+    max_tokens = _int(body, "max_completion_tokens", 1, _MAX_TOKENS_MAX)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, _UINT32_MAX)
+        max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
     n = _int(body, "n", 1, MAX_N) or 1
     sampling = _sampling(body, max_tokens, logprobs)
     parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
@@ -139,7 +139,7 @@ def _request(
             request.CopyFrom(prompt)
             request.sampling.CopyFrom(sampling)
             if sampling.HasField("seed"):  # distinct but reproducible choices
-                request.sampling.seed = (sampling.seed + i) % (_UINT64_MAX + 1)
+                request.sampling.seed = (sampling.seed + i) % _SEED_END
             choices.append(Choice(index, request))
     return OpenAIRequest(
         model=model,
@@ -197,8 +197,11 @@ def _sampling(
         sampling.logprobs = logprobs
     for name, (kind, dest) in _SAMPLING.items():
         if name in body:
-            value = _int(body, name, *_INT_RANGES[name]) if name in _INT_RANGES else None
-            setattr(sampling, dest, _number(body, name, kind) if value is None else value)
+            if kind is int:
+                value = _int(body, name, *int_field_range(generation_pb2.SamplingParams, dest))
+            else:
+                value = _number(body, name, kind)
+            setattr(sampling, dest, value)
     stop = body.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -206,9 +209,8 @@ def _sampling(
         raise OpenAIError("stop must be a non-empty string or a list of them", "stop")
     sampling.stop.extend(stop)
     stop_ids = body.get("stop_token_ids", [])
-    if not isinstance(stop_ids, list) or not all(
-        _is_int(t) and 0 <= t <= _UINT32_MAX for t in stop_ids
-    ):
+    low, high = int_field_range(generation_pb2.SamplingParams, "stop_token_ids")
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and low <= t <= high for t in stop_ids):
         raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
     sampling.stop_token_ids.extend(stop_ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
@@ -233,7 +235,8 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _token_ids(ids: list) -> list[int]:
-    if not all(_is_int(t) and 0 <= t < 2**32 for t in ids):
+    low, high = int_field_range(generation_pb2.TokenIds, "ids")
+    if not all(_is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
     return list(ids)
 

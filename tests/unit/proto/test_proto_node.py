@@ -104,3 +104,12 @@ def test_a_prefill_node_serves_node_and_prefill_but_not_decode(serve) -> None:
     assert responses[0].first_token.token_id == 9
     assert responses[1].transfer_result.num_bytes == 1024
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_int_field_range_reads_the_protobuf_type() -> None:
+    from pdserve.sampling_params import int_field_range
+
+    assert int_field_range(generation_pb2.SamplingParams, "max_tokens") == (0, 2**32 - 1)
+    assert int_field_range(generation_pb2.SamplingParams, "top_k") == (-(2**31), 2**31 - 1)
+    assert int_field_range(generation_pb2.SamplingParams, "seed") == (0, 2**64 - 1)
+    assert int_field_range(node_pb2.NodeSamplingParams, "stop_token_ids") == (0, 2**32 - 1)
