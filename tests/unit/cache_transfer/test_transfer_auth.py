@@ -8,7 +8,15 @@ import asyncio
 
 import pytest
 from test_transfer_validation import DST_BLOCK_IDS, LAYOUT, NUM_TOKENS, Forger, _no_marker
-from transfer_helpers import make_layout, make_raw_peer, random_caches, run, sentinel_caches
+from transfer_helpers import (
+    make_layout,
+    make_raw_peer,
+    messages_handled,
+    random_caches,
+    run,
+    sentinel_caches,
+    wait_until,
+)
 
 from cache_transfer import KVTransferManager, TransferState, make_transport
 from pdserve.security import ClusterAuth
@@ -161,8 +169,10 @@ def test_with_the_secret_only_a_proven_sender_takes_a_session_over(backend: str)
         try:
             await first.handshake(proof=proof(first))
             await first.layer(0, value=1.0)
+            await wait_until(lambda: receiver.state == TransferState.TRANSFERRING, 10.0)
+            handled = messages_handled(decode)  # from here: the unproven handshake only
             await unproven.handshake()  # no proof: ignored, the session stays the first's
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: handled == ["complete"], 10.0)
             kept = receiver.state == TransferState.TRANSFERRING and not unproven.peer.received
             await retry.handshake(proof=proof(retry))
             for layer in range(LAYOUT.num_layers):

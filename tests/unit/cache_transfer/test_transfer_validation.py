@@ -17,6 +17,7 @@ from transfer_helpers import (
     RawPeer,
     make_layout,
     make_raw_peer,
+    messages_handled,
     run,
     sentinel_caches,
     untouched,
@@ -355,16 +356,15 @@ def test_a_retried_sender_takes_over_a_waiting_session(backend: str) -> None:
             await first.layer(0, value=1.0)
             await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
             await retry.handshake()
+            await wait_until(lambda: len(retry.peer.received) == 1, 10.0)  # taken over: acked
             await first.layer(1, value=MARKER)  # the first sender, late: dropped
             for layer_idx in range(LAYOUT.num_layers):
                 await retry.layer(layer_idx, value=2.0)
             await retry.first_token()
             state = await receiver.wait(timeout_s=5)
-            landed = all(
-                bool((k[DST_BLOCK_IDS[:3]] == 2.0).all() and (v[DST_BLOCK_IDS[:3]] == 2.0).all())
-                for k, v in _caches(manager)
-            )
-            await wait_until(lambda: len(retry.peer.received) >= 2, 2.0)  # ack, result
+            done = [(k[DST_BLOCK_IDS[:3]], v[DST_BLOCK_IDS[:3]]) for k, v in _caches(manager)]
+            landed = all(bool((k == 2.0).all() and (v == 2.0).all()) for k, v in done)
+            await wait_until(lambda: len(retry.peer.received) >= 2, 10.0)  # ack, result
             return state, receiver.error, landed, [h for _, h in retry.peer.received]
         finally:
             await manager.close()
@@ -387,9 +387,10 @@ def test_no_takeover_once_the_first_token_came(backend: str) -> None:
         try:
             await _full_transfer(first)
             assert await receiver.wait(timeout_s=5) == TransferState.SUCCESS
+            handled = messages_handled(manager)
             await late.handshake()
             await late.layer(0, value=MARKER)
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: len(handled) >= 2, 10.0)  # the handshake, the layer
             return receiver.state, _no_marker(manager)
         finally:
             await manager.close()

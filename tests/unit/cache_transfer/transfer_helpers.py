@@ -118,3 +118,19 @@ async def make_raw_peer(backend: str) -> RawPeer:
 
 async def gather_bounded(*aws: Awaitable[Any], timeout_s: float = 20.0) -> list[Any]:
     return await asyncio.wait_for(asyncio.gather(*aws), timeout_s)
+
+
+def messages_handled(manager: Any) -> list[str]:
+    """The kind of every message `manager` has been handed from now on ("prepare" for a
+    payload's header, "complete" for a whole message): a test that expects a message to
+    change nothing waits until it was handled, instead of sleeping."""
+    seen: list[str] = []
+    for name in ("prepare", "complete"):
+        real = getattr(manager, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            seen.append(_name)
+            return _real(*args)
+
+        setattr(manager, name, spy)
+    return seen
