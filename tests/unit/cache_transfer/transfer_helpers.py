@@ -121,16 +121,18 @@ async def gather_bounded(*aws: Awaitable[Any], timeout_s: float = 20.0) -> list[
 
 
 def messages_handled(manager: Any) -> list[str]:
-    """The kind of every message `manager` has been handed from now on ("prepare" for a
-    payload's header, "complete" for a whole message): a test that expects a message to
-    change nothing waits until it was handled, instead of sleeping."""
+    """What `manager` did with each message from now on, recorded once the call returned:
+    "prepare" (a payload's header, given a buffer), "refused" (a payload's header, given none:
+    the transport drops the payload), "complete" (a whole message). A test that expects a
+    message to change nothing waits until it was handled, instead of sleeping."""
     seen: list[str] = []
     for name in ("prepare", "complete"):
         real = getattr(manager, name)
 
         def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            seen.append(_name)
-            return _real(*args)
+            result = _real(*args)
+            seen.append("refused" if _name == "prepare" and result is None else _name)
+            return result
 
         setattr(manager, name, spy)
     return seen
