@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
         "graph_capture_s": graphs.capture_s if graphs else 0.0,
         "graph_pool_mib": graphs.pool_bytes / (1 << 20) if graphs else 0.0,
         "async_scheduling": core.async_scheduling,
+        "layer_ops": core.loaded.model.layer_ops.name, "pdl": core.loaded.dependent_launch,
         "bandwidth_GBps": bandwidth / 1e9, "gemm_TFLOPs": gemm / 1e12,
     }  # fmt: skip
     label = args.model.removeprefix("synthetic:")
@@ -250,6 +251,7 @@ def format_table(rows: list[Row], info: dict) -> str:
         + (f" (captured in {info['graph_capture_s']:.1f} s, {info['graph_pool_mib']:.0f} MiB)"
            if info["cuda_graphs"] else "")
         + f", async scheduling {'on' if info['async_scheduling'] else 'off'}"
+        + f", layer ops {info['layer_ops']}, PDL {'on' if info['pdl'] else 'off'}"
         + f"\nceilings measured in this run: memory copy {info['bandwidth_GBps']:.0f} GB/s "
         f"(read+write), GEMM {_flops(info['gemm_TFLOPs'] * 1e12)} ({info['dtype']})\n"
     )  # fmt: skip

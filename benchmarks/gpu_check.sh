@@ -10,6 +10,8 @@
 #   sweep        decode attention launch settings per batch and context (attention_split_sweep)
 #   engine       pd-bench engine, llama3-8b bf16 triton, async scheduling (the default on CUDA)
 #   engine_sync  the same decode rows with --async-scheduling off (what the overlap saves)
+#   pdl          decode at batch 1/8/32/64/128 with PDSERVE_PDL=0 and =1, twice in turn (what
+#                programmatic dependent launch saves: kernels/pdl.py)
 #   profile      pd-bench profile: host phases and kernels per decode step
 # Writes logs to $OUT when set (the device tool's output folder).
 set -uo pipefail
@@ -22,7 +24,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio/pyzmq/ucxx for the two-process 
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 log_dir="${OUT:-/tmp}"
-checks=" ${GPU_CHECKS:-tests attention sweep engine engine_sync profile} "
+checks=" ${GPU_CHECKS:-tests attention sweep engine engine_sync pdl profile} "
 want() { [[ "$checks" == *" $1 "* ]]; }
 if [ "${WITH_FA:-0}" = 1 ]; then
   bash .fa/build.sh && export PYTHONPATH="$HOME/fa/src:$PYTHONPATH"
@@ -51,6 +53,15 @@ if want engine_sync; then
   echo "== pd-bench engine ${engine_args[*]} --prefill-lens '' --async-scheduling off"
   python3 -m benchmarks.cli engine "${engine_args[@]}" --prefill-lens '' --async-scheduling off \
     --json "$log_dir/engine_triton_sync.json" 2>&1 | tee "$log_dir/bench_engine_triton_sync.log"
+fi
+if want pdl; then
+  for round in 1 2; do
+    for flag in 0 1; do
+      echo "== PDSERVE_PDL=$flag pd-bench engine ${engine_args[*]} --batch-sizes 1,8,32,64,128 (round $round)"
+      PDSERVE_PDL=$flag python3 -m benchmarks.cli engine "${engine_args[@]}" --batch-sizes 1,8,32,64,128 \
+        --prefill-lens '' --floor-model '' 2>&1 | tee -a "$log_dir/bench_engine_pdl.log" | grep -E "^\||PDL|ceilings"
+    done
+  done
 fi
 if want profile; then
   # Where a decode step's time goes: host phases, kernels per step (graphs, then eager).

@@ -61,3 +61,13 @@ def skinny_gemm_max_m() -> int:
     if value < 0:
         raise ValueError(f"PDSERVE_SKINNY_GEMM_MAX_M must be >= 0 (0: off), got {value}")
     return value
+
+
+def dependent_launch() -> bool:
+    """PDSERVE_PDL: launch the Triton kernels of a step with programmatic dependent launch
+    (kernels/pdl.py: each kernel scheduled while the one before finishes, the skinny GEMM
+    prefetching its weights meanwhile) on GPUs that have it (sm_90+): "1" or unset on, "0" off."""
+    raw = os.environ.get("PDSERVE_PDL", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"PDSERVE_PDL must be 0 or 1, got {raw!r}")
+    return raw != "0"

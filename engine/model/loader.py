@@ -49,6 +49,7 @@ class LoadedModel:
     arch: ModelArchConfig
     name: str  # stable display name (alias, synthetic string, folder or GGUF stem)
     tokenizer_dir: Path | None  # holds tokenizer.json + tokenizer_config.json; None if absent
+    dependent_launch: bool = False  # the Triton kernels go with PDL (kernels/pdl.py)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -103,8 +104,9 @@ def load_model(
         model.load_weights(weights)
     model.requires_grad_(False).eval()
     model.set_layer_ops(get_layer_ops(attn_backend.name, device, envs.skinny_gemm_max_m()))
+    pdl = _set_dependent_launch(model.layer_ops.name, device)
     logger.info(
-        "loaded %s (%s, %d layers) on %s in %s in %.2f s, layer ops: %s",
+        "loaded %s (%s, %d layers) on %s in %s in %.2f s, layer ops: %s%s",
         source.name,
         arch.architecture,
         arch.num_layers,
@@ -112,8 +114,21 @@ def load_model(
         dtype,
         time.perf_counter() - start_s,
         model.layer_ops.name,
+        ", programmatic dependent launch" if pdl else "",
     )
-    return LoadedModel(model, arch, source.name, source.tokenizer_dir)
+    return LoadedModel(model, arch, source.name, source.tokenizer_dir, pdl)
+
+
+def _set_dependent_launch(layer_ops: str, device: torch.device) -> bool:
+    """Launch the Triton kernels of a step with PDL (kernels/pdl.py) where PDSERVE_PDL asks
+    for it and the GPU and Triton have it; returns whether they are."""
+    if not layer_ops.startswith("triton"):  # the torch reference: no Triton kernels to launch
+        return False
+    from kernels import pdl  # imports triton, which the Triton layer ops have
+
+    on = envs.dependent_launch() and pdl.supported(torch.cuda.get_device_capability(device))
+    pdl.set_enabled(on)
+    return on
 
 
 def _safetensors_files(model_dir: Path) -> list[str]:

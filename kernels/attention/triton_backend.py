@@ -15,6 +15,7 @@ import functools
 import torch
 import triton
 
+from kernels import pdl
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.decode_launch_config import (
     DecodeLaunchConfig,
@@ -166,7 +167,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, **pdl.options(num_decodes),
     )  # fmt: skip
     if num_splits > 1:
         paged_decode_reduce_kernel[(num_decodes, num_heads)](
@@ -174,6 +175,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4,
+            **pdl.options(num_decodes),
         )  # fmt: skip
 
 

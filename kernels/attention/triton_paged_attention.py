@@ -48,6 +48,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -150,7 +152,9 @@ def paged_decode_kernel(
     BLOCK_G: tl.constexpr,  # q heads of a group, padded to >= 16 for tl.dot
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): wait for the kernel before
 ):
+    pdl.wait_then_release(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -225,8 +229,10 @@ def paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the decode kernel's
+    USE_PDL: tl.constexpr,
 ):
     """Merge the splits of one (request, head): softmax-weighted by each split's lse."""
+    pdl.wait_then_release(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 _MAX_NORM_DIM = 1 << 16  # one program holds a whole row
 _ACT_BLOCK = 1024  # SwiGLU elements per program
 
@@ -29,8 +31,9 @@ _ACT_BLOCK = 1024  # SwiGLU elements per program
 def _rms_norm_kernel(
     out_ptr, x_ptr, residual_ptr, weight_ptr, eps, n_cols,
     stride_out, stride_x, stride_res,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -91,6 +94,7 @@ def _launch_norm(
         _rms_norm_kernel[(n_rows,)](
             out, rows, res, weight, eps, n_cols, out.stride(0), rows.stride(0), res.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+            **pdl.options(n_rows),
         )  # fmt: skip
     return out
 
@@ -104,8 +108,9 @@ def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_q_heads,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_cos, stride_sin, stride_cache_slot, stride_cache_head,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_then_release(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_k = head >= num_q_heads
@@ -189,11 +194,15 @@ def _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slots, stride_slot, stri
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), stride_slot, stride_head,
             HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE_KV=write_kv, num_warps=1,
+            **pdl.options(num_tokens),
         )  # fmt: skip
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, d, stride_out, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    out_ptr, x_ptr, d, stride_out, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):  # fmt: skip
+    pdl.wait_then_release(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -214,6 +223,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = min(_ACT_BLOCK, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-            out, x, d, out.stride(0), x.stride(0), BLOCK=block, num_warps=4
-        )
+            out, x, d, out.stride(0), x.stride(0), BLOCK=block, num_warps=4,
+            **pdl.options(num_tokens),
+        )  # fmt: skip
     return out.view(*gate_up.shape[:-1], d)

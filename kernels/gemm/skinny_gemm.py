@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.gemm.skinny_config import (
     MAX_M,
     SkinnyGemmConfig,
@@ -107,7 +108,8 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, HAS_ADD: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -128,6 +130,11 @@ def _skinny_gemm_kernel(
     ro_ptrs = ro_ptr + rows * stride_rom + offs_k[:, None]
     nw_ptrs = nw_ptr + offs_k[:, None] + rows * 0  # [BK, BM]: the norm's weight, every row
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if PREFETCH_LINES > 0:  # PDL: W's first lines into L2 while the kernel before finishes
+        pf_cols = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        pf_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        pdl.prefetch_l2(w_ptr + pf_rows[:, None] * stride_wn + pf_cols[None, :])
+    pdl.wait_then_release(USE_PDL)  # x, the residual and y after the kernel before
     ssq = tl.zeros((BLOCK_K, BLOCK_M), dtype=tl.float32)  # NORMED: s^2, summed over K at the end
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -177,9 +184,10 @@ def _skinny_gemm_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     y_ptr, ws_ptr, bias_ptr, M, N, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """y[m, n] = sum over s of ws[s, m, n] (+ bias[n]), in split order, rounded once."""
+    pdl.wait_then_release(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
@@ -264,6 +272,8 @@ def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
     upcast = config.use_dot and y.dtype == torch.bfloat16 and _INTERPRET
     split = config.split_k
     ws = torch.empty((split, m, n), dtype=torch.float32, device=y.device) if split > 1 else y
+    line = pdl.L2_LINE_BYTES // weight.element_size()
+    lines = _prefetch_lines(config, m, k, weight.element_size())
     _skinny_gemm_kernel[(config.num_programs(m, n),)](
         y, x, weight, weight if bias is None else bias, residual, summed, norm_weight, ws, eps,
         m, n, k, config.k_per_split(k),
@@ -271,15 +281,25 @@ def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
         HAS_BIAS=bias is not None, GATED=gated, NORMED=norm is not None,
         HAS_ADD=norm is not None and summed is not residual,
         USE_DOT=config.use_dot, EVEN_K=k % config.block_k == 0,
-        DOT_PRECISION=precision, UPCAST_DOT=upcast, SPLIT_K=split,
+        DOT_PRECISION=precision, UPCAST_DOT=upcast, SPLIT_K=split, PREFETCH_LINES=lines, LINE=line,
         BLOCK_M=config.tile_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl.options(m),
     )  # fmt: skip
     if split > 1:
         _split_k_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
             y, ws, weight if bias is None else bias, m, n, y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, **pdl.options(m),
         )  # fmt: skip
+
+
+def _prefetch_lines(config: SkinnyGemmConfig, m: int, k: int, itemsize: int) -> int:
+    """128-byte lines of each W row a program prefetches into L2 before its PDL wait: the
+    largest power of two within pdl.prefetch_bytes over the program's rows and within its K
+    run (0 when launched plainly)."""
+    per_row = min(pdl.prefetch_bytes(m) // config.block_n, config.k_per_split(k) * itemsize)
+    lines = per_row // pdl.L2_LINE_BYTES
+    return 1 << (lines.bit_length() - 1) if lines else 0
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -332,11 +352,13 @@ def routed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, max_m: int
 ) -> torch.Tensor:
     """nn.Linear's projection: the skinny GEMM for 1..max_m rows of float16/bfloat16 with
-    contiguous K where it measured faster than cuBLAS for this very (M, N, K) (`measured_win`),
-    else F.linear (cuBLAS). The choice is on shapes and dtypes only (host-side, CUDA-graph
-    safe: a captured batch size always takes the same path)."""
+    contiguous K where it measured faster than cuBLAS for this very (M, N, K) (`measured_win`,
+    with its PDL-chain wins where the launch goes with PDL), else F.linear (cuBLAS). The choice
+    is on shapes and dtypes only (host-side, CUDA-graph safe: a captured batch size always
+    takes the same path)."""
     if _takes_skinny(x, weight, max_m):
-        config = measured_win(x.shape[0], weight.shape[0], weight.shape[1])
+        m = x.shape[0]
+        config = measured_win(m, weight.shape[0], weight.shape[1], chained=pdl.uses_pdl(m))
         if config is not None:
             return skinny_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
@@ -351,13 +373,14 @@ def routed_gated_linear(
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The MLP's down projection of silu_and_mul(gate_up): one gated skinny GEMM launch where
-    a launch for this (M, N, K) is known (`fused_config`), else `silu_and_mul` then F.linear.
-    The same values either way (the kernel rounds the SwiGLU where silu_and_mul does)."""
+    a launch for this (M, N, K) is known (`fused_config`), else `silu_and_mul` then the
+    projection (`routed_linear`). The same values either way (the kernel rounds the SwiGLU
+    where silu_and_mul does)."""
     if _takes_skinny(gate_up, weight, max_m):
         config = fused_config(gate_up.shape[0], weight.shape[0], weight.shape[1])
         if config is not None:
             return skinny_linear(gate_up, weight, bias, config, gated=True)
-    return F.linear(silu_and_mul(gate_up), weight, bias)
+    return routed_linear(silu_and_mul(gate_up), weight, bias, max_m=max_m)
 
 
 def routed_norm_linear(

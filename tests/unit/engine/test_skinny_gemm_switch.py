@@ -74,7 +74,11 @@ def test_small_steps_project_on_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch)
     """With a win recorded for every shape (the routing, not the table, is under test):
     prefill (every prompt > 4 tokens) on F.linear; decode steps of <= 4 tokens: every
     projection of every layer and the LM head on the skinny GEMM."""
-    monkeypatch.setattr(skinny_gemm, "measured_win", skinny_gemm.skinny_gemm_config)
+    monkeypatch.setattr(
+        skinny_gemm,
+        "measured_win",
+        lambda m, n, k, chained=False: skinny_gemm.skinny_gemm_config(m, n, k),
+    )
     monkeypatch.setattr(skinny_gemm, "fused_config", skinny_gemm.skinny_gemm_config)
     llm = LLM("synthetic:tiny-llama", device="cpu", dtype="bfloat16", max_num_seqs=2,
               enable_prefix_caching=False)  # fmt: skip

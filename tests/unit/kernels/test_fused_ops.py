@@ -140,13 +140,13 @@ def compile_(fn, sig, consts):
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32))
 
-for dt in ("bf16", "fp16", "fp32"):
+for dt, pdl in (("bf16", True), ("fp16", False), ("fp32", False)):  # pdl: launched with PDL
     ptrs = lambda *names: {n: "*" + dt for n in names}
     ints = lambda *names: {n: "i32" for n in names}
     compile_(t._rms_norm_kernel,
              {**ptrs("out_ptr", "x_ptr", "residual_ptr", "weight_ptr"), "eps": "fp32",
               **ints("n_cols", "stride_out", "stride_x", "stride_res")},
-             {"HAS_RESIDUAL": True, "BLOCK": 4096})
+             {"HAS_RESIDUAL": True, "BLOCK": 4096, "USE_PDL": pdl})
     for write_kv in (True, False):
         compile_(t._rotary_kernel,
                  {**ptrs("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
@@ -154,9 +154,10 @@ for dt in ("bf16", "fp16", "fp32"):
                   **ints("num_q_heads", "stride_q_tok", "stride_q_head", "stride_k_tok",
                          "stride_k_head", "stride_v_tok", "stride_v_head", "stride_cos",
                          "stride_sin", "stride_cache_slot", "stride_cache_head")},
-                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv})
+                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv, "USE_PDL": pdl})
     compile_(t._silu_and_mul_kernel,
-             {**ptrs("out_ptr", "x_ptr"), **ints("d", "stride_out", "stride_x")}, {"BLOCK": 1024})
+             {**ptrs("out_ptr", "x_ptr"), **ints("d", "stride_out", "stride_x")},
+             {"BLOCK": 1024, "USE_PDL": pdl})
 print("ok")
 """
 

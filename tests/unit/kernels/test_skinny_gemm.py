@@ -157,7 +157,11 @@ def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> Non
     win recorded for every shape here), anything else F.linear; results agree either way."""
     from kernels.gemm import skinny_gemm
 
-    monkeypatch.setattr(skinny_gemm, "measured_win", skinny_gemm.skinny_gemm_config)
+    monkeypatch.setattr(
+        skinny_gemm,
+        "measured_win",
+        lambda m, n, k, chained=False: skinny_gemm.skinny_gemm_config(m, n, k),
+    )
 
     calls: list[tuple[int, ...]] = []
     real = skinny_gemm.skinny_linear

@@ -30,15 +30,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.gemm import skinny_gemm_config
 from kernels.gemm.skinny_config import fused_config
-from kernels.gemm.skinny_gemm import _skinny_gemm_kernel as k
+from kernels import pdl
+from kernels.gemm.skinny_gemm import _prefetch_lines, _skinny_gemm_kernel as k
 names = list(inspect.signature(k.fn).parameters)
 out = {}
 for m, n, kdim, prologue in json.loads(sys.argv[1]):
     c = fused_config(m, n, kdim) or skinny_gemm_config(m, n, kdim)  # the engine's launch
-    normed = prologue == "normed"
-    consts = dict(HAS_BIAS=False, GATED=prologue == "gated", NORMED=normed, HAS_ADD=normed,
+    normed, with_pdl = "normed" in prologue, "pdl" in prologue
+    pdl.set_enabled(with_pdl)
+    consts = dict(HAS_BIAS=False, GATED="gated" in prologue, NORMED=normed, HAS_ADD=normed,
                   USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
                   DOT_PRECISION="tf32", UPCAST_DOT=False, SPLIT_K=c.split_k, BLOCK_M=c.tile_m(m),
+                  USE_PDL=with_pdl, PREFETCH_LINES=_prefetch_lines(c, m, kdim, 2), LINE=64,
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages)
     sig = {a: "constexpr" if a in consts else ("*bf16" if a.endswith("_ptr") else "i32")
            for a in names}
@@ -64,6 +67,8 @@ CASES = [
     (1, 4096, 14336, "gated"),  # the down projection with the SwiGLU on its gate | up loads
     (1, 6144, 4096, "normed"),  # QKV with the residual add + RMSNorm on its x loads
     (1, 28672, 4096, "normed"),  # gate_up, the same
+    (32, 6144, 4096, "normed+pdl"),  # launched with PDL (kernels/pdl.py): W prefetched, then wait
+    (32, 4096, 4096, "pdl"),
 ]
 
 
@@ -94,6 +99,22 @@ def test_loads_are_pipelined_16_byte_copies_and_no_atomics(ptx, case) -> None:
         assert "ld.global" not in code, "no synchronous global loads (W and x both go async)"
     atomics = re.findall(r"^\s*(?:atom|red)\.", code, flags=re.MULTILINE)
     assert not atomics, "no atomics: one program per output"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "pdl" in c[3]])
+def test_a_pdl_launch_prefetches_only_w_before_its_wait(ptx, case) -> None:
+    """Launched with PDL, a program may run while the kernel before it still writes: before
+    griddepcontrol.wait it only prefetches W (which no kernel writes) into L2; every load of x,
+    the residual or the norm weight, and every store, comes after the wait; the next kernel is
+    released after it."""
+    code = ptx[",".join(map(str, case))]
+    wait = code.index("griddepcontrol.wait")
+    assert code.index("griddepcontrol.launch_dependents") > wait
+    before = code[:wait]
+    assert "prefetch.global.L2" in before, "W's first lines prefetched while waiting"
+    loads = re.findall(r"\b(?:ld\.(?!param)|st\.|cp\.async\.)", before)  # ld.param: arguments
+    assert not loads, "no load of memory and no store before the wait"
+    assert "griddepcontrol" not in ptx["1,6144,4096,normed"], "no PDL code when launched plainly"
 
 
 def test_large_tiles_use_wgmma(ptx) -> None:
