@@ -243,7 +243,13 @@ def format_report(results: list[BatchProfile], info: dict) -> str:
     lines = [
         f"pd-bench profile: {info['model']} {info['dtype']} on {info['device_name']}, attention "
         f"{info['attention']}, layer ops {info['layer_ops']}, decode {info['decode']}, context "
-        f"{info['context']}{', synced phases' if info['sync'] else ''}",
+        f"{info['context']}{', synced phases' if info['sync'] else ''}"
+        + (
+            "\nPDL on (kernels/pdl.py): a kernel counts from its launch, before the one ahead of"
+            " it ends, so kernel times overlap and do not add up; PDSERVE_PDL=0 for a breakdown"
+            if info.get("pdl")
+            else ""
+        ),
         "",
         "| batch | step ms | engine step ms | "
         + " | ".join(PHASES)
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> tuple[list[BatchProfile], dict]:
         else "cpu",
         "attention": core.attn_backend.name, "layer_ops": core.loaded.model.layer_ops.name,
         "decode": "CUDA graphs" if graphs is not None and graphs.captured else "eager",
-        "context": args.context, "sync": args.sync,
+        "context": args.context, "sync": args.sync, "pdl": core.loaded.dependent_launch,
     }  # fmt: skip
     results = [profile_batch(core, args, batch) for batch in args.batch_sizes]
     core.check_no_leaks()

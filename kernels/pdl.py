@@ -71,6 +71,15 @@ def prefetch_bytes(num_tokens: int) -> int:
     return int(_state["prefetch_bytes"]) if uses_pdl(num_tokens) else 0
 
 
+def prefetch_lines(num_tokens: int, rows: int, row_bytes: int) -> int:
+    """128-byte lines of each of a program's `rows` weight rows (`row_bytes` of which it reads)
+    to prefetch into L2 before its wait: the largest power of two within the prefetch budget
+    (0 when launched plainly)."""
+    per_row = min(prefetch_bytes(num_tokens) // rows, row_bytes)
+    lines = per_row // L2_LINE_BYTES
+    return 1 << (lines.bit_length() - 1) if lines else 0
+
+
 @triton.jit
 def wait_then_release(USE_PDL: tl.constexpr):
     """Wait until the kernel before has completed (its writes visible), then let the next

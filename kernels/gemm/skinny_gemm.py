@@ -273,7 +273,7 @@ def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
     split = config.split_k
     ws = torch.empty((split, m, n), dtype=torch.float32, device=y.device) if split > 1 else y
     line = pdl.L2_LINE_BYTES // weight.element_size()
-    lines = _prefetch_lines(config, m, k, weight.element_size())
+    lines = pdl.prefetch_lines(m, config.block_n, config.k_per_split(k) * weight.element_size())
     _skinny_gemm_kernel[(config.num_programs(m, n),)](
         y, x, weight, weight if bias is None else bias, residual, summed, norm_weight, ws, eps,
         m, n, k, config.k_per_split(k),
@@ -291,15 +291,6 @@ def _launch(y, x, weight, bias, config, *, gated=False, norm=None) -> None:
             y, ws, weight if bias is None else bias, m, n, y.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, **pdl.options(m),
         )  # fmt: skip
-
-
-def _prefetch_lines(config: SkinnyGemmConfig, m: int, k: int, itemsize: int) -> int:
-    """128-byte lines of each W row a program prefetches into L2 before its PDL wait: the
-    largest power of two within pdl.prefetch_bytes over the program's rows and within its K
-    run (0 when launched plainly)."""
-    per_row = min(pdl.prefetch_bytes(m) // config.block_n, config.k_per_split(k) * itemsize)
-    lines = per_row // pdl.L2_LINE_BYTES
-    return 1 << (lines.bit_length() - 1) if lines else 0
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -10,7 +10,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install --no-
 
 from kernels import pdl  # noqa: E402
 from kernels.gemm import SkinnyGemmConfig  # noqa: E402
-from kernels.gemm.skinny_gemm import _prefetch_lines  # noqa: E402
 from pdserve import envs  # noqa: E402
 
 
@@ -37,16 +36,19 @@ def test_supported_needs_hopper() -> None:
 
 def test_prefetch_is_a_power_of_two_of_lines_within_the_budget_and_the_k_run() -> None:
     config = SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4)  # K run 1024 of 4096
+
+    def lines(m: int) -> int:  # as the skinny GEMM asks, bf16 W
+        return pdl.prefetch_lines(m, config.block_n, config.k_per_split(4096) * 2)
+
     pdl.set_enabled(True, prefetch_bytes=16 * 1024)
-    lines = _prefetch_lines(config, 32, 4096, 2)
-    assert lines == 2  # 16 KiB over 64 rows: 256 bytes, two 128-byte lines per row
+    assert lines(32) == 2  # 16 KiB over 64 rows: 256 bytes, two 128-byte lines per row
     pdl.set_enabled(True, prefetch_bytes=1 << 30)
-    assert _prefetch_lines(config, 32, 4096, 2) == 16  # capped by the 1024-column K run
+    assert lines(32) == 16  # capped by the 1024-column K run (2 KiB a row)
     pdl.set_enabled(True, prefetch_bytes=48 * 1024)
-    assert _prefetch_lines(config, 32, 4096, 2) == 4  # 6 lines fit: the power of two below
-    assert _prefetch_lines(config, 1, 4096, 2) == 0  # one token: launched plainly
+    assert lines(32) == 4  # 6 lines fit: the power of two below
+    assert lines(1) == 0  # one token: launched plainly
     pdl.set_enabled(False)
-    assert _prefetch_lines(config, 32, 4096, 2) == 0
+    assert lines(32) == 0
     with pytest.raises(ValueError, match="prefetch_bytes"):
         pdl.set_enabled(True, prefetch_bytes=-1)
 

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from kernels.gemm import skinny_gemm_config
 from kernels.gemm.skinny_config import fused_config
 from kernels import pdl
-from kernels.gemm.skinny_gemm import _prefetch_lines, _skinny_gemm_kernel as k
+from kernels.gemm.skinny_gemm import _skinny_gemm_kernel as k
 names = list(inspect.signature(k.fn).parameters)
 out = {}
 for m, n, kdim, prologue in json.loads(sys.argv[1]):
@@ -41,7 +41,7 @@ for m, n, kdim, prologue in json.loads(sys.argv[1]):
     consts = dict(HAS_BIAS=False, GATED="gated" in prologue, NORMED=normed, HAS_ADD=normed,
                   USE_DOT=c.use_dot, EVEN_K=kdim % c.block_k == 0,
                   DOT_PRECISION="tf32", UPCAST_DOT=False, SPLIT_K=c.split_k, BLOCK_M=c.tile_m(m),
-                  USE_PDL=with_pdl, PREFETCH_LINES=_prefetch_lines(c, m, kdim, 2), LINE=64,
+                  USE_PDL=with_pdl, PREFETCH_LINES=pdl.prefetch_lines(m, c.block_n, c.k_per_split(kdim) * 2), LINE=64,
                   BLOCK_N=c.block_n, BLOCK_K=c.block_k, NUM_STAGES=c.num_stages)
     sig = {a: "constexpr" if a in consts else ("*bf16" if a.endswith("_ptr") else "i32")
            for a in names}
