@@ -10,7 +10,7 @@
 #   sweep        decode attention launch settings per batch and context (attention_split_sweep)
 #   engine       pd-bench engine, llama3-8b bf16 triton, async scheduling (the default on CUDA)
 #   engine_sync  the same decode rows with --async-scheduling off (what the overlap saves)
-#   pdl          decode at batch 1/8/32/64/128 with PDSERVE_PDL=0 and =1, twice in turn (what
+#   pdl          decode at batch 1-128 (the graph sizes) with PDSERVE_PDL=0 and =1, twice in turn (what
 #                programmatic dependent launch saves: kernels/pdl.py)
 #   profile      pd-bench profile: host phases and kernels per decode step
 # Writes logs to $OUT when set (the device tool's output folder).
@@ -55,10 +55,11 @@ if want engine_sync; then
     --json "$log_dir/engine_triton_sync.json" 2>&1 | tee "$log_dir/bench_engine_triton_sync.log"
 fi
 if want pdl; then
+  pdl_batches=1,2,4,8,16,24,32,48,64,128
   for round in 1 2; do
     for flag in 0 1; do
-      echo "== PDSERVE_PDL=$flag pd-bench engine ${engine_args[*]} --batch-sizes 1,8,32,64,128 (round $round)"
-      PDSERVE_PDL=$flag python3 -m benchmarks.cli engine "${engine_args[@]}" --batch-sizes 1,8,32,64,128 \
+      echo "== PDSERVE_PDL=$flag pd-bench engine ${engine_args[*]} --batch-sizes $pdl_batches (round $round)"
+      PDSERVE_PDL=$flag python3 -m benchmarks.cli engine "${engine_args[@]}" --batch-sizes "$pdl_batches" \
         --prefill-lens '' --floor-model '' 2>&1 | tee -a "$log_dir/bench_engine_pdl.log" | grep -E "^\||PDL|ceilings"
     done
   done

@@ -142,26 +142,41 @@ MEASURED_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
 
 
 # Where the skinny GEMM wins only inside a chain of PDL launches (kernels/pdl.py): cuBLAS is
-# launched plainly and makes the next kernel wait for all of it, the skinny GEMM keeps the
-# step's kernels overlapping. llama3-8b at 32 and 64 tokens, QKV, gate_up and (32) down on the
-# sweep's fastest launches (2026-12-04-h200-split-k.txt: 0.98-1.01x of cuBLAS alone). In the
-# engine on an H100 with PDL (benchmarks/results/2026-12-05-h100-pdl.txt): b32 7.80 -> 7.67 ms
-# a step with QKV and gate_up, 7.70 -> 7.67 with down too; b64 9.44 -> 9.38 with QKV and
-# gate_up. 128 tokens are launched plainly (pdl.MAX_TOKENS).
-CHAIN_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
-    (32, 6144, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
-    (32, 28672, 4096): SkinnyGemmConfig(64, 64, 4, 3, block_m=128),
-    (32, 4096, 14336): SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4),
-    (64, 6144, 4096): SkinnyGemmConfig(64, 128, 4, 4, block_m=128),
-    (64, 28672, 4096): SkinnyGemmConfig(64, 64, 4, 3, block_m=128),
-}
+# launched plainly and makes the next kernel wait for all of it, the skinny GEMM keeps the step's
+# kernels overlapping. Rows (max_m, N, K, launch): a launch of M tokens takes the first row with
+# M <= max_m of its (N, K) (llama3-8b's shapes; the sweep's fastest launches, 0.88-1.01x of
+# cuBLAS alone: 2026-12-02-h200-gemm-sweep.txt, 2026-12-04-h200-split-k.txt). In the engine on
+# an H100 with PDL (benchmarks/results/2026-12-05-h100-pdl.txt), ms a step: b8 6.48 -> 6.15 and
+# b16 7.06 -> 6.73 (the 8- and 16-token rows), b32 7.80 -> 7.67, b64 9.44 -> 9.38.
+CHAIN_WINS: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
+    (8, 6144, 4096, SkinnyGemmConfig(64, 128, 4, 4, block_m=128)),
+    (8, 28672, 4096, SkinnyGemmConfig(128, 128, 4, 3, block_m=128)),
+    (8, 4096, 4096, SkinnyGemmConfig(32, 256, 4, 4, block_m=128)),
+    (8, 4096, 14336, SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4)),
+    (16, 6144, 4096, SkinnyGemmConfig(64, 128, 4, 4, block_m=128)),
+    (16, 28672, 4096, SkinnyGemmConfig(64, 64, 4, 3, block_m=128)),
+    (16, 4096, 14336, SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4)),
+    (32, 6144, 4096, SkinnyGemmConfig(64, 128, 4, 4, block_m=128)),
+    (32, 28672, 4096, SkinnyGemmConfig(64, 64, 4, 3, block_m=128)),
+    (32, 4096, 14336, SkinnyGemmConfig(64, 128, 4, 3, block_m=128, split_k=4)),
+    (64, 6144, 4096, SkinnyGemmConfig(64, 128, 4, 4, block_m=128)),
+    (64, 28672, 4096, SkinnyGemmConfig(64, 64, 4, 3, block_m=128)),
+)
+
+
+def chain_win(m: int, n: int, k: int) -> SkinnyGemmConfig | None:
+    """CHAIN_WINS' launch for M tokens of this (N, K): its first row with M <= max_m."""
+    for max_m, row_n, row_k, config in CHAIN_WINS:
+        if m <= max_m and (n, k) == (row_n, row_k):
+            return config
+    return None
 
 
 def measured_win(m: int, n: int, k: int, chained: bool = False) -> SkinnyGemmConfig | None:
     """The launch that beat cuBLAS for exactly this (M, N, K) when measured, else None;
     `chained`: launched with PDL, where CHAIN_WINS count too."""
     win = MEASURED_WINS.get((m, n, k))
-    return CHAIN_WINS.get((m, n, k)) if win is None and chained else win
+    return chain_win(m, n, k) if win is None and chained else win
 
 
 # Launches for the fused prologues (the RMSNorm of a QKV or gate_up input, the SwiGLU of a down

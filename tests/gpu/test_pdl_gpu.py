@@ -106,3 +106,23 @@ def test_the_engine_generates_the_same_tokens_with_pdl(pdl, monkeypatch) -> None
         return [o.token_ids for o in outs]
 
     assert tokens("1") == tokens("0")
+
+
+def test_chain_wins_are_close_to_cublas_at_their_token_counts(pdl) -> None:
+    """Every CHAIN_WINS launch at the token counts it serves (a graph's padded batch sizes)."""
+    import torch.nn.functional as F
+
+    from kernels.gemm.skinny_config import CHAIN_WINS, measured_win
+    from kernels.gemm.skinny_gemm import skinny_linear
+
+    pdl.set_enabled(True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for max_m, n, k, config in CHAIN_WINS:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+        for m in sorted({2, 4, max_m // 2 + 1, max_m} - {1}):
+            chosen = measured_win(m, n, k, chained=True)
+            if chosen is not config:
+                continue  # an exact MEASURED_WINS launch or an earlier row takes this M
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            got = skinny_linear(x, w, config=config)
+            torch.testing.assert_close(got, F.linear(x, w), atol=3e-2, rtol=2e-2)

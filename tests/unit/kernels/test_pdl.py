@@ -68,11 +68,14 @@ def test_env_var_parses(monkeypatch: pytest.MonkeyPatch, value, want) -> None:
 
 
 def test_chain_wins_count_only_for_launches_with_pdl() -> None:
-    from kernels.gemm.skinny_config import CHAIN_WINS, MEASURED_WINS, measured_win
+    from kernels.gemm.skinny_config import CHAIN_WINS, MEASURED_WINS, chain_win, measured_win
 
-    for (m, n, k), config in CHAIN_WINS.items():
-        assert (m, n, k) not in MEASURED_WINS and pdl.MIN_TOKENS <= m <= pdl.MAX_TOKENS
-        assert measured_win(m, n, k) is None
-        assert measured_win(m, n, k, chained=True) == config
+    for max_m, n, k, config in CHAIN_WINS:
+        assert pdl.MIN_TOKENS <= max_m <= pdl.MAX_TOKENS
+        assert chain_win(max_m, n, k) == config  # each row is the first of its (N, K) to fit
+        assert (max_m, n, k) in MEASURED_WINS or measured_win(max_m, n, k) is None
+    assert measured_win(20, 6144, 4096, chained=True) == chain_win(32, 6144, 4096)  # 17..32
+    assert chain_win(20, 4096, 4096) is None  # o_proj has a row at 8 tokens only
+    assert chain_win(pdl.MAX_TOKENS + 1, 6144, 4096) is None
     for (m, n, k), config in MEASURED_WINS.items():
-        assert measured_win(m, n, k, chained=True) == config
+        assert measured_win(m, n, k, chained=True) == config  # an exact win comes first
