@@ -147,7 +147,8 @@ MEASURED_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
 # M <= max_m of its (N, K) (llama3-8b's shapes; the sweep's fastest launches, 0.88-1.01x of
 # cuBLAS alone: 2026-12-02-h200-gemm-sweep.txt, 2026-12-04-h200-split-k.txt). In the engine on
 # an H100 with PDL (benchmarks/results/2026-12-05-h100-pdl.txt), ms a step: b8 6.48 -> 6.15 and
-# b16 7.06 -> 6.73 (the 8- and 16-token rows), b32 7.80 -> 7.67, b64 9.44 -> 9.38.
+# b16 7.06 -> 6.73 (the 8- and 16-token rows), b32 7.80 -> 7.67, b64 9.44 -> 9.38; with PDL off
+# (PDSERVE_PDL=0) these stay on cuBLAS.
 CHAIN_WINS: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
     (8, 6144, 4096, SkinnyGemmConfig(64, 128, 4, 4, block_m=128)),
     (8, 28672, 4096, SkinnyGemmConfig(128, 128, 4, 3, block_m=128)),
