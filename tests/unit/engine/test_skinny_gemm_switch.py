@@ -19,6 +19,7 @@ from kernels.fused import REFERENCE_OPS  # noqa: E402
 from kernels.fused.layer_ops import triton_ops, with_skinny_gemm  # noqa: E402
 from kernels.gemm import MAX_M, skinny_gemm  # noqa: E402
 from pdserve import envs  # noqa: E402
+from tests.env_vars import assert_env_reads  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -26,15 +27,7 @@ from pdserve import envs  # noqa: E402
     [(None, MAX_M), ("", MAX_M), ("0", 0), ("16", 16), (" 64 ", 64), ("x", None), ("-1", None)],
 )
 def test_env_var_parses(monkeypatch: pytest.MonkeyPatch, value, want) -> None:
-    if value is None:
-        monkeypatch.delenv("PDSERVE_SKINNY_GEMM_MAX_M", raising=False)
-    else:
-        monkeypatch.setenv("PDSERVE_SKINNY_GEMM_MAX_M", value)
-    if want is None:
-        with pytest.raises(ValueError, match="PDSERVE_SKINNY_GEMM_MAX_M"):
-            envs.skinny_gemm_max_m()
-    else:
-        assert envs.skinny_gemm_max_m() == want
+    assert_env_reads(monkeypatch, "PDSERVE_SKINNY_GEMM_MAX_M", value, want, envs.skinny_gemm_max_m)
 
 
 def test_the_loader_passes_the_env_var_to_the_layer_ops(monkeypatch: pytest.MonkeyPatch) -> None:

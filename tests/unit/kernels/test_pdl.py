@@ -11,6 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install --no-
 from kernels import pdl  # noqa: E402
 from kernels.gemm import SkinnyGemmConfig  # noqa: E402
 from pdserve import envs  # noqa: E402
+from tests.env_vars import assert_env_reads  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -56,15 +57,7 @@ def test_prefetch_is_a_power_of_two_of_lines_within_the_budget_and_the_k_run() -
 @pytest.mark.parametrize("value, want", [(None, True), ("", True), ("1", True), ("0", False),
                                          (" 0 ", False), ("yes", None)])  # fmt: skip
 def test_env_var_parses(monkeypatch: pytest.MonkeyPatch, value, want) -> None:
-    if value is None:
-        monkeypatch.delenv("PDSERVE_PDL", raising=False)
-    else:
-        monkeypatch.setenv("PDSERVE_PDL", value)
-    if want is None:
-        with pytest.raises(ValueError, match="PDSERVE_PDL"):
-            envs.dependent_launch()
-    else:
-        assert envs.dependent_launch() is want
+    assert_env_reads(monkeypatch, "PDSERVE_PDL", value, want, envs.dependent_launch)
 
 
 def test_chain_wins_count_only_for_launches_with_pdl() -> None:
