@@ -61,9 +61,12 @@ def uses_pdl(num_tokens: int) -> bool:
 
 
 def options(num_tokens: int) -> dict[str, bool]:
-    """The launch keywords of a kernel of the chain: its USE_PDL constexpr and launch_pdl."""
-    use = uses_pdl(num_tokens)
-    return {"USE_PDL": use, "launch_pdl": use}
+    """The launch keywords of a kernel of the chain: its USE_PDL constexpr, and launch_pdl
+    when it is launched with PDL (never passed otherwise: a Triton without PDL knows no such
+    option)."""
+    if uses_pdl(num_tokens):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
 
 
 def prefetch_bytes(num_tokens: int) -> int:

@@ -21,7 +21,7 @@ def _restore():
 
 
 def test_plain_launches_while_off_and_outside_the_measured_token_range() -> None:
-    plain, chained = {"USE_PDL": False, "launch_pdl": False}, {"USE_PDL": True, "launch_pdl": True}
+    plain, chained = {"USE_PDL": False}, {"USE_PDL": True, "launch_pdl": True}
     pdl.set_enabled(False)
     assert pdl.options(32) == plain
     pdl.set_enabled(True)
