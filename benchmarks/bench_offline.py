@@ -1,7 +1,7 @@
 """Offline throughput: the engine vs Hugging Face transformers `generate`, same machine, same
-weights, same workload (default model, CPU, fp32, greedy).
+weights, same workload, same dtype (default model, CPU, fp32 unless --dtype, greedy).
 
-    python -m benchmarks.bench_offline [--num-requests 64] [--decode-tokens 128]
+    python -m benchmarks.bench_offline [--num-requests 64] [--decode-tokens 128] [--dtype bfloat16]
 
 Prints decode tokens/s at batch 1 and aggregate output tokens/s for a mixed workload, for the
 engine, transformers one request at a time, and transformers batched (left-padded batches),
@@ -105,14 +105,22 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the weights' and activations' dtype, the same for both (bfloat16: the GEMMs take "
+        "the CPU's bf16 instructions, AMX or AVX512-BF16, where it has them)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
 
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, device="cpu", dtype="float32")
+    llm = LLM(args.model, device="cpu", dtype=args.dtype)
     checkpoint_dir = llm.engine.loaded.tokenizer_dir  # the (converted) HF folder
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, torch_dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, torch_dtype=dtype).eval()
     vocab_size = llm.engine.arch.vocab_size
     prompt = mixed_workload(1, vocab_size, seed=1)[0][0][:32]
     workload = mixed_workload(args.num_requests, vocab_size)
@@ -144,7 +152,7 @@ def main() -> None:
             )
         )
 
-    print(f"\nmodel {args.model}, CPU fp32, torch threads {torch.get_num_threads()}")
+    print(f"\nmodel {args.model}, CPU {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'figure':<52} {'pdserve':>10} {'HF':>10} {'ratio':>7} {'target':>7}")
     for name, mine, theirs, target in rows:
         target_text = f">={target:.1f}x" if target else "-"
