@@ -247,7 +247,7 @@ def format_report(results: list[BatchProfile], info: dict) -> str:
         + (
             "\nPDL on (kernels/pdl.py): a kernel counts from its launch, before the one ahead of"
             " it ends, so kernel times overlap and do not add up; PDSERVE_PDL=0 for a breakdown"
-            if info.get("pdl")
+            if info["pdl"]
             else ""
         ),
         "",

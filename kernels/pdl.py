@@ -20,6 +20,8 @@ host: a captured CUDA graph keeps it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -30,7 +32,16 @@ L2_LINE_BYTES = 128  # one prefetch instruction per line
 # 2..64 tokens, with the skinny GEMM keeping the chain whole (CHAIN_WINS), 0.6-7% faster.
 MIN_TOKENS = 2
 MAX_TOKENS = 64
-_state = {"enabled": False, "prefetch_bytes": 16 * 1024}
+
+
+@dataclass
+class _Settings:
+    enabled: bool = False
+    prefetch_bytes: int = 16 * 1024  # of W per skinny GEMM program
+
+
+# Process-wide, like torch.backends flags: the engine's loader sets it for the model it loads.
+_settings = _Settings()
 
 
 def supported(capability: tuple[int, int]) -> bool:
@@ -46,18 +57,18 @@ def set_enabled(on: bool, prefetch_bytes: int | None = None) -> None:
     if prefetch_bytes is not None:
         if prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be >= 0, got {prefetch_bytes}")
-        _state["prefetch_bytes"] = prefetch_bytes
-    _state["enabled"] = bool(on)
+        _settings.prefetch_bytes = prefetch_bytes
+    _settings.enabled = bool(on)
 
 
 def enabled() -> bool:
-    return bool(_state["enabled"])
+    return _settings.enabled
 
 
 def uses_pdl(num_tokens: int) -> bool:
     """Whether a kernel over `num_tokens` tokens is launched with PDL (host-side, no sync: a
     captured CUDA graph keeps the choice of its batch size)."""
-    return bool(_state["enabled"]) and MIN_TOKENS <= num_tokens <= MAX_TOKENS
+    return _settings.enabled and MIN_TOKENS <= num_tokens <= MAX_TOKENS
 
 
 def options(num_tokens: int) -> dict[str, bool]:
@@ -71,7 +82,7 @@ def options(num_tokens: int) -> dict[str, bool]:
 
 def prefetch_bytes(num_tokens: int) -> int:
     """Bytes of W a skinny GEMM program prefetches before its wait (0 when launched plainly)."""
-    return int(_state["prefetch_bytes"]) if uses_pdl(num_tokens) else 0
+    return _settings.prefetch_bytes if uses_pdl(num_tokens) else 0
 
 
 def prefetch_lines(num_tokens: int, rows: int, row_bytes: int) -> int:

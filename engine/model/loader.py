@@ -49,7 +49,9 @@ class LoadedModel:
     arch: ModelArchConfig
     name: str  # stable display name (alias, synthetic string, folder or GGUF stem)
     tokenizer_dir: Path | None  # holds tokenizer.json + tokenizer_config.json; None if absent
-    dependent_launch: bool = False  # the Triton kernels go with PDL (kernels/pdl.py)
+    # The Triton kernels went with PDL when it loaded (kernels/pdl.py: a process-wide setting,
+    # so a model loaded later in the same process sets it for both)
+    dependent_launch: bool = False
 
 
 def resolve_device(device: str) -> torch.device:

@@ -144,8 +144,10 @@ MEASURED_WINS: dict[tuple[int, int, int], SkinnyGemmConfig] = {
 # Where the skinny GEMM wins only inside a chain of PDL launches (kernels/pdl.py): cuBLAS is
 # launched plainly and makes the next kernel wait for all of it, the skinny GEMM keeps the step's
 # kernels overlapping. Rows (max_m, N, K, launch): a launch of M tokens takes the first row with
-# M <= max_m of its (N, K) (llama3-8b's shapes; the sweep's fastest launches, 0.88-1.01x of
-# cuBLAS alone: 2026-12-02-h200-gemm-sweep.txt, 2026-12-04-h200-split-k.txt). In the engine on
+# M <= max_m of its (N, K) (llama3-8b's shapes). The launches are the sweeps' fastest at 8 or 32
+# tokens (2026-12-02-h200-gemm-sweep.txt, 2026-12-04-h200-split-k.txt: 0.88-1.01x of cuBLAS
+# alone), reused unswept at 16 and 64 tokens and for down at 8 (the 32-token split-K launch);
+# each row was measured only in the engine, as a whole step. In the engine on
 # an H100 with PDL (benchmarks/results/2026-12-05-h100-pdl.txt), ms a step: b8 6.48 -> 6.15 and
 # b16 7.06 -> 6.73 (the 8- and 16-token rows), b32 7.80 -> 7.67, b64 9.44 -> 9.38; with PDL off
 # (PDSERVE_PDL=0) these stay on cuBLAS.
