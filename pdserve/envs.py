@@ -71,3 +71,13 @@ def dependent_launch() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"PDSERVE_PDL must be 0 or 1, got {raw!r}")
     return raw != "0"
+
+
+def cpu_packed_gemm() -> bool:
+    """PDSERVE_CPU_PACKED_GEMM: on a CPU with bf16 instructions, a bf16 model's projections
+    run oneDNN on weights packed once at load (kernels/gemm/cpu_packed.py): "1" or unset on,
+    "0" off (F.linear, which repacks the weight on every call)."""
+    raw = os.environ.get("PDSERVE_CPU_PACKED_GEMM", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_PACKED_GEMM must be 0 or 1, got {raw!r}")
+    return raw != "0"

@@ -39,7 +39,8 @@ from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
-from kernels.fused import REFERENCE_OPS, LayerOps
+from kernels.fused import REFERENCE_OPS, LayerOps, with_packed_linear
+from kernels.gemm import cpu_packed
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, D]
 
@@ -217,6 +218,9 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": (q_size, kv_size, kv_size),
             "gate_up_proj": (arch.intermediate_size, arch.intermediate_size),
         }
+        # The LM head's weight in a kernel's own layout (a packed copy of a tied embedding);
+        # None: the embedding or lm_head weight as it is.
+        self._packed_logits_weight: torch.Tensor | None = None
 
     def set_layer_ops(self, ops: LayerOps) -> None:
         """Use `ops` (kernels/fused: the Triton kernels or the torch reference) everywhere."""
@@ -227,6 +231,15 @@ class LlamaForCausalLM(nn.Module):
     @property
     def layer_ops(self) -> LayerOps:
         return self.model.ops
+
+    def pack_projections(self) -> None:
+        """bf16 on CPU: every projection's weight (and a tied LM head's copy of the embedding)
+        packed once for oneDNN, the layer ops' linear taking them (kernels/gemm/cpu_packed.py).
+        Call after the weights are loaded."""
+        cpu_packed.pack_projections(self)
+        if self.lm_head is None:
+            self._packed_logits_weight = cpu_packed.pack(self.model.embed_tokens.weight)
+        self.set_layer_ops(with_packed_linear(self.layer_ops))
 
     def forward(
         self,
@@ -243,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self._packed_logits_weight is not None:
+            weight = self._packed_logits_weight
         return self.model.ops.linear(hidden, weight, None).float()
 
     @torch.no_grad()

@@ -29,7 +29,8 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
-from kernels.fused import get_layer_ops
+from kernels.fused import REFERENCE_OPS, get_layer_ops
+from kernels.gemm import cpu_packed
 from pdserve import envs
 from pdserve.config import ModelConfig
 from pdserve.progress import track
@@ -106,6 +107,13 @@ def load_model(
         model.load_weights(weights)
     model.requires_grad_(False).eval()
     model.set_layer_ops(get_layer_ops(attn_backend.name, device, envs.skinny_gemm_max_m()))
+    # The torch reference's F.linear in bf16 on a CPU with bf16 instructions: packed weights.
+    if (
+        model.layer_ops.name == REFERENCE_OPS.name
+        and envs.cpu_packed_gemm()
+        and cpu_packed.supported(device, dtype)
+    ):
+        model.pack_projections()
     pdl = _set_dependent_launch(model.layer_ops.name, device)
     logger.info(
         "loaded %s (%s, %d layers) on %s in %s in %.2f s, layer ops: %s%s",

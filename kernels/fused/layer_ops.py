@@ -6,7 +6,9 @@ anything else (CPU, the "torch" reference backend)                    -> the tor
 linear (the projections): F.linear (cuBLAS); with the Triton kernels and skinny_gemm_max_m > 0,
   the skinny GEMM (kernels/gemm) for steps of 1..skinny_gemm_max_m tokens in fp16/bf16, the
   MLP's down projection then with the SwiGLU in its loads (down_projection: one launch, not two)
-  and QKV / gate_up with the residual add + RMSNorm before them (normed_projection: one, not two)
+  and QKV / gate_up with the residual add + RMSNorm before them (normed_projection: one, not two);
+  bf16 on a CPU with bf16 instructions: oneDNN on weights packed at load (with_packed_linear,
+  kernels/gemm/cpu_packed.py)
 ```
 
 Both compute the same values (the kernels round where the reference rounds); the reference on
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fused import reference
-from kernels.gemm import MAX_M
+from kernels.gemm import MAX_M, cpu_packed
 
 # Backends that already run Triton/CUDA kernels; "torch" stays the all-reference path.
 _FUSED_BACKENDS = ("triton", "flash_attn")
@@ -121,6 +123,11 @@ def with_skinny_gemm(ops: LayerOps, max_m: int) -> LayerOps:
         ),
         norm_linear=partial(skinny.routed_norm_linear, max_m=max_m),
     )
+
+
+def with_packed_linear(ops: LayerOps) -> LayerOps:
+    """`ops` whose projections take weights packed by `cpu_packed.pack_projections`."""
+    return dataclasses.replace(ops, name=f"{ops.name}+onednn_packed", linear=cpu_packed.linear)
 
 
 def get_layer_ops(

@@ -73,6 +73,8 @@ def test_small_steps_project_on_the_skinny_gemm(monkeypatch: pytest.MonkeyPatch)
         lambda m, n, k, chained=False: skinny_gemm.skinny_gemm_config(m, n, k),
     )
     monkeypatch.setattr(skinny_gemm, "fused_config", skinny_gemm.skinny_gemm_config)
+    # The ops are swapped after load: keep the plain (unpacked) weights the skinny GEMM reads.
+    monkeypatch.setenv("PDSERVE_CPU_PACKED_GEMM", "0")
     llm = LLM("synthetic:tiny-llama", device="cpu", dtype="bfloat16", max_num_seqs=2,
               enable_prefix_caching=False)  # fmt: skip
     model = llm.engine.loaded.model
