@@ -33,6 +33,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from kernels.attention import get_attention_backend
 from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
+from pdserve import envs
 from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -63,8 +64,9 @@ class EngineCore:
         self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
-            config.model.attention_backend, self.device, self.dtype, block_size
-        )
+            config.model.attention_backend, self.device, self.dtype, block_size,
+            cpu_decode_kernel=envs.cpu_attention_kernel(),
+        )  # fmt: skip
         self.loaded: LoadedModel = load_model(
             config.model, self.attn_backend, self.device, self.dtype
         )

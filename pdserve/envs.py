@@ -81,3 +81,13 @@ def cpu_packed_gemm() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"PDSERVE_CPU_PACKED_GEMM must be 0 or 1, got {raw!r}")
     return raw != "0"
+
+
+def cpu_attention_kernel() -> bool:
+    """PDSERVE_CPU_ATTENTION_KERNEL: a bf16/fp16 model on CPU attends its decode rows with the
+    C++ kernel (kernels/attention/cpu_paged_decode.py, built on first use; without a compiler
+    it stays off): "1" or unset on, "0" off (gather + SDPA)."""
+    raw = os.environ.get("PDSERVE_CPU_ATTENTION_KERNEL", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"PDSERVE_CPU_ATTENTION_KERNEL must be 0 or 1, got {raw!r}")
+    return raw != "0"

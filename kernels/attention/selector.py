@@ -2,7 +2,7 @@
 
 ```
 auto on CUDA: flash_attn (installed, fp16/bf16, block_size % 256 == 0) > triton (installed) > torch
-auto on CPU:  torch
+auto on CPU:  torch (bf16/fp16: its decode rows on the C++ kernel, cpu_paged_decode.py)
 ```
 
 Backends that need optional packages (triton, flash_attn) are imported only when chosen, so
@@ -16,6 +16,7 @@ import importlib.util
 
 import torch
 
+from kernels.attention import cpu_paged_decode
 from kernels.attention.backend import AttentionBackend
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
@@ -30,13 +31,30 @@ _BACKENDS: dict[str, tuple[str, str, str | None]] = {
 
 
 def get_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    cpu_decode_kernel: bool = True,
 ) -> AttentionBackend:
-    """A backend instance for `name` ("auto" | "torch" | "triton" | "flash_attn").
+    """A backend instance for `name` ("auto" | "torch" | "triton" | "flash_attn"). The torch
+    backend on CPU in bf16/fp16 takes the C++ decode kernel (cpu_paged_decode.py) when
+    `cpu_decode_kernel` and it builds.
 
     Raises ValueError saying why when the named backend cannot run here, and what to use.
     """
-    return _load(resolve_backend_name(name, torch.device(device), dtype, block_size))()
+    device = torch.device(device)
+    resolved = resolve_backend_name(name, device, dtype, block_size)
+    backend = _load(resolved)
+    if resolved != "torch":
+        return backend()
+    use_kernel = (
+        cpu_decode_kernel
+        and device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float16)
+        and cpu_paged_decode.available()
+    )
+    return backend(cpu_decode_kernel=use_kernel)  # type: ignore[call-arg]
 
 
 def resolve_backend_name(

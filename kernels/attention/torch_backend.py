@@ -8,6 +8,8 @@ decodes  (first num_decodes requests): q [rows, 1, H, D], one masked SDPA per le
 prefills (the rest):                   q padded [num_prefills, max_q, H, D] -> one masked SDPA
 each SDPA gathers its rows' context K/V through block_tables into [B, max_ctx, KVH, D]
   (a lone row whose blocks are consecutive, on CPU: a view of the cache, no copy)
+decodes, with cpu_decode_kernel (bf16/fp16 on CPU, what the selector builds there): the C++
+  kernel of cpu_paged_decode.py reads each row's blocks in place, no gather, no length groups
 ```
 
 Query i of a request with context length c (cached tokens before this step) sits at position
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention import cpu_paged_decode
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
 
@@ -198,8 +201,10 @@ def prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
     return PrefillPlan(group, req_idx * max_q_len + token_idx, max_q_len)
 
 
-def step_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
-    decodes = decode_groups(meta, block_size) if meta.num_decodes > 0 else []
+def step_plan(meta: AttentionMetadata, block_size: int, plan_decodes: bool = True) -> StepPlan:
+    """The step's groups; `plan_decodes` False: no decode groups (the decode kernel reads the
+    block tables itself)."""
+    decodes = decode_groups(meta, block_size) if plan_decodes and meta.num_decodes > 0 else []
     prefill = prefill_plan(meta, block_size) if meta.num_reqs > meta.num_decodes else None
     return StepPlan(decodes, prefill)
 
@@ -210,7 +215,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     graph_max_context = 8192
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_decode_kernel: bool = False) -> None:
+        # Decode rows through cpu_paged_decode (the caller checked it is built; CPU tensors).
+        self.cpu_decode_kernel = cpu_decode_kernel
         # (meta, its plan): every layer of a step passes the same metadata object. One tuple,
         # replaced whole, so a reader never pairs one step's meta with another's plan.
         self._last_plan: tuple[AttentionMetadata, StepPlan] | None = None
@@ -232,22 +239,28 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan = self._plan(meta, k_cache.shape[1])
+        kernel = self.cpu_decode_kernel and not meta.static_shapes and meta.num_decodes > 0
+        plan = self._plan(meta, k_cache.shape[1], plan_decodes=not kernel)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
-        if plan.decode_groups:
+        if kernel:
+            out[:num_decodes] = cpu_paged_decode.paged_decode_attention(
+                q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes], scale,
+            )  # fmt: skip
+        elif plan.decode_groups:
             out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale)
         if plan.prefill is not None:
             out[num_decodes:] = _prefill(q[num_decodes:], k_cache, v_cache, plan.prefill, scale)
         return out
 
-    def _plan(self, meta: AttentionMetadata, block_size: int) -> StepPlan:
+    def _plan(self, meta: AttentionMetadata, block_size: int, plan_decodes: bool) -> StepPlan:
         if meta.static_shapes:  # graph buffers: the plan must be recomputed from them
             return step_plan(meta, block_size)
         last = self._last_plan
         if last is not None and last[0] is meta:
             return last[1]
-        plan = step_plan(meta, block_size)
+        plan = step_plan(meta, block_size, plan_decodes)
         self._last_plan = (meta, plan)
         return plan
 

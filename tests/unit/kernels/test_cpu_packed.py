@@ -39,7 +39,7 @@ def test_linear_of_a_plain_weight_is_f_linear() -> None:
 
 
 @needs_bf16_cpu
-@pytest.mark.parametrize("rows", [1, 2, 7, 20, 32, 33, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 20, 32, 33, 300])
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (100, 64)])
 def test_packed_linear_matches_f_linear(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * n + k)
