@@ -62,7 +62,7 @@ def projections(rounds: int, num_layers: int = LAYERS) -> None:
     packed = [cpu_packed.pack(w) for w in weights]
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
     bandwidth = copy_gbps()
-    floor_ms = total_bytes / bandwidth / 1e3  # the GPU tables' convention: bytes / copy rate
+    floor_ms = total_bytes / bandwidth / 1e6  # the GPU tables' convention: bytes / copy rate
     print(f"\n1. projections of {num_layers} layers + LM head: {total_bytes / 1e6:.0f} MB of "
           f"bf16 weights; copy {bandwidth:.1f} GB/s (read+write) -> floor {floor_ms:.1f} ms")  # fmt: skip
     print(f"{'rows':>5} {'F.linear ms':>12} {'packed ms':>10} {'packed/F.linear':>16} "
