@@ -3,9 +3,9 @@
 The torch path gathers each decode row's context blocks into a padded tensor (a copy of every
 key and value, every layer, every step) and runs SDPA on it. This kernel reads the blocks in
 place through the block table: one task per (request, KV head), its query heads sharing each
-loaded key and value row, fp32 scores and an exact softmax. On smollm2-135m bf16, 20 decode rows
-of 150-380 tokens, a layer's decode attention takes about a third of the gather + SDPA time
-(benchmarks/results/2026-12-05-cpu-offline-bf16.txt).
+loaded key and value row, fp32 scores and softmax. On smollm2-135m's shapes in bf16, 20 decode
+rows of 150-380 tokens, a layer's decode attention takes about half the time of gather + SDPA
+(benchmarks/results/2026-12-05-cpu-bf16-kernels.txt).
 
 ```
 available()                     built and loaded (builds on the first call; False if no compiler)
@@ -13,7 +13,7 @@ paged_decode_attention(q [B, H, D], k_cache, v_cache [NB, BS, KVH, D],
                        block_tables [B, MB] int32, seq_lens [B] int32, scale) -> [B, H, D]
 ```
 
-The build (torch.utils.cpp_extension, ~25 s with g++ on 2 cores) is cached under
+The build (torch.utils.cpp_extension, ~10 s with g++ on this 2-core machine) is cached under
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) in a folder named by a hash of the
 source, the flags and this CPU's feature flags, so another CPU never loads code built with
 instructions it lacks. Builds from several processes at once take torch's lock on the folder.

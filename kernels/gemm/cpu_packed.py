@@ -4,8 +4,8 @@
 it reorders the weight into oneDNN's blocked layout on every call: at decode sizes that costs
 about as much as the multiply. Packing each projection's weight once (`_reorder_linear_weight`,
 what torch.compile's CPU freezing does) and calling `_linear_pointwise` on the packed weight
-computes the same kernel without the reorder: 25-40% less GEMM time at 1..32 tokens on
-smollm2-135m (benchmarks/results/2026-12-05-cpu-offline-bf16.txt).
+computes the same kernel without the reorder: 24-30% less time for smollm2-135m's projections
+at 1..32 tokens (benchmarks/results/2026-12-05-cpu-bf16-kernels.txt).
 
 ```
 pack_projections(model)       every nn.Linear weight -> its packed (opaque oneDNN) tensor;
