@@ -182,6 +182,18 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   T* op = out.mutable_data_ptr<T>();
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) in a block
 
+  // Every length and block id checked here, before the threads start: nothing in the
+  // parallel region throws (an exception leaving an OpenMP worker ends the process).
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t len = lens[b];
+    TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks,
+                "request ", b, ": seq_len ", len, " does not fit its block table");
+    for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
+      const int32_t id = tables[b * max_blocks + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "request ", b, ": block id ", id,
+                  " outside the cache's ", num_blocks, " blocks");
+    }
+  }
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -189,12 +201,6 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t len = lens[b];
       const int32_t* table = tables + b * max_blocks;
       const int64_t q_off = (b * num_heads + h * group) * head_dim;
-      TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks,
-                  "request ", b, ": seq_len ", len, " does not fit its block table");
-      for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
-        TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "request ", b, ": block id ",
-                    table[i], " outside the cache's ", num_blocks, " blocks");
-      }
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qp[q_off + i]) * scale;
       scores.assign(group * len, 0.f);
       for (int64_t l = 0; l < len; ++l) {

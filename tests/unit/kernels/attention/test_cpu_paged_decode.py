@@ -89,9 +89,14 @@ def test_rejects_what_it_cannot_read_safely() -> None:
         ((*args, meta.block_tables.long(), meta.seq_lens, 1.0), "int32"),
         ((batch.q.double(), *args[1:], meta.block_tables, meta.seq_lens, 1.0), "share a dtype"),
     ]
-    for call_args, message in cases:
-        with pytest.raises(RuntimeError, match=message):
-            cpu_paged_decode.paged_decode_attention(*call_args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)  # the checks run before the threads: none of them throws
+    try:
+        for call_args, message in cases:
+            with pytest.raises(RuntimeError, match=message):
+                cpu_paged_decode.paged_decode_attention(*call_args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_torch_backend_takes_it_for_16_bit_decodes_only() -> None:
