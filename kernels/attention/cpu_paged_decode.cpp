@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -183,15 +184,25 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) in a block
 
   // Every length and block id checked here, before the threads start: nothing in the
-  // parallel region throws (an exception leaving an OpenMP worker ends the process).
+  // parallel region throws. The messages are formatted with snprintf: TORCH_CHECK's own
+  // formatting of numbers (an ostringstream built in this extension) crashed on a machine
+  // whose libstdc++ differs from torch's.
+  char message[160];
   for (int64_t b = 0; b < num_reqs; ++b) {
     const int64_t len = lens[b];
-    TORCH_CHECK(len > 0 && (len + block_size - 1) / block_size <= max_blocks,
-                "request ", b, ": seq_len ", len, " does not fit its block table");
+    if (len <= 0 || (len + block_size - 1) / block_size > max_blocks) {
+      std::snprintf(message, sizeof(message), "request %lld: seq_len %lld does not fit its "
+                    "block table", static_cast<long long>(b), static_cast<long long>(len));
+      TORCH_CHECK(false, static_cast<const char*>(message));
+    }
     for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
       const int32_t id = tables[b * max_blocks + i];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "request ", b, ": block id ", id,
-                  " outside the cache's ", num_blocks, " blocks");
+      if (id < 0 || id >= num_blocks) {
+        std::snprintf(message, sizeof(message), "request %lld: block id %d outside the "
+                      "cache's %lld blocks", static_cast<long long>(b), id,
+                      static_cast<long long>(num_blocks));
+        TORCH_CHECK(false, static_cast<const char*>(message));
+      }
     }
   }
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -240,8 +251,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q and the cache must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
-  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup, "at most ", kMaxGroup,
-              " query heads per KV head");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= kMaxGroup,
+              "at most 16 query heads per KV head");  // kMaxGroup
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be contiguous int32");
