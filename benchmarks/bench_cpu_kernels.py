@@ -137,17 +137,21 @@ def engine(rounds: int) -> None:
     workload = mixed_workload(32, VOCAB)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     rates: dict[str, list[float]] = {name: [] for name in llms}
+    tokens: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
         for name, llm in llms.items():
             start = time.perf_counter()
             outs = llm.generate([p for p, _ in workload], params)
             rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+            tokens[name] = [o.token_ids for o in outs]
     print(f"\n3. engine, smollm2-135m bf16, 32 requests, output tok/s ({rounds} rounds in turn)")
     base = statistics.median(rates["neither"])
     for name, values in rates.items():
         med = statistics.median(values)
         runs = " ".join(f"{v:.1f}" for v in values)
-        print(f"{name:>12}: median {med:6.1f}  ({med / base:.2f}x)   rounds {runs}")
+        same = sum(a == b for a, b in zip(tokens[name], tokens["neither"]))
+        print(f"{name:>12}: median {med:6.1f}  ({med / base:.2f}x)   rounds {runs}   "
+              f"requests with neither's tokens {same}/{len(workload)}")  # fmt: skip
 
 
 def main() -> None:

@@ -67,27 +67,26 @@ def dependent_launch() -> bool:
     """PDSERVE_PDL: launch the Triton kernels of a step with programmatic dependent launch
     (kernels/pdl.py: each kernel scheduled while the one before finishes, the skinny GEMM
     prefetching its weights meanwhile) on GPUs that have it (sm_90+): "1" or unset on, "0" off."""
-    raw = os.environ.get("PDSERVE_PDL", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"PDSERVE_PDL must be 0 or 1, got {raw!r}")
-    return raw != "0"
+    return _on_off("PDSERVE_PDL")
 
 
 def cpu_packed_gemm() -> bool:
     """PDSERVE_CPU_PACKED_GEMM: on a CPU with bf16 instructions, a bf16 model's projections
     run oneDNN on weights packed once at load (kernels/gemm/cpu_packed.py): "1" or unset on,
     "0" off (F.linear, which repacks the weight on every call)."""
-    raw = os.environ.get("PDSERVE_CPU_PACKED_GEMM", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"PDSERVE_CPU_PACKED_GEMM must be 0 or 1, got {raw!r}")
-    return raw != "0"
+    return _on_off("PDSERVE_CPU_PACKED_GEMM")
 
 
 def cpu_attention_kernel() -> bool:
     """PDSERVE_CPU_ATTENTION_KERNEL: a bf16/fp16 model on CPU attends its decode rows with the
     C++ kernel (kernels/attention/cpu_paged_decode.py, built on first use; without a compiler
     it stays off): "1" or unset on, "0" off (gather + SDPA)."""
-    raw = os.environ.get("PDSERVE_CPU_ATTENTION_KERNEL", "").strip()
+    return _on_off("PDSERVE_CPU_ATTENTION_KERNEL")
+
+
+def _on_off(name: str) -> bool:
+    """A switch that is on by default: "1" or unset on, "0" off, anything else an error."""
+    raw = os.environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"PDSERVE_CPU_ATTENTION_KERNEL must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw != "0"

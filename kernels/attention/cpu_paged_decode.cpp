@@ -206,27 +206,28 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     }
   }
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), inv_sum(group), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = lens[b];
       const int32_t* table = tables + b * max_blocks;
+      auto offset = [&](int64_t l) {  // key l's row of this KV head, in the cache
+        const int64_t slot = static_cast<int64_t>(table[l / block_size]) * block_size + l % block_size;
+        return slot * row_stride + h * head_dim;
+      };
       const int64_t q_off = (b * num_heads + h * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(qp[q_off + i]) * scale;
       scores.assign(group * len, 0.f);
       for (int64_t l = 0; l < len; ++l) {
-        const int64_t slot = static_cast<int64_t>(table[l / block_size]) * block_size + l % block_size;
-        const T* k = kp + slot * row_stride + h * head_dim;
+        const T* k = kp + offset(l);
         dots(qf.data(), k, head_dim, group, &scores[l], len);
       }
-      std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
         inv_sum[g] = 1.f / softmax_numerators(&scores[g * len], len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < len; ++l) {
-        const int64_t slot = static_cast<int64_t>(table[l / block_size]) * block_size + l % block_size;
-        const T* v = vp + slot * row_stride + h * head_dim;
+        const T* v = vp + offset(l);
         axpys(&scores[l], len, v, head_dim, group, acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
