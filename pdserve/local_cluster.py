@@ -5,7 +5,8 @@
     pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
     pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
 
-Starts the decode nodes, then the prefill nodes (each on a free port; each prints the line
+Resolves the model first (`python -m engine.model.prepare`: a GGUF file is converted once into
+the shared cache, so the nodes only read it), then starts the decode nodes, then the prefill nodes (each on a free port; each prints the line
 "pd-<role> listening on HOST:PORT ..."), then the router pointed at them (with --registry: the
 nodes register there and the router discovers them); prints where the router listens. Each flag
 goes, as given, to the processes it concerns (`pdserve.cli.forwarded_argv`: engine and node
@@ -39,7 +40,8 @@ from pdserve.config import CacheConfig
 _LISTENING = re.compile(r"listening on (\S+)")
 _HTTP_URL = re.compile(r"\(http (\S+)\)")
 WAIT_REPORT_S = 10.0  # how often pd-serve says what it is still waiting for
-NODE_START_TIMEOUT_S = 600.0  # the first start converts the default model (seconds, but slow disks)
+PREPARE_TIMEOUT_S = 1800.0  # a first start converts a GGUF model (seconds for the default one)
+NODE_START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
 
 
@@ -167,8 +169,26 @@ class LocalCluster:
                 )
         return [child.address for child in children]
 
+    def _prepare_model(self) -> None:
+        """Resolve the model in a child process (pd-serve stays torch-free): a GGUF file is
+        converted here, once, before any node starts; a model that cannot be read fails now.
+        Its progress and errors go to pd-serve's stderr."""
+        model = self.args.model
+        if model.startswith("synthetic:"):
+            return  # random weights: nothing to read or convert
+        argv = [sys.executable, "-m", "engine.model.prepare", model]
+        try:
+            done = subprocess.run(argv, stdout=subprocess.DEVNULL, timeout=PREPARE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"preparing {model} took over {PREPARE_TIMEOUT_S:g} s; see its log above"
+            ) from None
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot load the model {model!r} (see the line above)")
+
     def start(self) -> str:
         args = self.args
+        self._prepare_model()
         roles = [("decode", i) for i in range(args.decode)] + [
             ("prefill", i) for i in range(args.prefill)
         ]
@@ -183,8 +203,7 @@ class LocalCluster:
             started[role].append(child)
         print(
             f"pd-serve: started {args.decode} decode and {args.prefill} prefill node(s); waiting "
-            f"for them to load {args.model} (the first start converts it)", file=sys.stderr,
-            flush=True,
+            f"for them to load {args.model}", file=sys.stderr, flush=True,
         )  # fmt: skip
         loading = f"loading {args.model}"
         decode_addrs = self._await_ready(started["decode"], loading)

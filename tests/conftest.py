@@ -3,11 +3,92 @@
 Triton reads TRITON_INTERPRET when a kernel is decorated (its module imported), and the first
 module to import a kernel can be any test (the engine imports the attention kernels). On a machine
 without CUDA every Triton kernel must run in the interpreter, so it is set here, before any test
-module is imported."""
+module is imported.
+
+Parallel runs (`make test`: pytest-xdist, `--dist loadgroup`): a test that uses a module- or
+package-scoped fixture (a cluster of node processes, a loaded model) joins that module's or
+package's group, so one worker builds the fixture once and runs all its tests; every other test
+goes to whichever worker is free. The fault table (tests/e2e/faults/table.py) is started afresh
+and printed by the controlling process, which is also where a serial run does it.
+"""
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
+
+from tests.e2e.faults import table as fault_table
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_TESTS = Path(__file__).resolve().parent
+_FAULTS = _TESTS / "e2e" / "faults"
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _may_run_fault_tests(config: pytest.Config) -> bool:
+    """Whether the run's paths reach tests/e2e/faults (or lie inside it)."""
+    for arg in config.args or [str(_TESTS)]:
+        path = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        if path == _FAULTS or _FAULTS.is_relative_to(path) or path.is_relative_to(_FAULTS):
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config._fault_table_fresh = False
+    if not _is_worker(config) and _may_run_fault_tests(config):
+        fault_table.reset()
+        config._fault_table_fresh = True
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    rows = fault_table.read_rows() if config._fault_table_fresh else []
+    if rows:
+        terminalreporter.section(f"fault table ({fault_table.table_path()})")
+        terminalreporter.write_line(fault_table.render(rows))
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The module- and package-scoped fixture instances `item` uses, each named by where it
+    lives (its module or package), its name and its parameter (one instance per value)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    names = []
+    for name, defs in info.name2fixturedefs.items():
+        scope = defs[-1].scope
+        if scope not in ("module", "package"):
+            continue
+        where = item.path if scope == "module" else item.path.parent
+        param = f"[{params[name]}]" if name in params else ""
+        names.append(f"{where.relative_to(_TESTS).as_posix()}::{name}{param}")
+    return names
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share a module- or package-scoped fixture instance, directly or through
+    another test, form one xdist group (connected components of the sharing)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    uses = {item: _shared_fixtures(item) for item in items}
+    for names in uses.values():
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+    for item, names in uses.items():
+        if names and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(root(names[0])))

@@ -4,8 +4,11 @@ visible to every node (no CUDA_VISIBLE_DEVICES per node), an explicit device kep
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import types
+
+import pytest
 
 from pdserve import local_cluster
 from pdserve.local_cluster import LocalCluster, node_devices
@@ -49,12 +52,14 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
             return None
 
     monkeypatch.setattr(local_cluster.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(local_cluster.subprocess, "run", _prepared_ok(spawned))
     monkeypatch.setattr(local_cluster.sys, "stderr", open(os.devnull, "w"))  # noqa: SIM115
     args = types.SimpleNamespace(
         device="auto", prefill=1, decode=1, registry=None, port=0, metrics_port=0, model="m"
     )
     cluster = LocalCluster(args, ["--model", "m"], [])
     cluster.start()
+    assert spawned[0][0][-3:] == ["-m", "engine.model.prepare", "m"]  # before any node
     by_module = {cmd[cmd.index("-m") + 1]: (cmd, env) for cmd, env in spawned}
     for module, device in (("prefill_node.cli", "cuda:0"), ("decode_node.cli", "cuda:1")):
         cmd, env = by_module[module]
@@ -62,3 +67,36 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
         assert cmd[-2:] == ["--device", device]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert sys.executable in by_module["router.cli"][0]
+
+
+def _prepared_ok(calls: list) -> object:
+    def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+        calls.append((cmd, kwargs.get("env")))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    return run
+
+
+@pytest.mark.parametrize(("model", "prepared"), [("m", True), ("synthetic:tiny-llama", False)])
+def test_the_model_is_prepared_once_before_the_nodes_start(monkeypatch, model, prepared) -> None:
+    """pd-serve converts a GGUF model once, in one child, before any node starts (the nodes then
+    only read the cache); a model it cannot read stops it there, with no node started."""
+    runs: list = []
+    monkeypatch.setattr(local_cluster.subprocess, "run", _prepared_ok(runs))
+    args = types.SimpleNamespace(model=model)
+    LocalCluster(args, [], [])._prepare_model()
+    assert [cmd[1:] for cmd, _ in runs] == (
+        [["-m", "engine.model.prepare", model]] if prepared else []
+    )
+
+    def fails(cmd, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(cmd, 2)
+
+    def no_node(*args, **kwargs):
+        raise AssertionError("a node started though the model could not be read")
+
+    monkeypatch.setattr(local_cluster.subprocess, "run", fails)
+    monkeypatch.setattr(local_cluster.subprocess, "Popen", no_node)
+    args = types.SimpleNamespace(model="nope", device="cpu", prefill=1, decode=1)
+    with pytest.raises(RuntimeError, match="cannot load the model 'nope'"):
+        LocalCluster(args, [], []).start()

@@ -121,3 +121,15 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda:0")
+
+
+def test_prepare_prints_the_folder_or_one_line_why_not(capsys) -> None:
+    """`python -m engine.model.prepare MODEL` (what pd-serve runs before its nodes start)."""
+    from engine.model import prepare
+
+    assert prepare.main(["synthetic:tiny-llama"]) == 0
+    assert capsys.readouterr().out == "synthetic:tiny-llama\n"
+    assert prepare.main(["no-such-model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither an existing path nor a known name" in err[0]
+    assert prepare.main([]) == 2
