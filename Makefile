@@ -1,12 +1,14 @@
 # pdserve: `make serve` sets up and runs pdserve on its default model; `make test` sets up and
 # runs the tests (installing redis-server from Debian's packages when it is missing: the
-# registry tests start one). Both create ./.venv on first use (torch pinned to the CPU build on
-# CPU hosts).
+# registry tests start one) in TEST_WORKERS parallel pytest-xdist workers (tests that share a
+# module's or package's cluster stay on one worker: tests/conftest.py) and prints the slowest 15.
+# Both create ./.venv on first use (torch pinned to the CPU build on CPU hosts).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_ARGS ?=
+TEST_WORKERS ?= 4
 
 .PHONY: setup serve test lint clean
 
@@ -25,7 +27,7 @@ serve: setup
 
 test: setup
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
-	$(PY) -m pytest tests $(TEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(TEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
