@@ -6,6 +6,10 @@ from tests.e2e.cluster import Cluster
 from tests.e2e.observe import free_ports, http_url, metrics_urls
 
 MODEL = "smollm2-135m"
+# The modules that start pd-serve clusters of the real model run one after another on one xdist
+# worker (`make test`): a node of it holds ~1.2 GiB (tests/e2e/cluster.py), test_serving.py's
+# three clusters ~9 GiB together, and two such modules at once would crowd a CI machine's memory.
+REAL_MODEL_CLUSTERS = pytest.mark.xdist_group("real-model-clusters")
 # Prompts of at most this many tokens are prefilled on the decode node (the HTTP cluster's
 # local-prefill route); longer ones go through the prefill node.
 HTTP_LOCAL_PREFILL_MAX_TOKENS = 2

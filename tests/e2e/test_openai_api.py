@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from router.client import GenerationClient
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), REAL_MODEL_CLUSTERS]
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

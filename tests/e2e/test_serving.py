@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from router.client import GenerationClient, GenerationResult
+from tests.e2e.conftest import REAL_MODEL_CLUSTERS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
 PROMPTS = [
     "The capital of France is",
