@@ -13,7 +13,7 @@ execute() = launch().wait(); launch() = prepare() -> forward() -> sample on the 
 queue the copy of the ids (no wait), so the caller can schedule and launch the next step
 before this one's tokens are on the host (async scheduling, `EngineCore.step`); the next
 step's `PENDING` decodes read their input from this step's ids on the device. The phases are
-public so that benchmarks/profile_step.py can time each one.
+public so that benchmarks/engine/profile_step.py can time each one.
 """
 
 from __future__ import annotations
