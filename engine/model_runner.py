@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from engine.request import Request, TokenLogprobs
 from engine.sampler import PendingSample, Sampler
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
 from engine.step_inputs import FlatBatch, StepInputBuilder
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -70,7 +74,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,

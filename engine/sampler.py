@@ -109,7 +109,7 @@ def apply_penalties(
     row_idx = _on_device(rows, device)
     penalized = logits[row_idx]  # [num_rows, vocab]
     output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
-    if counted:  # the pending tokens, still on the device: one more occurrence each
+    if counted and pending is not None:  # the pending tokens, on the device: one more each
         at = _on_device([j for j, _ in counted], device)
         token_ids = pending.token_ids[_on_device([k for _, k in counted], device)]
         ones = torch.ones(len(counted), dtype=output_counts.dtype, device=device)
@@ -260,13 +260,16 @@ class Sampler:
         rows draw their own row from (seed, output index); the rest share one batched draw."""
         device = probs.device
         noise = torch.empty_like(probs)
-        seeded_rows = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+        seeded_rows = [
+            (i, seed)
+            for i, r in enumerate(requests)
+            if (seed := r.sampling_params.seed) is not None
+        ]
         if len(seeded_rows) < len(requests):
             noise.exponential_(generator=self._generator(self._unseeded, device, self._seed))
         generator = self._generator(self._seeded, device, 0)
-        for i in seeded_rows:
-            request = requests[i]
-            seed = seeded_generator_seed(request.sampling_params.seed, request.num_sampled_tokens)
+        for i, row_seed in seeded_rows:
+            seed = seeded_generator_seed(row_seed, requests[i].num_sampled_tokens)
             generator.manual_seed(seed)
             noise[i].exponential_(generator=generator)  # in place: the row is contiguous
         # exponential_ may return exactly 0; keep the division finite.
@@ -336,14 +339,14 @@ def _with_logprobs(
     sampled = token_ids[row_idx].unsqueeze(1)  # [num_rows, 1]
     sampled_logprobs = logprobs.gather(1, sampled)  # [num_rows, 1]
     ranks = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1  # [num_rows, 1]
-    num_top = min(max(requests[i].sampling_params.logprobs for i in rows), vocab_size)
+    counts = [requests[i].sampling_params.logprobs or 0 for i in rows]  # (all set in `rows`)
+    num_top = min(max(counts), vocab_size)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
     # float64 holds the ids, ranks and float32 logprobs exactly: one tensor, one copy.
     packed = torch.cat(
         [token_ids.double(), sampled_logprobs.double().view(-1), ranks.double().view(-1),
          top_ids.double().view(-1), top_logprobs.double().view(-1)]
     )  # fmt: skip
-    counts = [requests[i].sampling_params.logprobs for i in rows]
     return PendingSample(
         token_ids,
         HostCopy(packed),

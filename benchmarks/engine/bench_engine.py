@@ -135,7 +135,7 @@ def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup
     the previous step's tokens while launching the next, so single calls are not steps)."""
     ids = itertools.count()
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True)
-    request_ids = []
+    request_ids: list[str] = []
     for _ in range(batch):
         rid = f"decode-{next(ids)}"
         prompt = [(7 * i + len(request_ids)) % 500 + 10 for i in range(context)]

@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import Any
 
 import torch
 
 from engine import LLM, SamplingParams
 
+Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 
-def mixed_workload(num_requests: int, vocab_size: int, seed: int = 0):
+
+def mixed_workload(num_requests: int, vocab_size: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
-    workload = []
+    workload: Workload = []
     for _ in range(num_requests):
         prompt_len = rng.randint(16, 256)
         output_len = rng.randint(32, 128)
@@ -39,7 +42,7 @@ def engine_decode_rate(llm: LLM, prompt: list[int], num_tokens: int) -> float:
     return (num_tokens - 1) / (run(num_tokens) - run(1))
 
 
-def hf_decode_rate(model, prompt: list[int], num_tokens: int) -> float:
+def hf_decode_rate(model: Any, prompt: list[int], num_tokens: int) -> float:
     ids = torch.tensor([prompt])
 
     def run(n: int) -> float:
@@ -51,7 +54,7 @@ def hf_decode_rate(model, prompt: list[int], num_tokens: int) -> float:
     return (num_tokens - 1) / (run(num_tokens) - run(1))
 
 
-def engine_aggregate(llm: LLM, workload) -> float:
+def engine_aggregate(llm: LLM, workload: Workload) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in workload], params)
@@ -59,7 +62,7 @@ def engine_aggregate(llm: LLM, workload) -> float:
     return sum(len(o.token_ids) for o in outs) / elapsed
 
 
-def hf_one_by_one(model, workload) -> float:
+def hf_one_by_one(model: Any, workload: Workload) -> float:
     start = time.perf_counter()
     total = 0
     for prompt, n in workload:
@@ -74,7 +77,7 @@ def hf_one_by_one(model, workload) -> float:
     return total / (time.perf_counter() - start)
 
 
-def hf_batched(model, workload, batch_size: int) -> float:
+def hf_batched(model: Any, workload: Workload, batch_size: int) -> float:
     """Left-padded batches; each batch runs to its longest request; only requested tokens count."""
     start = time.perf_counter()
     useful = 0
@@ -99,7 +102,10 @@ def hf_batched(model, workload, batch_size: int) -> float:
     return useful / (time.perf_counter() - start)
 
 
-def main() -> None:
+Row = tuple[str, float, float, float | None]  # figure, pdserve, HF, target ratio (or none)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -112,45 +118,40 @@ def main() -> None:
         help="the weights' and activations' dtype, the same for both (bfloat16: the GEMMs take "
         "the CPU's bf16 instructions, AMX or AVX512-BF16, where it has them)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure(llm: LLM, hf: Any, args: argparse.Namespace) -> list[Row]:
+    """Batch-1 decode, then the mixed workload against HF one by one and batched."""
+    vocab_size = llm.engine.arch.vocab_size
+    prompt = mixed_workload(1, vocab_size, seed=1)[0][0][:32]
+    workload = mixed_workload(args.num_requests, vocab_size)
+    with torch.inference_mode():
+        decode = engine_decode_rate(llm, prompt, args.decode_tokens)
+        rows: list[Row] = [
+            ("decode tok/s, batch 1", decode, hf_decode_rate(hf, prompt, args.decode_tokens), 1.0)
+        ]
+        ours = engine_aggregate(llm, workload)
+        name = f"aggregate tok/s, {len(workload)} req vs HF"
+        rows.append((f"{name} one by one", ours, hf_one_by_one(hf, workload), 10.0))
+        hf_rate = hf_batched(hf, workload, args.hf_batch_size)
+        rows.append((f"{name} batched x{args.hf_batch_size}", ours, hf_rate, None))
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
 
     from transformers import AutoModelForCausalLM
 
     llm = LLM(args.model, device="cpu", dtype=args.dtype)
     checkpoint_dir = llm.engine.loaded.tokenizer_dir  # the (converted) HF folder
+    if checkpoint_dir is None:
+        raise SystemExit(f"{args.model} has no Hugging Face folder for transformers to load")
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir, torch_dtype=dtype).eval()
-    vocab_size = llm.engine.arch.vocab_size
-    prompt = mixed_workload(1, vocab_size, seed=1)[0][0][:32]
-    workload = mixed_workload(args.num_requests, vocab_size)
-
-    with torch.inference_mode():
-        rows = [
-            (
-                "decode tok/s, batch 1",
-                engine_decode_rate(llm, prompt, args.decode_tokens),
-                hf_decode_rate(hf, prompt, args.decode_tokens),
-                1.0,
-            ),
-        ]
-        ours = engine_aggregate(llm, workload)
-        rows.append(
-            (
-                f"aggregate tok/s, {len(workload)} req vs HF one by one",
-                ours,
-                hf_one_by_one(hf, workload),
-                10.0,
-            )
-        )
-        rows.append(
-            (
-                f"aggregate tok/s, {len(workload)} req vs HF batched x{args.hf_batch_size}",
-                ours,
-                hf_batched(hf, workload, args.hf_batch_size),
-                None,
-            )
-        )
+    rows = measure(llm, hf, args)
 
     print(f"\nmodel {args.model}, CPU {args.dtype}, torch threads {torch.get_num_threads()}")
     print(f"{'figure':<52} {'pdserve':>10} {'HF':>10} {'ratio':>7} {'target':>7}")

@@ -71,6 +71,13 @@ class Row:
     def ok(self) -> bool:
         return self.time_s is not None and self.max_err <= TOLERANCE
 
+    @property
+    def seconds(self) -> float:
+        """`time_s` of a setting that ran (ValueError for one that failed)."""
+        if self.time_s is None:
+            raise ValueError(f"{self.policy or self.config.label()} failed: {self.error}")
+        return self.time_s
+
 
 def split_settings(batch: int, context: int, num_sms: int) -> list[tuple[str, DecodeLaunchConfig]]:
     """Phase 1: the two policies, then 1, 2, 4, ... slices per request at `context`, on the
@@ -166,7 +173,7 @@ def time_setting(layer: Layer, policy: str, config: DecodeLaunchConfig, iters: i
 
 def best_row(rows: list[Row]) -> Row | None:
     ok = [r for r in rows if r.ok]
-    return min(ok, key=lambda r: r.time_s) if ok else None
+    return min(ok, key=lambda r: r.seconds) if ok else None
 
 
 def table(rows: list[Row], layer: Layer, context: int, copy_bps: float) -> str:
@@ -217,7 +224,7 @@ def summary(results: dict[tuple[int, int], list[Row]]) -> str:
     ]
 
     def us(row: Row | None) -> str:
-        return "-" if row is None or not row.ok else f"{row.time_s * 1e6:.1f}"
+        return "-" if row is None or not row.ok else f"{row.seconds * 1e6:.1f}"
 
     for (batch, context), rows in results.items():
         default = next((r for r in rows if "default" in r.policy), None)
@@ -225,7 +232,7 @@ def summary(results: dict[tuple[int, int], list[Row]]) -> str:
         best = best_row(rows)
         speedup = "-"
         if default is not None and heuristic is not None and default.ok and heuristic.ok:
-            speedup = f"{default.time_s / heuristic.time_s:.2f}x"
+            speedup = f"{default.seconds / heuristic.seconds:.2f}x"
         best_label = "-" if best is None else best.config.label()
         lines.append(
             f"| {batch} | {context} | {us(default)} | {us(heuristic)} | {speedup} | "

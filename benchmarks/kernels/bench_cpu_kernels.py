@@ -69,19 +69,22 @@ def projections(rounds: int, num_layers: int = LAYERS) -> None:
           f"{'packed/floor':>13}")  # fmt: skip
     for rows in (1, 20, 32):
         xs = {k: torch.randn(rows, k).to(DT) for k in (HIDDEN, INTER)}
-        result = median_us(
-            {
-                "plain": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
-                "packed": lambda xs=xs: [
-                    cpu_packed.linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)
-                ],  # fmt: skip
-            },
-            rounds,
-            reps=3,
-        )
+        result = median_us(_projection_calls(xs, weights, packed), rounds, reps=3)
         plain, fast = result["plain"] / 1e3, result["packed"] / 1e3
         print(f"{rows:>5} {plain:>12.1f} {fast:>10.1f} {fast / plain:>15.2f}x "
               f"{fast / floor_ms:>12.2f}x")  # fmt: skip
+
+
+def _projection_calls(
+    xs: dict[int, torch.Tensor], weights: list[torch.Tensor], packed: list[torch.Tensor]
+) -> dict[str, Callable[[], object]]:
+    """Every projection of `xs` (rows by input width) through F.linear, and packed."""
+    return {
+        "plain": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+        "packed": lambda: [
+            cpu_packed.linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)
+        ],
+    }
 
 
 def decode_attention(rounds: int) -> None:

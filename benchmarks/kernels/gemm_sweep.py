@@ -73,6 +73,13 @@ class Row:
         close = self.max_err <= REL_TOLERANCE * ref_max
         return self.time_s is not None and close and self.deterministic
 
+    @property
+    def seconds(self) -> float:
+        """`time_s` of a setting that ran (ValueError for one that failed)."""
+        if self.time_s is None:
+            raise ValueError(f"{self.label or self.config} failed: {self.error}")
+        return self.time_s
+
 
 def settings(m: int, n: int, k: int, grid: str) -> list[tuple[str, SkinnyGemmConfig]]:
     """The table's launch, then the grid (unique, fitting, at least MIN_PROGRAMS programs)."""
@@ -200,7 +207,7 @@ def time_setting(case: Case, label: str, config: SkinnyGemmConfig, reps: int) ->
 
 def best_row(rows: list[Row], ref_max: float) -> Row | None:
     ok = [r for r in rows if r.config is not None and r.ok(ref_max)]
-    return min(ok, key=lambda r: r.time_s) if ok else None
+    return min(ok, key=lambda r: r.seconds) if ok else None
 
 
 @dataclass(frozen=True)
@@ -245,10 +252,10 @@ def summary(results: list[Result], copy_bps: float) -> str:
         best = best_row(result.rows, result.ref_max)
         bad = sum(1 for r in result.rows if r.config is not None and not r.ok(result.ref_max))
         n, k = SHAPES[result.name]
-        ratio = "-" if best is None else f"{cublas.time_s / best.time_s:.2f}x"
+        ratio = "-" if best is None else f"{cublas.seconds / best.seconds:.2f}x"
         lines.append(
             f"| {result.name} {n}x{k} | {result.m} | {_us_rate(cublas, result, copy_bps)} | "
-            f"{_us_rate(table, result, copy_bps)} | {'-' if best is None else best.config.label()} "
+            f"{_us_rate(table, result, copy_bps)} | {'-' if best is None or best.config is None else best.config.label()} "
             f"| {_us_rate(best, result, copy_bps)} | {ratio} | "
             f"{'-' if best is None else f'{best.max_err:.1e}'} | {bad} |"
         )
@@ -272,7 +279,7 @@ def table_rows(results: list[Result]) -> str:
     for result in results:
         best = best_row(result.rows, result.ref_max)
         n, k = SHAPES[result.name]
-        if best is not None:
+        if best is not None and best.config is not None:
             rows.append((result.m, n, k, config_code(best.config)))
     return "\n".join(f"    ({m}, {n}, {k}, {code})," for m, n, k, code in sorted(rows))
 

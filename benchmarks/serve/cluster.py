@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import grpc
 
@@ -133,11 +134,18 @@ class BenchCluster:
         self.serve_flags = list(serve_flags)
         self.log_path = log_path
         self.timeout_s = timeout_s
-        self.process: subprocess.Popen | None = None
-        self.address: str | None = None  # the router's host:port
+        self.process: subprocess.Popen[str] | None = None
+        self._address: str | None = None  # the router's host:port, once it said it
         self.nodes: dict[str, str] = {}  # "prefill-0" -> host:port
         self.log: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         self._found = threading.Event()
+
+    @property
+    def address(self) -> str:
+        """The router's host:port (RuntimeError before `start` found it)."""
+        if self._address is None:
+            raise RuntimeError(f"pd-serve ({self.name}) has not started")
+        return self._address
 
     @property
     def name(self) -> str:
@@ -150,16 +158,16 @@ class BenchCluster:
         ports += [] if _given(flags, "--http-port") else ["--http-port", "0"]
         return [sys.executable, "-m", "pdserve.local_cluster", *counts, *ports, *flags]
 
-    def _watch(self, log_file) -> None:
-        for line in self.process.stdout:
+    def _watch(self, stdout: IO[str], log_file: IO[str] | None) -> None:
+        for line in stdout:
             self.log.append(line)
             if log_file is not None:
                 log_file.write(line)
                 log_file.flush()
             if match := _NODE_LINE.search(line):
                 self.nodes[f"{match.group(1)}-{match.group(2)}"] = match.group(3)
-            if self.address is None and (match := _ROUTER_LINE.search(line)):
-                self.address = match.group(1)
+            if self._address is None and (match := _ROUTER_LINE.search(line)):
+                self._address = match.group(1)
                 self._found.set()
         self._found.set()  # pd-serve exited
         if log_file is not None:
@@ -174,16 +182,19 @@ class BenchCluster:
             self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-        threading.Thread(target=self._watch, args=(log_file,), daemon=True).start()
-        if not self._found.wait(self.timeout_s) or self.address is None:
+        assert self.process.stdout is not None  # stdout=PIPE
+        watch_args = (self.process.stdout, log_file)
+        threading.Thread(target=self._watch, args=watch_args, daemon=True).start()
+        address = self._address if self._found.wait(self.timeout_s) else None
+        if address is None:
             self.stop()
             raise RuntimeError(f"pd-serve ({self.name}) did not start: {self._log_tail()}")
         try:
-            asyncio.run(wait_ready(self.address, self.timeout_s))
+            asyncio.run(wait_ready(address, self.timeout_s))
         except TimeoutError as error:
             self.stop()
             raise RuntimeError(f"{error}; {self._log_tail()}") from None
-        return self.address
+        return address
 
     def node_stats(self, name: str, timeout_s: float = RPC_TIMEOUT_S) -> node_pb2.NodeStats:
         """Node `name` ("decode-0")'s stats over gRPC."""
@@ -209,6 +220,8 @@ class BenchCluster:
         return leftover
 
     def _kill_session(self) -> None:
+        if self.process is None:
+            return
         with contextlib.suppress(ProcessLookupError):  # the session this object started
             os.killpg(self.process.pid, signal.SIGKILL)
 

@@ -134,7 +134,7 @@ def sharegpt_requests(
     random.Random(spec.seed).shuffle(exchanges)
     max_prompt = min(MAX_PROMPT_LEN, max_model_len - MIN_LEN)
     max_total = min(MAX_TOTAL_LEN, max_model_len)
-    requests = []
+    requests: list[SampleRequest] = []
     for prompt, answer in exchanges:
         if len(requests) == spec.num_prompts:
             break
@@ -150,7 +150,7 @@ def sharegpt_requests(
 
 
 def jsonl_requests(path: Path, num: int, tokenizer: Tokenizer | None) -> list[SampleRequest]:
-    requests = []
+    requests: list[SampleRequest] = []
     with path.open(encoding="utf-8") as file:
         for line_no, line in enumerate(file, 1):
             if len(requests) == num:
@@ -203,9 +203,9 @@ def prefix_requests(spec: DatasetSpec, vocab_size: int) -> list[SampleRequest]:
     rng = random.Random(spec.seed)
     prefixes = [_random_ids(rng, vocab_size, spec.prefix_len) for _ in range(spec.prefix_groups)]
     suffixes = random_requests(spec, vocab_size)
-    requests = []
+    requests: list[SampleRequest] = []
     for i, suffix in enumerate(suffixes):
-        ids = prefixes[i % spec.prefix_groups] + suffix.prompt_token_ids
+        ids = prefixes[i % spec.prefix_groups] + (suffix.prompt_token_ids or ())
         requests.append(SampleRequest(len(ids), suffix.max_tokens, prompt_token_ids=ids))
     return requests
 

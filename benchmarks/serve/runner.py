@@ -32,10 +32,12 @@ class SendOptions:
 
 
 def to_proto(request: SampleRequest, options: SendOptions, request_id: str) -> Any:
-    sampling = {"max_tokens": request.max_tokens, "temperature": options.temperature,
+    sampling: dict[str, Any] = {"max_tokens": request.max_tokens, "temperature": options.temperature,
                 "ignore_eos": options.ignore_eos or None}  # fmt: skip
     if request.prompt is not None and (options.send_text or request.prompt_token_ids is None):
         return build_request(request.prompt, request_id=request_id, **sampling)
+    if request.prompt_token_ids is None:
+        raise ValueError(f"request {request_id} has neither a prompt nor its token ids")
     return build_request(
         prompt_token_ids=list(request.prompt_token_ids), request_id=request_id, **sampling
     )

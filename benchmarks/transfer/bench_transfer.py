@@ -188,8 +188,8 @@ def print_report(
     raw = dict(ceilings).get(RAW_UCX_ROW)
     if raw:
         for mode, mode_runs in runs.items():
-            share = max(r.gbps for r in mode_runs) / raw
-            print(f"{spec.transport} {mode} / raw ucxx: {100 * share:.0f}%")
+            raw_share = max(r.gbps for r in mode_runs) / raw
+            print(f"{spec.transport} {mode} / raw ucxx: {100 * raw_share:.0f}%")
     all_runs = [r for mode_runs in runs.values() for r in mode_runs]
     print(f"handshake round trip: {min(r.handshake_s for r in all_runs) * 1e3:.2f} ms")
     exact = all(r.exact for r in all_runs)

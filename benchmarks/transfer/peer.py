@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -96,12 +97,12 @@ class DecodePeer:
             if self._process.is_alive():
                 self._process.kill()
 
-    async def _ask(self, *command: object) -> object:
+    async def _ask(self, *command: object) -> Any:  # what the pipe carries
         self._conn.send(command)
         return await self._recv()
 
-    async def _recv(self) -> object:
-        def recv() -> object:
+    async def _recv(self) -> Any:
+        def recv() -> Any:
             assert self._process is not None
             deadline_s = time.monotonic() + TIMEOUT_S
             while not self._conn.poll(0.5):

@@ -124,8 +124,8 @@ async def _generate(
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        error = OpenAIError(f"the request body is not JSON: {error}")
-        raise serving.reject(error, start_s) from None
+        not_json = OpenAIError(f"the request body is not JSON: {error}")
+        raise serving.reject(not_json, start_s) from None
     try:
         parsed = parse(body)
     except OpenAIError as error:

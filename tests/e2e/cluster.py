@@ -21,7 +21,7 @@ class Cluster(BenchCluster):
         super().__init__(None, args, timeout_s=START_TIMEOUT_S)
 
     @property
-    def router(self) -> str | None:
+    def router(self) -> str:
         return self.address
 
     def start(self) -> Cluster:
