@@ -63,6 +63,14 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pd-bench engine", description=__doc__.split("\n")[0])
+    _add_engine_flags(p)
+    _add_workload_flags(p)
+    _add_ceiling_flags(p)
+    return p.parse_args(argv)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Which model, and how the engine runs it."""
     p.add_argument(
         "--model", default="synthetic:llama3-8b", help="model to measure (default: %(default)s)"
     )
@@ -86,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=ASYNC_SCHEDULING,
         help="launch step n+1 before waiting for step n (auto: on CUDA; default: %(default)s)",
     )
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The decode batches, contexts and prompts measured, and how many steps each."""
     p.add_argument(
         "--batch-sizes",
         type=_ints,
@@ -108,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     p.add_argument("--warmup-steps", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--prefill-iters", type=int, default=3, help="timed prefills per length")
+
+
+def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
+    """The ceilings measured in the same run, and the JSON file."""
     p.add_argument(
         "--bandwidth-bytes",
         type=parse_size,
@@ -116,7 +132,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gemm-size", type=int, default=8192, help="n of the n^3 GEMM ceiling")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    return p.parse_args(argv)
 
 
 def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: int) -> EngineCore:
