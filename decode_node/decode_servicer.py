@@ -11,7 +11,8 @@ Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's shar
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
 Abort (Node service) / the router cancels the call ──► fail the receiver, free the
-    reservation, abort in the engine; the stream ends with finish_reason "abort"
+    reservation, abort in the engine; the stream ends with finish_reason "abort" (at once, even
+    inside a long engine step); an error nothing maps ──► UNAVAILABLE / INTERNAL, not UNKNOWN
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 
@@ -28,11 +30,12 @@ from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
+from engine.async_engine import EngineDeadError
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from node_common.node_base import NodeBase
 from node_common.node_messages import to_engine_request, token_logprob
-from node_common.role_server import RoleServer
-from node_common.role_servicer import NodeCounters, RoleServicer
+from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
@@ -61,15 +64,20 @@ class _DecodeJob:
 
 
 class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, node: RoleServer, traces: DecodeTraces) -> None:
-        super().__init__(node, DecodeCounters())
+    counters: DecodeCounters
+
+    def __init__(self, node: NodeBase, traces: DecodeTraces) -> None:
+        config = node.config
+        super().__init__(
+            node.engine, node.manager, config.transfer_timeout_s, node.metrics, DecodeCounters()
+        )
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
         self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
-        config = node.config
         self.admission = KVAdmission(
-            self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
-        )
+            self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
+            config.max_queued_requests, config.queue_timeout_s,
+        )  # fmt: skip
         self._block_size = node.layout.block_size
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         self.caps = TransferCaps(
@@ -77,9 +85,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
         )  # fmt: skip
 
+    @ends_with_status
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[node_pb2.DecodeResponse]:
+    ) -> AsyncGenerator[node_pb2.DecodeResponse, None]:
         set_request_id(request.request_id)  # this call's log lines carry the request id
         engine_request = await self._make_request(request, context)
         if request.request_id in self._jobs:
@@ -173,7 +182,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+            await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         receiver = self._manager.create_receiver(
             block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
         )
@@ -192,8 +201,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job.receiver = None
         if job.hold is not None:
             job.hold.release()  # the blocks are no longer awaiting KV
-        if state == TransferState.SUCCESS and not job.aborted:
-            return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
+        first_token = receiver.first_token
+        if state == TransferState.SUCCESS and first_token is not None and not job.aborted:
+            return self._resume(job, request, receiver.dst_block_ids, first_token)
         request_id = request.request_id
         self._release_reservation(request_id, receiver)
         if not job.aborted:
@@ -264,7 +274,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             chunk = node_pb2.TokenChunk(output_index=next_index, token_ids=out.new_token_ids)
             chunk.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs or ())
             next_index += len(out.new_token_ids)
-            if out.finished:
+            if out.finish_reason is not None:
                 chunk.finish_reason = out.finish_reason.value
                 chunk.num_cached_tokens = out.num_cached_tokens
                 self._finish(job)
@@ -303,13 +313,16 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         of a transfer written in place only once its sender cannot write any more (its
         drained notice, or its deadline: KVReceiver.writes_settled)."""
         if receiver is None or receiver.writes_settled.is_set():
-            self._engine.post(lambda core: core.abort(request_id))
+            self._engine.abort_nowait(request_id)
             return
 
         async def free_when_settled() -> None:
-            blocks = await self._engine.call(lambda core: core.detach_reservation(request_id))
+            try:
+                blocks = await self._engine.detach_reservation(request_id)
+            except EngineDeadError:  # the blocks went with the engine
+                return
             await receiver.writes_settled.wait()  # bounded by the receiver's quarantine timer
-            await self._engine.call(lambda core: core.free_blocks(blocks))
+            self._engine.free_blocks_nowait(blocks)
             self.admission.notify()
 
         task = asyncio.get_running_loop().create_task(free_when_settled())
@@ -327,7 +340,7 @@ class _Refused(Exception):
 
 async def _refuse(
     context: grpc.aio.ServicerContext, error: AdmissionRefused | TransferCapExceeded
-) -> None:
+) -> NoReturn:
     """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
     context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")
+    await abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

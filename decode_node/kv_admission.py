@@ -1,7 +1,7 @@
 """`KVAdmission`: a decode node's bounded FIFO of requests waiting for KV blocks.
 
 ```
-Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► EngineCore.reserve
+Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► AsyncEngine.reserve
 Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room for the prompt's blocks
                                                                (free - promised to admitted
                                                                local prefills) and a seat
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore, NoFreeBlocksError
+from engine.engine_core import NoFreeBlocksError
 
 T = TypeVar("T")
 
@@ -57,10 +57,17 @@ class LocalAdmission:
 
 class KVAdmission:
     def __init__(
-        self, engine: AsyncEngine, block_size: int, max_queued: int, queue_timeout_s: float
+        self,
+        engine: AsyncEngine,
+        block_size: int,
+        max_num_seqs: int,
+        max_queued: int,
+        queue_timeout_s: float,
     ) -> None:
+        """`max_num_seqs`: the engine's seats (requests it runs or queues at once)."""
         self._engine = engine
         self._block_size = block_size
+        self._max_num_seqs = max_num_seqs
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self._queue: collections.deque[object] = collections.deque()
@@ -85,25 +92,22 @@ class KVAdmission:
         """Blocks for `num_tokens` tokens of incoming KV, once there is room (waiting at most
         `wait_s`, by default the queue timeout)."""
 
-        def try_reserve(core: EngineCore) -> list[int] | None:
+        async def try_reserve() -> list[int] | None:
             try:
-                return core.reserve(request_id, num_tokens)
+                return await self._engine.reserve(request_id, num_tokens)
             except NoFreeBlocksError:
                 return None
 
-        return await self._admit(lambda: self._engine.call(try_reserve), wait_s)
+        return await self._admit(try_reserve, wait_s)
 
     async def admit_local(self, num_tokens: int) -> LocalAdmission:
         """Waits until the engine has room to prefill `num_tokens` tokens (and one more)."""
         num_blocks = -(-(num_tokens + 1) // self._block_size)
 
-        def room(core: EngineCore) -> tuple[int, int]:
-            stats = core.stats()
-            seats = core.config.scheduler.max_num_seqs - stats.num_running - stats.num_waiting
-            return stats.num_free_blocks, seats
-
         async def try_admit() -> LocalAdmission | None:
-            free, seats = await self._engine.call(room)
+            stats = await self._engine.stats()
+            free = stats.num_free_blocks
+            seats = self._max_num_seqs - stats.num_running - stats.num_waiting
             # Decided on the loop against the promises as they stand now: another admission may
             # have promised blocks while the engine thread was asked.
             if free - self.num_promised_blocks < num_blocks or seats <= self.num_promised_seats:
