@@ -17,7 +17,6 @@ Abort (Node service) / the router cancels the call ──► fail the receiver, 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -30,7 +29,6 @@ from cache_transfer import KVReceiver, TransferState
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
-from engine.async_engine import EngineDeadError
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
@@ -73,7 +71,6 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         )
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
-        self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
             config.max_queued_requests, config.queue_timeout_s,
@@ -127,14 +124,17 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
-        """Node.Abort: end the request wherever it is (awaiting KV, or in the engine)."""
+        """Node.Abort: end the request wherever it is (awaiting blocks or KV, or in the engine:
+        its stream ends at once); a request of no Decode call here waits for the engine's
+        answer (a reservation, freed)."""
         job = self._jobs.get(request_id)
-        if job is not None:
-            job.aborted = True
-            if job.receiver is not None:
-                job.receiver.abort("the request was aborted")
-        in_engine = await self._engine.abort(request_id)  # frees a reservation too
-        return job is not None or in_engine
+        if job is None:
+            return await self._engine.abort(request_id)
+        job.aborted = True
+        if job.receiver is not None:
+            job.receiver.abort("the request was aborted")
+        self._engine.abort_nowait(request_id)  # frees a reservation too
+        return True
 
     # ---- phases of one Decode call ------------------------------------------------------
 
@@ -187,6 +187,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
         )
         job.receiver = receiver
+        if job.aborted:  # while it waited for blocks: it falls back, to an abort
+            receiver.abort("the request was aborted")
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
         receiver.add_finish_callback(self._metrics.transfer_finished)
@@ -251,6 +253,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         admitted = None
         try:
             admitted = await self.admission.admit_local(request.num_tokens)
+            if job.aborted:  # while it waited for room
+                yield self._abort_chunk(job, next_index)
+                return
             outputs = self._engine.generate(request)
             async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
@@ -309,25 +314,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             self._release_reservation(job.request_id, receiver)
 
     def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
-        """Free the request's reserved blocks (or abort it, past its reservation) now; those
-        of a transfer written in place only once its sender cannot write any more (its
-        drained notice, or its deadline: KVReceiver.writes_settled)."""
-        if receiver is None or receiver.writes_settled.is_set():
-            self._engine.abort_nowait(request_id)
-            return
-
-        async def free_when_settled() -> None:
-            try:
-                blocks = await self._engine.detach_reservation(request_id)
-            except EngineDeadError:  # the blocks went with the engine
-                return
-            await receiver.writes_settled.wait()  # bounded by the receiver's quarantine timer
-            self._engine.free_blocks_nowait(blocks)
-            self.admission.notify()
-
-        task = asyncio.get_running_loop().create_task(free_when_settled())
-        self._quarantines.add(task)
-        task.add_done_callback(self._quarantines.discard)
+        """Free the request's reserved blocks (or abort it, past its reservation): those of a
+        transfer written in place only once its sender cannot write any more (its drained
+        notice, or its deadline: KVReceiver.writes_settled)."""
+        self.admission.release(request_id, receiver.writes_settled if receiver else None)
 
 
 class _Refused(Exception):

@@ -13,7 +13,9 @@ Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room 
 ```
 
 A local prefill's promise (`LocalAdmission`) is kept until its first token (its prompt's blocks
-are then the engine's) or until its call ends.
+are then the engine's) or until its call ends. `release(request_id, writes_settled)` gives a
+reservation's blocks back: at once, or, while a KV writer may still land in them (a transfer
+written in place), detached from the request and freed once its writes settled.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import NoFreeBlocksError
 
 T = TypeVar("T")
@@ -76,6 +78,7 @@ class KVAdmission:
         self.num_promised_seats = 0  # those prefills, not yet counted by the engine's scheduler
         self.num_refused = 0
         self.num_queued_total = 0  # requests that had to wait
+        self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
 
     @property
     def num_queued(self) -> int:
@@ -117,6 +120,27 @@ class KVAdmission:
             return LocalAdmission(self, num_blocks)
 
         return await self._admit(try_admit)
+
+    def release(self, request_id: str, writes_settled: asyncio.Event | None = None) -> None:
+        """Free `request_id`'s reserved blocks (or abort it, past its reservation) now, or, if
+        `writes_settled` is not set yet, once it is (a KV writer may still land in them)."""
+        if writes_settled is None or writes_settled.is_set():
+            self._engine.abort_nowait(request_id)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._free_when_settled(request_id, writes_settled)
+        )
+        self._quarantines.add(task)
+        task.add_done_callback(self._quarantines.discard)
+
+    async def _free_when_settled(self, request_id: str, writes_settled: asyncio.Event) -> None:
+        try:
+            blocks = await self._engine.detach_reservation(request_id)
+        except EngineDeadError:  # the blocks went with the engine
+            return
+        await writes_settled.wait()  # bounded by the receiver's quarantine timer
+        self._engine.free_blocks_nowait(blocks)
+        self.notify()
 
     async def _admit(
         self, attempt: Callable[[], Awaitable[T | None]], wait_s: float | None = None
