@@ -8,7 +8,8 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
     generate(request)                        add for local prefill; stream its outputs
     resume(request, block_ids, first_token)  admit a request whose prompt KV is in place; stream
     abort(request_id) -> bool                end its stream now; the engine frees it after
-    abort_nowait(request_id)                 the same, from cleanup that must not wait
+    abort_nowait(request_id[, at_once])      the same, not waiting (at_once=False: the stream
+                                             ends after the engine's abort, not before)
     release_nowait(request_id)               prefill-only: free a finished prefill's blocks
     reserve(request_id, num_tokens)          blocks for incoming KV (NoFreeBlocksError: none)
     detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
@@ -124,11 +125,24 @@ class AsyncEngine:
             return True
         return await known
 
-    def abort_nowait(self, request_id: str) -> None:
+    def abort_nowait(self, request_id: str, at_once: bool = True) -> None:
         """`abort` without waiting for anything (cleanup in a call that may be cancelled);
-        nothing when the engine is gone (it holds nothing any more)."""
-        self._end_stream(request_id)
-        self._abort_unawaited(request_id, lambda: self.core.abort(request_id))
+        nothing when the engine is gone (it holds nothing any more). `at_once=False`: its
+        stream ends only once the engine's own abort has run, so what the engine publishes
+        before that (the first token of a prefill in the step under way) still arrives."""
+        if at_once:
+            self._end_stream(request_id)
+            self._abort_unawaited(request_id, lambda: self.core.abort(request_id))
+            return
+        stream = self._streams.get(request_id)
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if stream is not None:  # (no longer read if its request finished meanwhile)
+                stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
+            _log_error(result, error)
+
+        with contextlib.suppress(EngineDeadError):  # (dead: the engine holds nothing any more)
+            self._thread.submit(lambda: self.core.abort(request_id), done)
 
     def release_nowait(self, request_id: str) -> None:
         """Prefill-only: the hand-off resolved; the engine frees the request's held blocks

@@ -188,6 +188,11 @@ class LayerStreamer:
         outgoing.trace.mark("result")
         return sender
 
+    def computing(self, request_id: str) -> bool:
+        """The engine computed a chunk of the request's prompt (its prefill started)."""
+        outgoing = self._outgoing.get(request_id)
+        return outgoing is not None and outgoing.computing
+
     def abort(self, request_id: str, reason: str) -> bool:
         """Fail the request's transfer (the receiver is told); False when none is open."""
         outgoing = self._outgoing.get(request_id)

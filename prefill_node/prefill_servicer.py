@@ -10,7 +10,8 @@ hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within
 AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile, concurrently)
     the hand-off fails first (no or bad ticket; the sender fails: not started within
     transfer_timeout_s, the decode side failed it, the connection broke) ──► abort the
-    prefill ──► the ticket's status, or ABORTED (the router cancels D's side)
+    prefill (queued: at once; computing: after the step under way, whose first token still
+    goes out) ──► the ticket's status, or ABORTED (the router cancels D's side)
 ──► PrefillFirstToken                                     at once
 await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
 AsyncEngine.release_nowait (held blocks) ──► PrefillTransferResult
@@ -65,7 +66,6 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
         self._tickets = TicketBox()
-        self._aborts: set[asyncio.Task[None]] = set()  # prefills whose transfer failed first
 
     @property
     def num_tickets_held(self) -> int:
@@ -245,17 +245,12 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         first = None
         request_id = request.request_id
 
-        async def abort() -> None:
-            try:
-                await self._engine.abort(request_id)
-            except Exception:  # the engine stopped: the request went with it
-                logger.exception("request %s: could not abort the prefill", request_id)
-
         def abort_soon() -> None:
             if first is None:
-                task = asyncio.get_running_loop().create_task(abort())
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
+                # Queued: its stream ends now. Computing: when the engine gets to the abort,
+                # after the step under way, whose first token still comes (TTFT) if it has it.
+                computing = self._streamer.computing(request_id)
+                self._engine.abort_nowait(request_id, at_once=not computing)
 
         def on_handoff(task: asyncio.Task[KVSender]) -> None:
             if _handoff_failed(task):
