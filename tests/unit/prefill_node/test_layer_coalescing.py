@@ -118,7 +118,6 @@ def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alon
             num_layers = nodes.prefill.layout.num_layers
             real_hook = streamer.on_layer_done
             computed: list[int] = []  # layers whose hook ran
-            # (layers in the message, layers computed)
             batches = record_messages_with_layers(nodes.prefill.manager._transport, computed)
 
             def hook(layer_idx, chunks):  # engine thread
