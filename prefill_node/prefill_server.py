@@ -62,7 +62,10 @@ class PrefillServer(NodeBase):
         return {"num_running_requests": stats.num_running + stats.num_prefilled_held}
 
     async def abort(self, request_id: str) -> bool:
-        """Fail the request's transfer and abort it in the engine (freeing its blocks)."""
-        sending = self.streamer.abort(request_id, "aborted by the router")
-        in_engine = await self.engine.abort(request_id)
-        return sending or in_engine
+        """Fail the request's transfer and abort it in the engine (freeing its blocks). Known
+        here (its transfer, or its prefill's stream): answered at once; otherwise the engine's
+        answer, once its step under way is done."""
+        if self.streamer.abort(request_id, "aborted by the router"):
+            self.engine.abort_nowait(request_id)
+            return True
+        return await self.engine.abort(request_id)
