@@ -27,15 +27,15 @@ from typing import TypeVar
 import torch
 
 from cache_transfer import protocol
-from cache_transfer.layout import KVLayout, kv_device_id
-from cache_transfer.packing import check_kv_cache
-from cache_transfer.pool_sharing import PoolSharing
-from cache_transfer.receiver import KVCaches, KVReceiver
+from cache_transfer.in_place.pool_sharing import PoolSharing
+from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
+from cache_transfer.packing.packed_layer import check_kv_cache
+from cache_transfer.packing.staging_pool import StagingPool
+from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
-from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
-from cache_transfer.staging_pool import StagingPool
+from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
-from cache_transfer.ticket_auth import check_handshake
+from cache_transfer.tickets import check_handshake
 from cache_transfer.transports.base import KVTransport, TransportError
 from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
@@ -65,17 +65,12 @@ class KVTransferManager:
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
         may omit it. Staging buffers are pooled across transfers, up to
         `max_idle_staging_bytes` kept idle. With `auth` (the cluster secret), tickets are
-        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth).
+        signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
         write into a receiver there."""
         if kv_caches is not None:
-            if len(kv_caches) != layout.num_layers:
-                raise ValueError(
-                    f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}"
-                )
-            for k_cache, v_cache in kv_caches:
-                check_kv_cache(layout, k_cache, v_cache)
+            _check_caches(layout, kv_caches)
         self.layout = layout
         self.auth = auth
         self.num_succeeded = 0
@@ -94,13 +89,7 @@ class KVTransferManager:
         self._sender_kv_device = kv_device_name or (
             kv_device_id(kv_device) if kv_device is not None else ""
         )
-        self._pool_export: transfer_pb2.KVPoolExport | None = None
-        if sharing is not None and kv_caches is not None:
-            try:
-                self._pool_export = sharing.export(kv_caches)
-            except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
-                logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)",
-                               error)  # fmt: skip
+        self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
         # receiver transfer id -> (why it ended, its ticket)
         self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
@@ -270,10 +259,10 @@ class KVTransferManager:
             self._count(session)
             return session
         table[session.transfer_id] = session
-        session.add_finish_callback(lambda s: self._on_finish(s, table))
+        session.add_finish_callback(lambda _: self._on_finish(session, table))
         return session
 
-    def _on_finish(self, session: TransferSession, table: dict[str, TransferSession]) -> None:
+    def _on_finish(self, session: S, table: dict[str, S]) -> None:
         table.pop(session.transfer_id, None)
         self._count(session)
         if isinstance(session, KVReceiver):
@@ -325,9 +314,29 @@ class KVTransferManager:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _count(self, session: TransferSession) -> None:
+    def _count(self, session: KVReceiver | KVSender) -> None:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
-            self.num_in_place += bool(getattr(session, "in_place", False))
+            self.num_in_place += session.in_place
         else:
             self.num_failed += 1
+
+
+def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> None:
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}")
+    for k_cache, v_cache in kv_caches:
+        check_kv_cache(layout, k_cache, v_cache)
+
+
+def _export(
+    sharing: PoolSharing | None, kv_caches: KVCaches | None
+) -> transfer_pb2.KVPoolExport | None:
+    """The caches' export for writes in place (None: off)."""
+    if sharing is None or kv_caches is None:
+        return None
+    try:
+        return sharing.export(kv_caches)
+    except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
+        logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)", error)
+        return None

@@ -122,7 +122,7 @@ def test_a_handshake_proof_for_another_transfer_is_refused(backend: str):
         decode = _decode(backend)
         first = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=1.5)
         second = decode.create_receiver([0, 1, 3, 5], NUM_TOKENS, timeout_s=1.5)
-        from cache_transfer.ticket_auth import handshake_proof
+        from cache_transfer.tickets import handshake_proof
 
         forger = Forger(await make_raw_peer(backend), second)
         proof = handshake_proof(AUTH, first.ticket(), forger.peer.transport.address)
@@ -155,7 +155,7 @@ def test_no_secret_keeps_the_open_protocol(backend: str):
 def test_with_the_secret_only_a_proven_sender_takes_a_session_over(backend: str):
     """The prefill retry's takeover under a cluster secret: a handshake without a proof is
     ignored (the first sender keeps the session), one proving the secret takes it over."""
-    from cache_transfer.ticket_auth import handshake_proof
+    from cache_transfer.tickets import handshake_proof
 
     async def scenario():
         decode = _decode(backend)
