@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_transfer_validation import DST_BLOCK_IDS, LAYOUT, NUM_TOKENS, Forger, _no_marker
+from forger import DST_BLOCK_IDS, LAYOUT, NUM_TOKENS, Forger, no_marker
 from transfer_helpers import (
     make_layout,
     make_raw_peer,
@@ -106,7 +106,7 @@ def test_a_sender_without_the_secret_writes_nothing_even_with_a_real_ticket(back
         await forger.first_token()
         state = await receiver.wait()  # the deadline: the decode node then prefills itself
         replies = list(forger.peer.received)
-        clean = _no_marker(decode)
+        clean = no_marker(decode)
         await decode.close()
         await forger.peer.transport.close()
         return state, replies, clean, receiver.num_bytes_received
@@ -129,7 +129,7 @@ def test_a_handshake_proof_for_another_transfer_is_refused(backend: str):
         await forger.handshake(proof=proof)  # a proof replayed onto another transfer
         await forger.layer(0)
         state = await second.wait()
-        clean = _no_marker(decode)
+        clean = no_marker(decode)
         first.abort("test over")
         await decode.close()
         await forger.peer.transport.close()
