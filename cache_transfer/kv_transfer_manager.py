@@ -10,9 +10,8 @@ Incoming messages are decoded once and routed to their session by transfer id an
 Headers that do not decode, or name no live session, are refused and logged; no session is
 touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
 finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (only for the last
-`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer; with a
-cluster secret, only a handshake that proves it).
+ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
+manager owns).
 """
 
 from __future__ import annotations
@@ -20,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
 
 from cache_transfer import protocol
+from cache_transfer.finished_receivers import FinishedReceivers
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
 from cache_transfer.packing.packed_layer import check_kv_cache
@@ -35,8 +34,7 @@ from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
-from cache_transfer.tickets import check_handshake
-from cache_transfer.transports.base import KVTransport, TransportError
+from cache_transfer.transports.base import KVTransport
 from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -44,7 +42,6 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
-MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late handshakes are refused
 
 S = TypeVar("S", KVReceiver, KVSender)
 
@@ -91,8 +88,7 @@ class KVTransferManager:
         )
         self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
-        # receiver transfer id -> (why it ended, its ticket)
-        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
+        self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
         self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -239,7 +235,7 @@ class KVTransferManager:
             if stray is not None:
                 stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
             elif kind == "handshake" and msg.transfer_id in self._finished:
-                self._refuse_late_handshake(peer_id, msg)
+                self._finished.refuse_handshake(peer_id, msg)
             else:
                 logger.warning(
                     "refused a %s message from %s: no live transfer %r",
@@ -269,9 +265,7 @@ class KVTransferManager:
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished[session.transfer_id] = (why, session.ticket())
-            while len(self._finished) > MAX_FINISHED_REMEMBERED:
-                self._finished.popitem(last=False)
+            self._finished.remember(session.transfer_id, why, session.ticket())
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""
@@ -282,35 +276,6 @@ class KVTransferManager:
             self._quarantined.pop(receiver.transfer_id, None)
 
         task = asyncio.get_running_loop().create_task(settled())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
-        """Tell a sender whose receiver finished before its handshake (best effort)."""
-        why, ticket = self._finished[msg.transfer_id]
-        forged = check_handshake(self.auth, ticket, msg.handshake) if self.auth else None
-        if forged is not None:  # with a secret, only a sender that proves it is answered
-            logger.warning("ignored a late handshake from %s for transfer %s: %s",
-                           peer_id, msg.transfer_id, forged)  # fmt: skip
-            return
-        reason = f"the receiver already ended: {why}"
-        logger.warning("refused a handshake from %s for transfer %s: %s",
-                       peer_id, msg.transfer_id, reason)  # fmt: skip
-        address = msg.handshake.src_address
-        if not address:
-            return
-        ack = transfer_pb2.HandshakeAck(
-            accepted=False, reason=reason, protocol_version=protocol.PROTOCOL_VERSION
-        )
-        header = protocol.encode(msg.transfer_id, 0, handshake_ack=ack)
-
-        async def send() -> None:
-            try:
-                await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
-            except (TimeoutError, TransportError) as error:
-                logger.info("could not refuse transfer %s: %s", msg.transfer_id, error)
-
-        task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -18,7 +18,6 @@ that grants it gets each layer written into its blocks by us, then a manifest wi
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -37,8 +36,6 @@ from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
-
-logger = logging.getLogger(__name__)
 
 
 class KVSender(TransferSession):
