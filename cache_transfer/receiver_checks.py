@@ -5,7 +5,7 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
 
     1. unproven_sender      with a cluster secret, only the sender whose handshake proved it
     2. superseded_sender    not a sender that a retried one took over from
-       ─► either: not heard (logged, dropped); the session goes on
+       ─► failing 1 or 2: not heard (logged, dropped); the session goes on
        (then, header only: a drained notice after the end settles the writes in place; a
        handshake from another sender may take the session over: takeover_allowed)
     3. refusal(...)
