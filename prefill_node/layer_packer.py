@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer import KVLayout, LayerBlocks, pack_layer
-from cache_transfer.in_place_writer import ClosedError
-from cache_transfer.packing import check_block_ids
+from cache_transfer.in_place.writer import ClosedError
+from cache_transfer.packing.block_ids import check_block_ids
 from pdserve.v1.transfer_pb2 import LayerManifest
 from prefill_node.outgoing import Outgoing, PackedLayer
 
