@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from cache_transfer.packing import LayerBlocks, check_block_ids, copy_layers, unpack_layer
-from cache_transfer.pool_sharing import PoolSharing
-from cache_transfer.transports.cuda_waits import wait_event
+from cache_transfer.in_place.pool_sharing import PoolSharing
+from cache_transfer.packing.block_copy import LayerBlocks, copy_layers
+from cache_transfer.packing.block_ids import check_block_ids
+from cache_transfer.packing.packed_layer import LayerSource, unpack_layer
+from cache_transfer.transports.cuda_waits import new_event, wait_event
 from pdserve.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class InPlaceWriter:
     def write(
         self,
         manifests: Sequence[transfer_pb2.LayerManifest],
-        sources: Sequence[LayerBlocks | torch.Tensor | Callable[[torch.Tensor], object]],
+        sources: Sequence[LayerSource],
     ) -> torch.cuda.Event | None:
         """Each layer (its blocks in the sender's cache, its packed bytes, or what packs them
         into a buffer) into its blocks, on the current stream; CUDA: the event that marks them
@@ -72,7 +74,7 @@ class InPlaceWriter:
     def _write(
         self,
         manifests: Sequence[transfer_pb2.LayerManifest],
-        sources: Sequence[LayerBlocks | torch.Tensor | Callable[[torch.Tensor], object]],
+        sources: Sequence[LayerSource],
     ) -> torch.cuda.Event | None:
         batch: dict[tuple[int, int], list[tuple[LayerBlocks, int]]] = {}
         for manifest, source in zip(manifests, sources, strict=True):
@@ -94,7 +96,7 @@ class InPlaceWriter:
             copy_layers([src for src, _ in layers], dsts, dst_ids)
         if self.device.type != "cuda":
             return None  # done already
-        written = torch.cuda.Event()
+        written = new_event()
         written.record()
         self._pending.add(written)
         return written

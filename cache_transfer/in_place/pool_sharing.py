@@ -16,14 +16,12 @@ the protocol without a GPU: a local-transport receiver and sender in one process
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from cache_transfer.layout import KVCaches
 from pdserve.v1 import transfer_pb2
-
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class PoolSharing(Protocol):
@@ -53,8 +51,8 @@ def describe_caches(kv_caches: KVCaches) -> transfer_pb2.KVPoolExport:
                 or cache.dtype != first.dtype
             ):
                 raise ValueError("the KV caches to export are not views of one storage alike")
-        export.k_offsets.append(k_cache.storage_offset())
-        export.v_offsets.append(v_cache.storage_offset())
+        export.k_offsets.append(int(k_cache.storage_offset()))
+        export.v_offsets.append(int(v_cache.storage_offset()))
     return export
 
 
@@ -66,7 +64,7 @@ def views_of(
     if not isinstance(dtype, torch.dtype) or len(export.k_offsets) != len(export.v_offsets):
         raise ValueError(f"a KV pool export of dtype {export.dtype!r} with unpaired offsets")
     flat = torch.empty(0, dtype=dtype, device=device).set_(
-        storage, 0, (storage.nbytes() // dtype.itemsize,)
+        storage, 0, (storage.nbytes() // dtype.itemsize,), (1,)
     )
     shape, stride = tuple(export.shape), tuple(export.stride)
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
@@ -92,7 +90,7 @@ class CudaIpcSharing:
         export = describe_caches(kv_caches)
         storage = kv_caches[0][0].untyped_storage()
         (_, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
-            storage._share_cuda_()
+            storage._share_cuda_()  # type: ignore[no-untyped-call]  # torch's own, unannotated
         )
         export.ipc_handle = handle
         export.storage_size_bytes = size

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -24,7 +24,10 @@ T = TypeVar("T")
 MAX_ENTRIES = 64  # sets of caches remembered (a node has one or two; tests build many)
 
 _lock = threading.Lock()  # the prefill engine's thread and the event loop both copy
-_entries: OrderedDict[tuple[int, ...], tuple[list[weakref.ref], object]] = OrderedDict()
+# tensor ids -> (weak references to those tensors, what was derived from them)
+_entries: OrderedDict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], object]] = (
+    OrderedDict()
+)
 
 
 def derived(tensors: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
@@ -35,9 +38,13 @@ def derived(tensors: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
         hit = _entries.get(key)
         if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors, strict=True)):
             _entries.move_to_end(key)
-            return hit[1]  # type: ignore[return-value]
+            return cast(T, hit[1])  # what `build` made for these very tensors
     value = build()
-    refs = [weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors]
+
+    def forget(_: weakref.ref[torch.Tensor]) -> None:
+        _forget(key)
+
+    refs = [weakref.ref(t, forget) for t in tensors]
     with _lock:
         _entries[key] = (refs, value)
         _entries.move_to_end(key)

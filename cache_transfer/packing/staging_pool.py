@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cache_transfer.packing import alloc_staging
+from cache_transfer.packing.packed_layer import LayerSource, alloc_staging
 
 MIN_CLASS_BYTES = 64 << 10
 
@@ -54,3 +54,30 @@ class StagingPool:
     def discard(self, view: torch.Tensor) -> None:
         """Forget a buffer from `take` without reusing it (a transport may still read it)."""
         self._lent.pop(view.data_ptr(), None)
+
+
+class StagedSend:
+    """The staging of one send: each layer's payload is its source itself (packed bytes
+    where the transport sends from) or a pooled buffer the source fills. `release(sent)`
+    gives the buffers back once the transport released them, or discards them if it may
+    still read them (the send failed or was cancelled)."""
+
+    def __init__(self, pool: StagingPool, device: torch.device) -> None:
+        self._pool = pool
+        self._device = device
+        self._taken: list[torch.Tensor] = []
+
+    def payload(self, source: LayerSource, num_bytes: int) -> torch.Tensor:
+        if isinstance(source, torch.Tensor):
+            return source
+        self._taken.append(self._pool.take(num_bytes, self._device))
+        source(self._taken[-1])
+        return self._taken[-1]
+
+    def release(self, sent: bool) -> None:
+        for buffer in self._taken:
+            if sent:
+                self._pool.give_back(buffer)
+            else:  # the transport may still be reading it
+                self._pool.discard(buffer)
+        self._taken.clear()
