@@ -174,3 +174,29 @@ def test_the_knob_and_its_refusals(checkpoint):
         make_engine(checkpoint, num_blocks=8, prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV block"):
         make_engine(checkpoint, num_blocks=8, offload=100)
+
+
+@pytest.mark.slow
+def test_the_default_model_continues_a_conversation_from_the_host_tier():
+    """SmolLM2-135M (fp32, CPU): turn 2 of a conversation whose turn 1 was evicted from a
+    64-block device pool gives the cold run's greedy tokens."""
+    from engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    conversation, other, follow_up = (
+        torch.randint(100, 49000, (n,), generator=gen).tolist() for n in (300, 330, 20)
+    )
+    cold = LLM("smollm2-135m", device="cpu", dtype="float32", enable_prefix_caching=False)
+    turn_1 = cold.generate([conversation], params)[0].token_ids
+    turn_2_prompt = conversation + turn_1 + follow_up
+    want = cold.generate([turn_2_prompt], params)[0].token_ids
+    del cold
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", num_blocks=24,
+              kv_offload_memory=64 << 20)  # fmt: skip
+    assert llm.generate([conversation], params)[0].token_ids == turn_1
+    llm.generate([other], params)  # 346 of the pool's 384 tokens: turn 1's blocks go
+    turn_2 = llm.generate([turn_2_prompt], params)[0]
+    assert turn_2.token_ids == want
+    assert llm.engine.stats().kv_offload.host_hit_tokens >= 256
+    llm.engine.check_no_leaks()
