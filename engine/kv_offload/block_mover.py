@@ -66,6 +66,18 @@ class KVBlockMover:
         if seq:
             self._wait(seq, on_host=True)
 
+    def warm_up(self) -> None:
+        """Compile the copy kernel before serving (Triton specializes a block count of 1 and
+        multiples of 16): copies between blocks nothing holds yet, waited for."""
+        if self._to_host is None:
+            return
+        num_blocks = min(self._device_words.shape[2], self._host_words.shape[2])
+        for n in (1, 2, 16):
+            if n <= num_blocks:
+                ids = tuple(range(n))
+                self._copy(self._device_words, ids, self._host_words, ids, self._to_host)
+        torch.cuda.synchronize(self.device)
+
     def synchronize(self) -> None:
         """Block until every queued copy is done (benchmarks, tests)."""
         if self._stream is not None:

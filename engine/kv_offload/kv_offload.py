@@ -58,7 +58,9 @@ class KVOffload:
             "host KV tier: %d blocks (%.2f GiB%s)", num_blocks, host_pool.num_bytes / (1 << 30),
             ", page-locked" if device_pool.buffer.is_cuda else "",
         )  # fmt: skip
-        return cls(HostBlockManager(num_blocks), KVBlockMover(device_pool, host_pool))
+        mover = KVBlockMover(device_pool, host_pool)
+        mover.warm_up()
+        return cls(HostBlockManager(num_blocks), mover)
 
     def flush(self) -> None:
         """Queue the round's copies ahead of the step about to launch."""
