@@ -26,8 +26,9 @@ def make_engine(
     checkpoint, num_blocks: int, offload: int = HOST_BYTES, prefix_caching: bool = True, **sched
 ) -> EngineCore:
     sched.setdefault("max_num_batched_tokens", 64)
+    # (a salt: both tiers are keyed by the salted hash chain)
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_offload_memory=offload,
-                        enable_prefix_caching=prefix_caching)  # fmt: skip
+                        enable_prefix_caching=prefix_caching, prefix_cache_salt="tenant-a")  # fmt: skip
     model = ModelConfig(model=str(checkpoint), device="cpu", dtype="float32")
     return EngineCore(EngineConfig(model=model, cache=cache, scheduler=SchedulerConfig(**sched)))
 
