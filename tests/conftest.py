@@ -13,6 +13,7 @@ and printed by the controlling process, which is also where a serial run does it
 """
 
 import os
+import posixpath
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,10 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
         scope = defs[-1].scope
         if scope not in ("module", "package"):
             continue
-        where = item.path if scope == "module" else item.path.parent
+        module = item.nodeid.split("::")[0]  # the test file, relative to the rootdir
+        where = module if scope == "module" else posixpath.dirname(module)
         param = f"[{params[name]}]" if name in params else ""
-        names.append(f"{where.relative_to(_TESTS).as_posix()}::{name}{param}")
+        names.append(f"{where}::{name}{param}")
     return names
 
 
@@ -92,3 +94,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item, names in uses.items():
         if names and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(root(names[0])))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup`, except that a test whose worker died (the OOM killer, a crash in
+    native code) is reported failed once and not run again. pytest-xdist 3.8's own loadgroup
+    puts the whole group back, the test that killed its worker included: it ran again and killed
+    the next worker, and after the restarts the run hung (seen on a machine short of memory)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class CrashOnceLoadGroup(LoadGroupScheduling):
+        def remove_node(self, node):  # type: ignore[no-untyped-def]
+            workload = self.assigned_work.pop(node)
+            pending = [(u, n) for u in workload.values() for n, done in u.items() if not done]
+            if not pending:
+                return None
+            unit, crashed = pending[0]  # the worker runs its tests in order: this one was running
+            unit[crashed] = True  # xdist reports it failed ("worker crashed while running")
+            self.workqueue.update({s: u for s, u in workload.items() if not all(u.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+    return CrashOnceLoadGroup(config, log)
