@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_ARGS ?=
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 .PHONY: setup serve test check lint typecheck clean
 

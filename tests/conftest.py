@@ -5,11 +5,13 @@ module to import a kernel can be any test (the engine imports the attention kern
 without CUDA every Triton kernel must run in the interpreter, so it is set here, before any test
 module is imported.
 
-Parallel runs (`make test`: pytest-xdist, `--dist loadgroup`): a test that uses a module- or
-package-scoped fixture (a cluster of node processes, a loaded model) joins that module's or
-package's group, so one worker builds the fixture once and runs all its tests; every other test
-goes to whichever worker is free. The fault table (tests/e2e/faults/table.py) is started afresh
-and printed by the controlling process, which is also where a serial run does it.
+Parallel runs (`make test`: pytest-xdist, `--dist loadgroup`): tests that share a module- or
+package-scoped fixture (a cluster of node processes, a loaded model), directly or through another
+test, form one group, so one worker builds each such fixture once and runs all the tests that use
+it; a module may also name its group (tests/e2e/conftest.py's REAL_MODEL_CLUSTERS); every other
+test goes to whichever worker is free. A test whose worker dies fails once (not again on the next
+worker). The fault table (tests/e2e/faults/table.py) is started afresh and printed by the
+controlling process, which is also where a serial run does it.
 """
 
 import os
@@ -26,6 +28,7 @@ if not torch.cuda.is_available():
 
 _TESTS = Path(__file__).resolve().parent
 _FAULTS = _TESTS / "e2e" / "faults"
+_FAULT_TABLE_FRESH = pytest.StashKey[bool]()  # this run started the fault table afresh
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -42,14 +45,14 @@ def _may_run_fault_tests(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config._fault_table_fresh = False
-    if not _is_worker(config) and _may_run_fault_tests(config):
+    fresh = not _is_worker(config) and _may_run_fault_tests(config)
+    if fresh:
         fault_table.reset()
-        config._fault_table_fresh = True
+    config.stash[_FAULT_TABLE_FRESH] = fresh
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    rows = fault_table.read_rows() if config._fault_table_fresh else []
+    rows = fault_table.read_rows() if config.stash[_FAULT_TABLE_FRESH] else []
     if rows:
         terminalreporter.section(f"fault table ({fault_table.table_path()})")
         terminalreporter.write_line(fault_table.render(rows))
