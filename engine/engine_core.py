@@ -14,7 +14,6 @@ abort(id) / release(id): free everything the request holds
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,19 +21,22 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
+from engine.prompt_logprobs import with_prompt_logprobs
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.structured import CompiledGrammar, StructuredOutputManager
 from kernels.attention import get_attention_backend
-from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve import envs
-from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
-        self.config = config = _with_backend_block_size(config, self.device, self.dtype)
+        self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
@@ -91,8 +93,12 @@ class EngineCore:
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
+        # Structured outputs (engine/structured/README.md): the grammars of requests
+        # (`structured.prepare`/`compile` before `make_request`), the sampler's masks
+        self.structured = StructuredOutputManager.for_model(self.loaded.tokenizer_dir, self.arch)
+        self.runner.token_bitmask = self.structured.token_bitmask(self.device)
         self._reservations: dict[str, list[int]] = {}
-        self.async_scheduling = _async_scheduling(config, self.device)
+        self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
         graphs = self.runner.decode_graphs
@@ -141,46 +147,45 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Build a validated request carrying this model's EOS ids. Reads only the engine's
         fixed configuration (model, context length, pool size), so any thread may call it (the
-        nodes do, from their event loop, without waiting for the engine thread's step)."""
+        nodes do, from their event loop, without waiting for the engine thread's step). A
+        structured output needs its grammar compiled: `grammar` from `structured.prepare`
+        (or `compile`), else the cached one (InvalidRequestError if there is none)."""
         self.validate(prompt_token_ids, params)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.arch.eos_token_ids,
+            grammar=self.structured.grammar_for(params, grammar),
         )
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("the prompt is empty: send at least one token")
-        vocab_size = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}"
-            )
-        params.validate()
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds the context length {self.max_model_len}; shorten the prompt or "
-                f"lower max_tokens"
-            )
-        if total > self.pool.num_blocks * self.pool.block_size:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens); lower max_tokens"
-            )
+        check_request(
+            prompt_token_ids, params, self.arch.vocab_size, self.max_model_len,
+            self.pool.num_blocks * self.pool.block_size,
+        )  # fmt: skip
 
     def add_request(self, request: Request) -> None:
+        """Queue a request to prefill here (its grammar's matcher advanced by any output it
+        already has: a migrated request)."""
         self._check_new_id(request.request_id)
         self.validate(request.prompt_token_ids, request.sampling_params)
+        self._start_matcher(request)
         self.scheduler.add_request(request)
+
+    def _start_matcher(self, request: Request) -> None:
+        """The request's own matcher (if it has a grammar), advanced by the output it has."""
+        request.grammar = self.structured.grammar_for(request.sampling_params, request.grammar)
+        if request.grammar is not None and request.matcher is None:
+            request.matcher = request.grammar.new_matcher(request.output_token_ids)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Take blocks for `num_tokens` tokens of incoming KV (decode role)."""
@@ -196,7 +201,9 @@ class EngineCore:
 
     def add_prefilled(self, request: Request, block_ids: Sequence[int], first_token: int) -> None:
         """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
-        the first token sampled elsewhere; it continues decoding from position prompt_len."""
+        the first token sampled elsewhere; it continues decoding from position prompt_len. A
+        constrained request's matcher starts advanced by `first_token` (refused: the
+        reservation is freed and InvalidRequestError raised)."""
         reserved = self._reservations.pop(request.request_id, None)
         if reserved is None or list(block_ids) != reserved:
             if reserved is not None:
@@ -208,6 +215,7 @@ class EngineCore:
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
         try:
+            self._start_matcher(request)  # advanced by the first token, sampled under it
             self.scheduler.add_prefilled(request)
         except BaseException:
             # The reservation is spent either way: free it rather than leak it.
@@ -246,7 +254,9 @@ class EngineCore:
         (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
         returned, so the host's work overlaps the device's. When the next step cannot be
         chosen ahead (a slot only preemption could free), the one in flight is waited for
-        first and the next is scheduled as usual and left in flight."""
+        first and the next is scheduled as usual and left in flight. A step launched ahead
+        with a constrained request samples once the one in flight landed (its grammar masks
+        need that step's tokens): forward queued, wait, masks built, then sampling queued."""
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -260,7 +270,8 @@ class EngineCore:
                 self._in_flight = (ahead, self._launch(ahead, prev=in_flight[1]))
                 self.num_steps_ahead += 1
             outputs = self._wait(*in_flight)
-            if ahead is not None:
+            if self._in_flight is not None:
+                self._sample_deferred(*self._in_flight)
                 return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -271,12 +282,25 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
-        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
-        self.scheduler.on_launched(scheduler_output)
+        """Launch a step; one launched ahead of `prev`'s tokens with a constrained request
+        samples only after them (its grammar masks need them): `_sample_deferred`."""
+        defer = prev is not None and any(
+            c.sample and c.request.matcher is not None for c in scheduler_output.chunks
+        )
+        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev, defer)
+        self.scheduler.on_launched(scheduler_output, sampled=not defer)
         return launched
 
+    def _sample_deferred(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> None:
+        """After the step before it landed (its tokens accepted by the matchers)."""
+        if launched.deferred is not None:
+            self.runner.sample_deferred(launched)
+            self.scheduler.on_sampled(scheduler_output)
+
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
+        result = launched.wait()
+        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        return with_prompt_logprobs(outputs, scheduler_output, result.prompt_logprobs)
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -306,34 +330,6 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-
-
-def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """auto: on CUDA (the host's work hides under the device's), never for the prefill role
-    (its steps are long prefills, and its per-layer hook must see each step finish first)."""
-    mode = config.scheduler.async_scheduling
-    if mode not in ASYNC_SCHEDULING:
-        raise ValueError(f"async_scheduling must be one of {ASYNC_SCHEDULING}; got {mode!r}")
-    if config.scheduler.prefill_only or mode == "off":
-        return False
-    return mode == "on" or device.type == "cuda"
-
-
-def _with_backend_block_size(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> EngineConfig:
-    """flash_attn asked for by name with the default block size (16): use 256 instead."""
-    cache = config.cache
-    if (
-        config.model.attention_backend != "flash_attn"
-        or cache.block_size != CacheConfig().block_size
-    ):
-        return config
-    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
-    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
-                FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
-    new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
-    return dataclasses.replace(config, cache=new_cache)
 
 
 __all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

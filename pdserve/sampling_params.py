@@ -112,9 +112,7 @@ class SamplingParams:
         if "stop" in proto.DESCRIPTOR.fields_by_name:
             kwargs["stop"] = list(proto.stop)
         if proto.HasField("structured_output"):
-            kwargs["structured_output"] = StructuredOutputParams.from_proto(
-                proto.structured_output
-            )
+            kwargs["structured_output"] = StructuredOutputParams.from_proto(proto.structured_output)
         return cls(
             **kwargs,
             stop_token_ids=list(proto.stop_token_ids),
@@ -135,9 +133,7 @@ class SamplingParams:
             message.stop.extend(self.stop)
         message.logit_bias.update(self.logit_bias)
         if self.structured_output is not None:
-            message.structured_output.CopyFrom(
-                self.structured_output.to_proto()
-            )
+            message.structured_output.CopyFrom(self.structured_output.to_proto())
         return message
 
     @property
