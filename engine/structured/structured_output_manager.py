@@ -16,17 +16,22 @@ A caller waits at most `timeout_s` (default `compile_timeout_s`): past it, Inval
 says the spec took too long, and the spec is refused from the cache until its compile ends
 (then its result replaces the refusal). The compile itself cannot be interrupted; llguidance's
 limits bound it (every hostile spec of `benchmarks/bench_grammar_engines.py` ended within
-2 s, see README.md). The engine never waits for a compile: a request is added only with its
-grammar compiled (`EngineCore.make_request`).
+2 s, see README.md). Its grammar construction recurses once per level of rule nesting: a
+128 KiB `$ref` or rule chain (1500 levels) overflows an 8 MiB thread stack (a segfault), so the
+compile threads get `COMPILE_STACK_BYTES` (virtual memory; 64 MiB measured enough for 20000
+levels). The engine never waits for a compile: a request is added only with its grammar
+compiled (`EngineCore.make_request`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +49,7 @@ from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.structured_output import StructuredOutputParams
 
 logger = logging.getLogger(__name__)
+COMPILE_STACK_BYTES = 256 << 20
 
 
 class StructuredOutputBusyError(RuntimeError):
@@ -72,9 +78,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Cached] = OrderedDict()
         self._compiling: dict[str, Future[CompiledGrammar]] = {}
-        self._pool = ThreadPoolExecutor(
-            config.num_compile_threads, thread_name_prefix="grammar-compile"
-        )
+        self._pool = CompileThreads(config.num_compile_threads)
         self.num_compiles = 0  # compiles started (cache misses)
 
     @classmethod
@@ -195,8 +199,8 @@ class StructuredOutputManager:
             return future
 
     def close(self) -> None:
-        """Stop taking compiles; those running end in their threads."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile threads once the compiles queued so far are done."""
+        self._pool.close()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -261,3 +265,47 @@ class StructuredOutputManager:
                 self._store(params.digest, error)
         logger.warning("a %s compile passed %.3g s", params.kind.value, timeout_s)
         return error
+
+
+class CompileThreads:
+    """Daemon threads with `COMPILE_STACK_BYTES` of stack, taking jobs from one queue."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = []
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            for i in range(num_threads):
+                thread = threading.Thread(
+                    target=self._run, name=f"grammar-compile-{i}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+        finally:
+            threading.stack_size(previous)
+
+    def submit(
+        self,
+        fn: Callable[[StructuredOutputParams], CompiledGrammar],
+        params: StructuredOutputParams,
+    ) -> Future[CompiledGrammar]:
+        future: Future[CompiledGrammar] = Future()
+
+        def job() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(params))
+            except BaseException as error:
+                future.set_exception(error)
+
+        self._jobs.put(job)
+        return future
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()

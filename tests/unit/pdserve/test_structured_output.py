@@ -104,6 +104,7 @@ def test_bounded_specs_pass():
     StructuredOutputParams.json_schema({"enum": list(range(MAX_ENUM_VALUES))})
     StructuredOutputParams.json_schema({"type": "string", "maxLength": 10**7})  # bounds: lazy
     StructuredOutputParams.regex("(a{100}){100}")
+    StructuredOutputParams.regex(f"a{{{MAX_REPETITION_REACH}}}")
 
 
 @pytest.mark.parametrize(
