@@ -13,7 +13,7 @@ execute() = launch().wait(); launch() = prepare() -> forward() -> sample on the 
 queue the copy of the ids (no wait), so the caller can schedule and launch the next step
 before this one's tokens are on the host (async scheduling, `EngineCore.step`); the next
 step's `PENDING` decodes read their input from this step's ids on the device. The phases are
-public so that benchmarks/profile_step.py can time each one.
+public so that benchmarks/engine/profile_step.py can time each one.
 
 Structured outputs: the sampler applies the grammar mask of the constrained rows
 (`TokenBitmask`, engine/structured/), built from their matchers just before sampling. A step
@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.outputs import PrefillLayerChunk
 from engine.prompt_logprobs import PendingPromptLogprobs, launch_prompt_logprobs
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
@@ -38,9 +40,13 @@ from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutpu
 from engine.step_inputs import FlatBatch, StepInputBuilder
 from engine.structured import TokenBitmask
 
-# Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
-# write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
-LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
+
+# Called after layer `layer_idx` wrote its KV, with the step's prefill chunks (snapshots, the
+# same tuple for every layer of a step). On CUDA the write is queued, not done:
+# `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
+LayerHook = Callable[[int, tuple[PrefillLayerChunk, ...]], None]
 
 
 @dataclass
@@ -90,7 +96,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,
@@ -213,8 +219,17 @@ class ModelRunner:
     def _layer_hook(
         self, batch: FlatBatch, on_layer_done: LayerHook | None
     ) -> Callable[[int], None] | None:
-        prefill_chunks = [c for c in batch.chunks if c.is_prefill]
-        if on_layer_done is None or not prefill_chunks:
+        if on_layer_done is None:
+            return None
+        prefill_chunks = tuple(  # built once per step, shared by every layer's call
+            PrefillLayerChunk(
+                c.request.request_id, c.start_pos, c.num_new_tokens, c.request.prompt_len,
+                tuple(c.block_ids),
+            )
+            for c in batch.chunks
+            if c.is_prefill
+        )  # fmt: skip
+        if not prefill_chunks:
             return None
         events = self._layer_events
 
