@@ -32,7 +32,11 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import PrefillLayerChunk
-from engine.prompt_logprobs import PendingPromptLogprobs, launch_prompt_logprobs
+from engine.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobResults,
+    launch_prompt_logprobs,
+)
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
@@ -54,7 +58,7 @@ class ModelRunnerOutput:
     # request_id -> (sampled token, its logprobs if asked); only chunks with sample=True
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
     # request_id -> (first prompt position, its prompt logprobs from there), if it asked
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobResults = field(default_factory=dict)
 
 
 @dataclass

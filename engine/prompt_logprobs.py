@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from engine.outputs import StepOutput
 from engine.request import Request, TokenLogprobs
 from engine.scheduler_output import SchedulerOutput
 from engine.step_inputs import FlatBatch
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 PromptLogprobResults = Mapping[str, tuple[int, list[TokenLogprobs]]]
 
@@ -103,7 +107,7 @@ class PendingPromptLogprobs:
 
 @torch.inference_mode()
 def launch_prompt_logprobs(
-    model: torch.nn.Module, batch: FlatBatch, hidden: torch.Tensor
+    model: LlamaForCausalLM, batch: FlatBatch, hidden: torch.Tensor
 ) -> PendingPromptLogprobs | None:
     """Queue the prompt logprobs of the step's chunks that need them; None when none does."""
     spans = prompt_spans(batch)
@@ -142,14 +146,14 @@ def with_prompt_logprobs(
         request.prompt_logprobs.extend(entries[len(request.prompt_logprobs) - first_pos :])
     attached = []
     for output in outputs:
-        request = requests.get(output.request_id)
+        owner = requests.get(output.request_id)
         if (
-            request is not None
+            owner is not None
             and output.new_token_ids
-            and request.sampling_params.prompt_logprobs is not None
-            and not request.prompt_logprobs_sent
+            and owner.sampling_params.prompt_logprobs is not None
+            and not owner.prompt_logprobs_sent
         ):
-            request.prompt_logprobs_sent = True
-            output = dataclasses.replace(output, prompt_logprobs=[None, *request.prompt_logprobs])
+            owner.prompt_logprobs_sent = True
+            output = dataclasses.replace(output, prompt_logprobs=[None, *owner.prompt_logprobs])
         attached.append(output)
     return attached

@@ -118,7 +118,7 @@ class StructuredOutputParams:
             check_repetition_reach(self.spec, self.kind.value)
 
     def to_proto(self) -> generation_pb2.StructuredOutput:
-        kind = generation_pb2.StructuredOutputKind.Value(_KIND_PREFIX + self.kind.name)
+        kind = _KIND_PREFIX + self.kind.name  # the enum value's name
         return generation_pb2.StructuredOutput(kind=kind, spec=self.spec, choices=self.choices)
 
     @classmethod

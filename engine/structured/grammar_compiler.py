@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.torch
@@ -30,9 +31,12 @@ from engine.structured.grammar_matcher import GrammarMatcher
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.structured_output import StructuredOutputKind, StructuredOutputParams
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Compact JSON: no free whitespace, so a bounded schema bounds the output's length (a small
 # model given free whitespace may emit it forever).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 

@@ -92,9 +92,12 @@ class StructuredOutputManager:
         and EOS ids (the grammar compiler is made once per process for each)."""
         compiler = None
         if tokenizer_dir is not None and arch.eos_token_ids:
-            compiler = load_grammar_compiler(
-                tokenizer_dir / "tokenizer.json", arch.vocab_size, tuple(arch.eos_token_ids)
-            )
+            try:
+                compiler = load_grammar_compiler(
+                    tokenizer_dir / "tokenizer.json", arch.vocab_size, tuple(arch.eos_token_ids)
+                )
+            except ValueError as error:  # e.g. EOS ids the tokenizer does not know
+                logger.warning("structured outputs are off for this model: %s", error)
         return cls(compiler, config)
 
     def token_bitmask(self, device: torch.device) -> TokenBitmask | None:

@@ -1,7 +1,7 @@
 """xgrammar against llguidance on one tokenizer: what engine/structured/ was chosen by.
 
 ```
-python -m benchmarks.bench_grammar_engines [--model smollm2-135m] [--hostile-timeout-s 20]
+python -m benchmarks.engine.bench_grammar_engines [--model smollm2-135m] [--hostile-timeout-s 20]
 ```
 
 Needs both libraries (`pip install xgrammar==0.2.9 llguidance==1.9.1`; pdserve depends on
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CORPUS = Path(__file__).parent / "data" / "structured_outputs.json"
+CORPUS = Path(__file__).parents[1] / "data" / "structured_outputs.json"
 ENGINES = ("xgrammar", "llguidance")
 MAX_WALK_STEPS = 64
 
@@ -207,7 +207,7 @@ def percentiles(values: list[float], unit: str = "ms") -> str:
 
 def run_hostile(name: str, case: str, args: argparse.Namespace) -> str:
     """One hostile spec in a child process (limits: wall clock, address space)."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_grammar_engines", "--child", name, case,
+    cmd = [sys.executable, "-m", "benchmarks.engine.bench_grammar_engines", "--child", name, case,
            "--model", args.model]  # fmt: skip
     start = time.perf_counter()
     try:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(*args.child, args.model)
+        child(args.child[0], args.child[1], args.model)
         return
     tokenizer_dir, vocab_size, eos_ids = model_tokenizer(args.model)
     print(f"model {args.model}: vocab {vocab_size}, {len(corpus_specs())} corpus specs")
