@@ -139,7 +139,9 @@ def with_prompt_logprobs(
     outputs: list[StepOutput], scheduler_output: SchedulerOutput, results: PromptLogprobResults
 ) -> list[StepOutput]:
     """Land a step's prompt logprobs in their requests, and attach each request's whole list
-    (None for the first prompt token) to its first output that carries a token."""
+    (None for the first prompt token) to its first output that carries a token. A request
+    whose prompt KV came from a peer (`add_prefilled`) computed none here: it gets none (the
+    prefill node sends them)."""
     requests = {c.request.request_id: c.request for c in scheduler_output.chunks}
     for request_id, (first_pos, entries) in results.items():
         request = requests[request_id]
@@ -152,6 +154,7 @@ def with_prompt_logprobs(
             and output.new_token_ids
             and owner.sampling_params.prompt_logprobs is not None
             and not owner.prompt_logprobs_sent
+            and not owner.wants_prompt_logprobs  # all computed here (not: KV from a peer)
         ):
             owner.prompt_logprobs_sent = True
             output = dataclasses.replace(output, prompt_logprobs=[None, *owner.prompt_logprobs])

@@ -108,3 +108,18 @@ def test_logit_bias_moves_the_greedy_token(checkpoint):
     with pytest.raises(InvalidRequestError, match="logit_bias token ids"):
         llm.generate([prompt], SamplingParams(logit_bias={512: 1.0}))
     llm.engine.check_no_leaks()
+
+
+def test_a_request_prefilled_elsewhere_gets_none_from_here(checkpoint):
+    """Its prompt KV came from a peer (add_prefilled): the prefill node sends them."""
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", num_blocks=64)
+    engine = llm.engine
+    prompt = random_prompts(1, vocab_size=512, seed=4, min_len=20, max_len=20)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    block_ids = engine.reserve("p", len(prompt) + 1)
+    engine.add_prefilled(engine.make_request("p", prompt, params), block_ids, first_token=7)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs and all(o.prompt_logprobs is None for o in outputs)
+    engine.check_no_leaks()
