@@ -138,11 +138,15 @@ def constrained_requests(tokenizer, names: list[str], modes=(True, False)) -> di
 
 def test_async_scheduling_gives_the_synchronous_tokens(engine, smollm2_tokenizer):
     requests = constrained_requests(smollm2_tokenizer, ["person", "enum_color"])
-    requests["free"] = (prompt_ids(smollm2_tokenizer, "Hi"), SamplingParams(max_tokens=12))
+    free = SamplingParams(max_tokens=12, seed=SEED)  # unconstrained, seeded: comparable
+    requests["free"] = (prompt_ids(smollm2_tokenizer, "Hi"), free)
     expected = generate(engine, requests)
     ahead = make_engine(async_scheduling="on")
+    deferred = []
+    sample_deferred = ahead.runner.sample_deferred
+    ahead.runner.sample_deferred = lambda step: (deferred.append(step), sample_deferred(step))
     assert generate(ahead, requests) == expected
-    assert ahead.num_steps_ahead > 0
+    assert ahead.num_steps_ahead > 0 and deferred  # constrained steps sampled after the wait
 
 
 def first_token_of(prefill: EngineCore, request_id: str) -> int:
