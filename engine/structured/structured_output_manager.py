@@ -271,21 +271,14 @@ class StructuredOutputManager:
 
 
 class CompileThreads:
-    """Daemon threads with `COMPILE_STACK_BYTES` of stack, taking jobs from one queue."""
+    """Daemon threads with `COMPILE_STACK_BYTES` of stack, taking jobs from one queue; started
+    by the first job (an engine that never compiles has none)."""
 
     def __init__(self, num_threads: int) -> None:
+        self._num_threads = num_threads
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = []
-        previous = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            for i in range(num_threads):
-                thread = threading.Thread(
-                    target=self._run, name=f"grammar-compile-{i}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
-        finally:
-            threading.stack_size(previous)
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
 
     def submit(
         self,
@@ -302,12 +295,30 @@ class CompileThreads:
             except BaseException as error:
                 future.set_exception(error)
 
+        self._start()
         self._jobs.put(job)
         return future
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._lock:
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._threads = []
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._threads:
+                return
+            previous = threading.stack_size(COMPILE_STACK_BYTES)  # for the threads made here
+            try:
+                for i in range(self._num_threads):
+                    thread = threading.Thread(
+                        target=self._run, name=f"grammar-compile-{i}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
+            finally:
+                threading.stack_size(previous)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
