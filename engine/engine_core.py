@@ -10,6 +10,8 @@ step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
          async scheduling: step n+1 is scheduled ahead and launched before step n is waited
          for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
+close(): tensor_parallel_size > 1 (engine/distributed): stop the other ranks (rank 0 is this
+         object; each step's inputs go to the other ranks, which run the same forward)
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.distributed import TensorParallel, WorkerInit
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
@@ -57,8 +61,30 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
-        self.device = resolve_device(config.model.device)
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_layer_done: LayerHook | None = None,
+        *,
+        worker_init: WorkerInit | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with
+        that rank's EngineCore before the engine is ready (node code attaches its per-rank KV
+        hooks there); picklable. `tp`: a worker rank's share (engine/tp_worker.py sets it)."""
+        # None at TP 1; rank 0 starts the other ranks, each builds this engine around its shard
+        self.tp = tp or _start_tensor_parallel(config, worker_init)
+        try:
+            self._init_engine(config, on_layer_done)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_engine(self, config: EngineConfig, on_layer_done: LayerHook | None) -> None:
+        tp = self.tp
+        self.device = (
+            tp.device if tp else resolve_device(config.parallel.devices or config.model.device)
+        )
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
         self.config = config = _with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
@@ -68,7 +94,7 @@ class EngineCore:
             cpu_decode_kernel=envs.cpu_attention_kernel(),
         )  # fmt: skip
         self.loaded: LoadedModel = load_model(
-            config.model, self.attn_backend, self.device, self.dtype
+            config.model, self.attn_backend, self.device, self.dtype, tp
         )
         self.arch = self.loaded.arch
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
@@ -79,8 +105,9 @@ class EngineCore:
             )
         use_graphs = self._decode_graphs_usable()
         self.pool = KVCachePool(
-            self.arch, config.cache, self.device, self.dtype,
+            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
+            agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
@@ -91,6 +118,8 @@ class EngineCore:
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
+        if tp is not None:
+            tp.attach(self.runner)  # rank 0: publishes each step; the group is ready
         self._reservations: dict[str, list[int]] = {}
         self.async_scheduling = _async_scheduling(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -276,7 +305,15 @@ class EngineCore:
         return launched
 
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
+        sampled = launched.wait().sampled
+        if self.tp is not None:
+            self.tp.check()  # no tokens from a step a rank died in
+        return self.scheduler.update_from_output(scheduler_output, sampled)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -306,6 +343,15 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+
+def _start_tensor_parallel(
+    config: EngineConfig, worker_init: WorkerInit | None
+) -> TensorParallel | None:
+    if config.parallel.tensor_parallel_size == 1:
+        return None
+    arch = resolve_model_source(config.model.model).arch  # (a GGUF is converted here, once)
+    return TensorParallel.start(config, arch, worker_init)
 
 
 def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import TensorParallel
+from engine.distributed.step_message import StepMessage
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
-from engine.step_inputs import FlatBatch, StepInputBuilder
+from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -88,6 +90,9 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputBuilder(block_size, scratch_block, device)
         self.decode_graphs = decode_graphs
+        # Rank 0 of a tensor-parallel group (EngineCore sets it): each step's inputs go to the
+        # other ranks, which run the same forward (`follow`)
+        self.tp: TensorParallel | None = None
         self._layer_events: list[torch.cuda.Event] = []
         if device.type == "cuda":
             self._layer_events = [torch.cuda.Event() for _ in kv_caches]
@@ -122,15 +127,36 @@ class ModelRunner:
         return self._build(scheduler_output.chunks)
 
     @torch.inference_mode()
-    def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: FlatBatch,
+        on_layer_done: LayerHook | None = None,
+        prefill_chunks: Sequence[ScheduledChunk] | None = None,
+    ) -> torch.Tensor:
         """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
-        one eager model call (with the per-layer hook for prefill chunks). Queued, not waited."""
+        one eager model call (with the per-layer hook for prefill chunks: the batch's, or
+        `prefill_chunks` on a tensor-parallel worker rank). Queued, not waited."""
         if batch.is_decode_only and self.decode_graphs is not None:
             return self.decode_graphs.run(batch)
+        if prefill_chunks is None:
+            prefill_chunks = _prefill_chunks(batch)
         return self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-            self._layer_hook(batch, on_layer_done),
+            self._layer_hook(prefill_chunks, on_layer_done),
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def follow(
+        self, message: StepMessage, tp: TensorParallel, on_layer_done: LayerHook | None
+    ) -> None:
+        """A tensor-parallel worker rank's step: rank 0's inputs (`_publish`), the same
+        forward (its collectives with rank 0's), this rank's vocab slice of the logits to rank 0."""
+        width, decode_only, num_prev = message.ints
+        prev_ids = tp.receive_tokens(num_prev) if num_prev else None
+        batch = self.inputs.from_host(HostStep(message.arrays, width, bool(decode_only)), prev_ids)
+        hidden = self.forward(batch, on_layer_done, message.extras or ())
+        if batch.logits_indices.numel():
+            self.model.compute_logits(hidden[batch.logits_indices])
 
     def sample(self, batch: FlatBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         """`sample_async` and wait: the step's only sync."""
@@ -147,7 +173,7 @@ class ModelRunner:
         if not batch.sampling_chunks:
             return step
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
-            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed
+            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed (same rows)
         else:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
@@ -166,12 +192,26 @@ class ModelRunner:
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
-        return self.inputs.build(chunks, pad_to, prev)
+        batch = self.inputs.build(chunks, pad_to, prev)
+        if self.tp is not None:
+            self._publish(batch, prev)
+        return batch
+
+    def _publish(self, batch: FlatBatch, prev: DeviceTokens | None) -> None:
+        """(rank 0 of a tensor-parallel group) Hand the step's host inputs to the other ranks,
+        with the previous step's ids on the device when `PENDING` decodes read them, and the
+        prefill chunks their layer hooks get (when they have one)."""
+        assert self.tp is not None
+        host = batch.host
+        prev_ids = prev.token_ids if prev is not None and host.num_pending else None
+        chunks = _prefill_chunks(batch) if self.tp.worker_hooks else None
+        num_prev = 0 if prev_ids is None else prev_ids.numel()
+        ints = (host.block_table_width, int(host.is_decode_only), num_prev)
+        self.tp.send_step(StepMessage(ints, host.fields, chunks or None), prev_ids)
 
     def _layer_hook(
-        self, batch: FlatBatch, on_layer_done: LayerHook | None
+        self, prefill_chunks: Sequence[ScheduledChunk], on_layer_done: LayerHook | None
     ) -> Callable[[int], None] | None:
-        prefill_chunks = [c for c in batch.chunks if c.is_prefill]
         if on_layer_done is None or not prefill_chunks:
             return None
         events = self._layer_events
@@ -182,3 +222,8 @@ class ModelRunner:
             on_layer_done(layer_idx, prefill_chunks)
 
         return layer_hook
+
+
+def _prefill_chunks(batch: FlatBatch) -> list[ScheduledChunk]:
+    """The chunks of `batch` whose KV a prefill layer hook sees."""
+    return [c for c in batch.chunks if c.is_prefill]
