@@ -20,7 +20,6 @@ engine/distributed/, because it builds an EngineCore (which imports engine/distr
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -82,9 +81,10 @@ def main(argv: list[str]) -> int:
         _serve(conn)
     except BaseException:
         text = traceback.format_exc()
-        print(text, file=sys.stderr, flush=True)
-        with contextlib.suppress(OSError):
-            conn.send(("error", text))
+        try:
+            conn.send(("error", text))  # rank 0's watcher logs it
+        except OSError:
+            print(text, file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -112,6 +112,8 @@ class TensorParallel:
         devices = tp_devices(par.devices, config.model.device, n)
         partitions = [partition_model(arch, r, n) for r in range(n)]  # raises if sizes misfit
         threads = cpu_threads_per_rank(devices[0], n)
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])  # graphs, streams and events of rank 0's device
         store = create_store(n, start_s)
         broadcast = ShmBroadcast.create(n - 1)
         specs = [
