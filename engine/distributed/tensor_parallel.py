@@ -36,7 +36,13 @@ from engine.distributed.process_group import TPComm, TPError, connect_store, cre
 from engine.distributed.shm_broadcast import ShmBroadcast
 from engine.distributed.step_message import STOP, StepMessage
 from engine.distributed.tp_devices import cpu_threads_per_rank, tp_devices
-from engine.distributed.tp_shard import ArchShape, ModelPartition, TPShard, partition_model
+from engine.distributed.tp_shard import (
+    ArchShape,
+    ModelPartition,
+    TPShard,
+    check_tp_size,
+    partition_model,
+)
 from engine.distributed.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -109,8 +115,9 @@ class TensorParallel:
         """Rank 0: start ranks 1..N-1 and form the group (`config`: an EngineConfig)."""
         par = config.parallel
         n, start_s = par.tensor_parallel_size, par.tp_start_timeout_s
+        check_tp_size(arch, n, config.model.model)  # the sizes divide, or a clear refusal
         devices = tp_devices(par.devices, config.model.device, n)
-        partitions = [partition_model(arch, r, n) for r in range(n)]  # raises if sizes misfit
+        partitions = [partition_model(arch, r, n) for r in range(n)]
         threads = cpu_threads_per_rank(devices[0], n)
         if devices[0].type == "cuda":
             torch.cuda.set_device(devices[0])  # graphs, streams and events of rank 0's device
