@@ -10,9 +10,8 @@ Incoming messages are decoded once and routed to their session by transfer id an
 Headers that do not decode, or name no live session, are refused and logged; no session is
 touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
 finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (only for the last
-`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer; with a
-cluster secret, only a handshake that proves it).
+ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
+manager owns).
 """
 
 from __future__ import annotations
@@ -20,23 +19,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
 
 from cache_transfer import protocol
-from cache_transfer.layout import KVLayout, kv_device_id
-from cache_transfer.packing import check_kv_cache
-from cache_transfer.pool_sharing import PoolSharing
-from cache_transfer.receiver import KVCaches, KVReceiver
+from cache_transfer.finished_receivers import FinishedReceivers
+from cache_transfer.in_place.pool_sharing import PoolSharing
+from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
+from cache_transfer.packing.packed_layer import check_kv_cache
+from cache_transfer.packing.staging_pool import StagingPool
+from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
-from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
-from cache_transfer.staging_pool import StagingPool
+from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
-from cache_transfer.ticket_auth import check_handshake
-from cache_transfer.transports.base import KVTransport, TransportError
+from cache_transfer.transports.base import KVTransport
 from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -44,7 +42,6 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
-MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late handshakes are refused
 
 S = TypeVar("S", KVReceiver, KVSender)
 
@@ -65,17 +62,12 @@ class KVTransferManager:
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
         may omit it. Staging buffers are pooled across transfers, up to
         `max_idle_staging_bytes` kept idle. With `auth` (the cluster secret), tickets are
-        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth).
+        signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
         write into a receiver there."""
         if kv_caches is not None:
-            if len(kv_caches) != layout.num_layers:
-                raise ValueError(
-                    f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}"
-                )
-            for k_cache, v_cache in kv_caches:
-                check_kv_cache(layout, k_cache, v_cache)
+            _check_caches(layout, kv_caches)
         self.layout = layout
         self.auth = auth
         self.num_succeeded = 0
@@ -94,16 +86,9 @@ class KVTransferManager:
         self._sender_kv_device = kv_device_name or (
             kv_device_id(kv_device) if kv_device is not None else ""
         )
-        self._pool_export: transfer_pb2.KVPoolExport | None = None
-        if sharing is not None and kv_caches is not None:
-            try:
-                self._pool_export = sharing.export(kv_caches)
-            except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
-                logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)",
-                               error)  # fmt: skip
+        self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
-        # receiver transfer id -> (why it ended, its ticket)
-        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
+        self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
         self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -250,7 +235,7 @@ class KVTransferManager:
             if stray is not None:
                 stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
             elif kind == "handshake" and msg.transfer_id in self._finished:
-                self._refuse_late_handshake(peer_id, msg)
+                self._finished.refuse_handshake(peer_id, msg)
             else:
                 logger.warning(
                     "refused a %s message from %s: no live transfer %r",
@@ -270,19 +255,17 @@ class KVTransferManager:
             self._count(session)
             return session
         table[session.transfer_id] = session
-        session.add_finish_callback(lambda s: self._on_finish(s, table))
+        session.add_finish_callback(lambda _: self._on_finish(session, table))
         return session
 
-    def _on_finish(self, session: TransferSession, table: dict[str, TransferSession]) -> None:
+    def _on_finish(self, session: S, table: dict[str, S]) -> None:
         table.pop(session.transfer_id, None)
         self._count(session)
         if isinstance(session, KVReceiver):
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished[session.transfer_id] = (why, session.ticket())
-            while len(self._finished) > MAX_FINISHED_REMEMBERED:
-                self._finished.popitem(last=False)
+            self._finished.remember(session.transfer_id, why, session.ticket())
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""
@@ -296,38 +279,29 @@ class KVTransferManager:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
-        """Tell a sender whose receiver finished before its handshake (best effort)."""
-        why, ticket = self._finished[msg.transfer_id]
-        forged = check_handshake(self.auth, ticket, msg.handshake) if self.auth else None
-        if forged is not None:  # with a secret, only a sender that proves it is answered
-            logger.warning("ignored a late handshake from %s for transfer %s: %s",
-                           peer_id, msg.transfer_id, forged)  # fmt: skip
-            return
-        reason = f"the receiver already ended: {why}"
-        logger.warning("refused a handshake from %s for transfer %s: %s",
-                       peer_id, msg.transfer_id, reason)  # fmt: skip
-        address = msg.handshake.src_address
-        if not address:
-            return
-        ack = transfer_pb2.HandshakeAck(
-            accepted=False, reason=reason, protocol_version=protocol.PROTOCOL_VERSION
-        )
-        header = protocol.encode(msg.transfer_id, 0, handshake_ack=ack)
-
-        async def send() -> None:
-            try:
-                await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
-            except (TimeoutError, TransportError) as error:
-                logger.info("could not refuse transfer %s: %s", msg.transfer_id, error)
-
-        task = asyncio.get_running_loop().create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _count(self, session: TransferSession) -> None:
+    def _count(self, session: KVReceiver | KVSender) -> None:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
-            self.num_in_place += bool(getattr(session, "in_place", False))
+            self.num_in_place += session.in_place
         else:
             self.num_failed += 1
+
+
+def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> None:
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}")
+    for k_cache, v_cache in kv_caches:
+        check_kv_cache(layout, k_cache, v_cache)
+
+
+def _export(
+    sharing: PoolSharing | None, kv_caches: KVCaches | None
+) -> transfer_pb2.KVPoolExport | None:
+    """The caches' export for writes in place (None: off)."""
+    if sharing is None or kv_caches is None:
+        return None
+    try:
+        return sharing.export(kv_caches)
+    except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
+        logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)", error)
+        return None

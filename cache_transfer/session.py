@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import torch
 
 from cache_transfer import protocol
-from cache_transfer.protocol import TransferMessage
+from cache_transfer.protocol import MessageBody, TransferMessage
 from cache_transfer.state import TransferState
 from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.v1 import transfer_pb2
@@ -30,6 +30,9 @@ from pdserve.v1 import transfer_pb2
 logger = logging.getLogger(__name__)
 
 NOTIFY_TIMEOUT_S = 1.0  # telling the peer about a failure is best effort, bounded by this
+
+# one message to send: its payload (None: header only), and its kind, e.g. {"handshake": ...}
+Outgoing = tuple[torch.Tensor | None, dict[str, MessageBody]]
 
 
 class TransferSession:
@@ -62,7 +65,7 @@ class TransferSession:
         self._start_s = self._loop.time()
         self._done = asyncio.Event()
         self.started = start_timeout_s is None
-        if self.started:
+        if start_timeout_s is None:
             self._timer = self._loop.call_later(timeout_s, self._on_deadline)
         else:
             self._timer = self._loop.call_later(start_timeout_s, self._on_start_deadline)
@@ -83,6 +86,11 @@ class TransferSession:
     def remaining_s(self) -> float:
         """Of the deadline (all of `timeout_s` until the start)."""
         return max(0.0, self.timeout_s - self.elapsed_s)
+
+    @property
+    def expected_seq(self) -> int:
+        """The sequence number the peer's next message must carry."""
+        return self._recv_seq
 
     def start(self) -> None:
         """Start the transfer's deadline now (a no-op once started or finished)."""
@@ -171,13 +179,13 @@ class TransferSession:
         self._recv_seq += 1
         return None
 
-    async def _send(self, payload: torch.Tensor | None = None, **kind: object) -> bool:
+    async def _send(self, payload: torch.Tensor | None = None, **kind: MessageBody) -> bool:
         """Send one message to the peer within the deadline; on failure fail the session."""
         return await self._send_all([(payload, kind)])
 
     async def _send_all(
         self,
-        messages: list[tuple[torch.Tensor | None, dict[str, object]]],
+        messages: Sequence[Outgoing],
         submitted: asyncio.Future[None] | None = None,
     ) -> bool:
         """Send (payload, kind) messages to the peer as one transport message (`send_many`)
@@ -211,7 +219,7 @@ class TransferSession:
             return False
         return True
 
-    async def _notify(self, **kind: object) -> None:
+    async def _notify(self, **kind: MessageBody) -> None:
         """Best-effort message once the session is finished (its deadline no longer applies)."""
         assert self._peer_address is not None
         header = protocol.encode(self.transfer_id, self._send_seq, **kind)

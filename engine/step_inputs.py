@@ -218,7 +218,9 @@ def _pending_rows(
     """(token rows of the `PENDING` decodes, their rows in `prev.token_ids`). Decodes lead the
     batch with one token each, so decode row i is token i."""
     pending = [i for i, c in enumerate(ordered) if c.token_ids[0] == PENDING]
-    if pending and prev is None:
+    if not pending:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if prev is None:
         raise ValueError("a PENDING decode needs the previous step's device tokens")
     src = [prev.rows[ordered[i].request] for i in pending]
     return np.array(pending, np.int64), np.array(src, np.int64)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import grpc
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
-from cache_transfer.pool_sharing import CudaIpcSharing
+from cache_transfer.in_place.pool_sharing import CudaIpcSharing
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from node_common.node_messages import read_tokenizer_files

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 
 from cache_transfer import KVLayout, KVSender, LayerBlocks, TransferState, pack_layer
-from cache_transfer.in_place_writer import ClosedError
+from cache_transfer.in_place.writer import ClosedError
 from cache_transfer.layout import kv_device_id
-from cache_transfer.packing import check_block_ids
+from cache_transfer.packing.block_ids import check_block_ids
 from cache_transfer.transports.cuda_waits import wait_event
 from engine.scheduler_output import ScheduledChunk
 from pdserve.v1 import generation_pb2

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache_transfer import KVSender
-from cache_transfer.packing import CheckedIds
+from cache_transfer.packing.block_ids import CheckedIds
 from prefill_node.transfer_trace import TransferTrace
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,7 +107,7 @@ def parse_synthetic(model: str) -> ModelArchConfig:
         raise ValueError(
             f"unknown synthetic shape {shape!r} in {model!r}; known: {', '.join(SHAPES)}"
         )
-    changes: dict[str, int] = {}
+    changes: dict[str, Any] = {}  # ModelArchConfig field -> its (int) value
     for item in ",".join(override_groups).split(","):
         if not item:
             continue

@@ -278,6 +278,7 @@ def _decode(
         return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale)[:, 0]
     out = torch.empty_like(q)
     for group in groups:
+        assert group.rows is not None, "a group of several names its rows"
         q_group = q.index_select(0, group.rows)[:, None]  # [n, 1, H, D]
         out_group = paged_attention(q_group, k_cache, v_cache, group, scale)[:, 0]
         out.index_copy_(0, group.rows, out_group)
