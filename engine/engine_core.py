@@ -16,7 +16,6 @@ close(): tensor_parallel_size > 1 (engine/distributed): stop the other ranks (ra
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
 from engine.distributed import TensorParallel, WorkerInit
+from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -36,9 +36,8 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from kernels.attention import get_attention_backend
-from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve import envs
-from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,8 +71,10 @@ class EngineCore:
         """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with
         that rank's EngineCore before the engine is ready (node code attaches its per-rank KV
         hooks there); picklable. `tp`: a worker rank's share (engine/tp_worker.py sets it)."""
-        # None at TP 1; rank 0 starts the other ranks, each builds this engine around its shard
-        self.tp = tp or _start_tensor_parallel(config, worker_init)
+        if tp is None and config.parallel.tensor_parallel_size > 1:  # rank 0 starts the others
+            arch = resolve_model_source(config.model.model).arch  # (a GGUF converted here, once)
+            tp = TensorParallel.start(config, arch, worker_init)
+        self.tp = tp  # None at TP 1; each rank builds this engine around its shard
         try:
             self._init_engine(config, on_layer_done)
         except BaseException:
@@ -86,7 +87,7 @@ class EngineCore:
             tp.device if tp else resolve_device(config.parallel.devices or config.model.device)
         )
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
-        self.config = config = _with_backend_block_size(config, self.device, self.dtype)
+        self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
@@ -121,7 +122,7 @@ class EngineCore:
         if tp is not None:
             tp.attach(self.runner)  # rank 0: publishes each step; the group is ready
         self._reservations: dict[str, list[int]] = {}
-        self.async_scheduling = _async_scheduling(config, self.device)
+        self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
         graphs = self.runner.decode_graphs
@@ -343,43 +344,6 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-
-
-def _start_tensor_parallel(
-    config: EngineConfig, worker_init: WorkerInit | None
-) -> TensorParallel | None:
-    if config.parallel.tensor_parallel_size == 1:
-        return None
-    arch = resolve_model_source(config.model.model).arch  # (a GGUF is converted here, once)
-    return TensorParallel.start(config, arch, worker_init)
-
-
-def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """auto: on CUDA (the host's work hides under the device's), never for the prefill role
-    (its steps are long prefills, and its per-layer hook must see each step finish first)."""
-    mode = config.scheduler.async_scheduling
-    if mode not in ASYNC_SCHEDULING:
-        raise ValueError(f"async_scheduling must be one of {ASYNC_SCHEDULING}; got {mode!r}")
-    if config.scheduler.prefill_only or mode == "off":
-        return False
-    return mode == "on" or device.type == "cuda"
-
-
-def _with_backend_block_size(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> EngineConfig:
-    """flash_attn asked for by name with the default block size (16): use 256 instead."""
-    cache = config.cache
-    if (
-        config.model.attention_backend != "flash_attn"
-        or cache.block_size != CacheConfig().block_size
-    ):
-        return config
-    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
-    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
-                FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
-    new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
-    return dataclasses.replace(config, cache=new_cache)
 
 
 __all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

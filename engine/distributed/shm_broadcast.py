@@ -73,15 +73,20 @@ class ShmBroadcast:
         self._fence_lock = threading.Lock()
 
     @classmethod
-    def create(cls, num_readers: int, **kwargs: int) -> ShmBroadcast:
+    def create(
+        cls, num_readers: int, num_slots: int = 4, slot_bytes: int = 1 << 20
+    ) -> ShmBroadcast:
         """The writer's end, in a new file (its path goes to the readers)."""
         folder = _SHM_DIR if _SHM_DIR.is_dir() else Path(tempfile.gettempdir())
         path = folder / f"pdserve-tp-{os.getpid()}-{secrets.token_hex(6)}"
-        return cls(str(path), num_readers, reader=None, create=True, **kwargs)
+        return cls(str(path), num_readers, reader=None, num_slots=num_slots,
+                   slot_bytes=slot_bytes, create=True)  # fmt: skip
 
     @classmethod
-    def attach(cls, path: str, num_readers: int, reader: int, **kwargs: int) -> ShmBroadcast:
-        return cls(path, num_readers, reader=reader, **kwargs)
+    def attach(
+        cls, path: str, num_readers: int, reader: int, num_slots: int = 4, slot_bytes: int = 1 << 20
+    ) -> ShmBroadcast:
+        return cls(path, num_readers, reader=reader, num_slots=num_slots, slot_bytes=slot_bytes)
 
     def unlink(self) -> None:
         """Remove the file (every rank attached keeps its mapping)."""

@@ -36,8 +36,8 @@ class StepMessage:
              *(a.size for a in self.arrays)],
             dtype=np.int64,
         )  # fmt: skip
-        views = [memoryview(header)]
-        views += [memoryview(np.ascontiguousarray(a, dtype=np.int64)) for a in self.arrays]
+        views = [header.data]
+        views += [np.ascontiguousarray(a, dtype=np.int64).data for a in self.arrays]
         if extras:
             views.append(memoryview(extras))
         return views
@@ -60,4 +60,4 @@ class StepMessage:
         return StepMessage(tuple(meta[:num_ints].tolist()), tuple(arrays), extras)
 
 
-STOP: list[memoryview] = [memoryview(np.array([_STOP, 0, 0, 0], dtype=np.int64))]
+STOP: list[memoryview] = [np.array([_STOP, 0, 0, 0], dtype=np.int64).data]

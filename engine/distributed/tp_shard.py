@@ -76,15 +76,18 @@ class ModelPartition:
     def world_size(self) -> int:
         return self.shard.world_size
 
-    def local_sizes(self) -> dict[str, int]:
-        """The architecture fields whose values differ on this rank (the model is built with
-        them: every layer of the rank then has its shard's shapes)."""
-        return {
-            "num_heads": self.head_end - self.head_start,
-            "num_kv_heads": self.shard.num_kv_heads,
-            "intermediate_size": self.intermediate_end - self.intermediate_start,
-            "vocab_size": self.vocab_per_rank,
-        }
+    @property
+    def num_heads(self) -> int:
+        """This rank's q heads (the model is built with the rank's sizes: these four)."""
+        return self.head_end - self.head_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.shard.num_kv_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate_end - self.intermediate_start
 
 
 def check_tp_size(arch: ArchShape, world_size: int, model: str = "the model") -> None:

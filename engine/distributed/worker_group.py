@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from engine.distributed.process_group import TPError
 
@@ -149,12 +149,12 @@ class WorkerGroup:
     def _watch(self) -> None:
         by_conn = {w.conn: w for w in self._workers}
         while by_conn and not self._stopping:
-            for conn in wait(list(by_conn), timeout=0.5):
-                worker = by_conn[conn]  # type: ignore[index]
+            for conn in cast(list[Connection], wait(list(by_conn), timeout=0.5)):
+                worker = by_conn[conn]
                 try:
-                    kind, text = conn.recv()  # type: ignore[union-attr]
+                    kind, text = conn.recv()
                 except (EOFError, OSError):
-                    del by_conn[conn]  # type: ignore[arg-type]
+                    del by_conn[conn]
                     self._gone(worker)
                     continue
                 if kind == "error":

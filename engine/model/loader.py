@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.distributed import TensorParallel
+from engine.distributed import ModelPartition, TensorParallel
 from engine.model.arch_config import ModelArchConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.shard_loading import iter_safetensors_shard, synthetic_indexer
@@ -103,7 +103,7 @@ def load_model(
     start_s = time.perf_counter()
     source = resolve_model_source(model_config.model)
     arch = source.arch
-    rank_arch = arch if tp is None else dataclasses.replace(arch, **tp.partition.local_sizes())
+    rank_arch = arch if tp is None else _rank_arch(arch, tp.partition)
     with _default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(rank_arch, attn_backend)
     if tp is not None:
@@ -135,6 +135,15 @@ def load_model(
         ", programmatic dependent launch" if pdl else "",
     )
     return LoadedModel(model, arch, source.name, source.tokenizer_dir, pdl)
+
+
+def _rank_arch(arch: ModelArchConfig, part: ModelPartition) -> ModelArchConfig:
+    """`arch` with one tensor-parallel rank's sizes: every layer built from it has the shapes
+    of the rank's shard."""
+    return dataclasses.replace(
+        arch, num_heads=part.num_heads, num_kv_heads=part.num_kv_heads,
+        intermediate_size=part.intermediate_size, vocab_size=part.vocab_per_rank,
+    )  # fmt: skip
 
 
 def _checkpoint(

@@ -28,7 +28,7 @@ def test_each_rank_holds_the_kv_heads_its_q_heads_use(model: str, world_size: in
         for head in range(p.head_start, p.head_end):
             assert p.shard.kv_head_start <= head // group < p.shard.kv_head_end
         assert p.shard.replicated == (world_size > arch.num_kv_heads)
-        assert p.local_sizes()["num_kv_heads"] == p.shard.num_kv_heads
+        assert p.num_kv_heads == p.shard.num_kv_heads and p.num_heads * world_size == arch.num_heads
     kv_heads = {h for p in parts for h in range(p.shard.kv_head_start, p.shard.kv_head_end)}
     assert kv_heads == set(range(arch.num_kv_heads))
 
