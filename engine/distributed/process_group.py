@@ -140,4 +140,7 @@ class TPComm:
             return
         self._closed = True
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # an aborted or broken group: nothing left to release cleanly
+                logger.warning("destroying the process group failed", exc_info=True)

@@ -66,3 +66,30 @@ def hanging_init(core: object) -> None:
     import time
 
     time.sleep(3600)
+
+
+def chunk_keys(chunks: object) -> list[list[object]]:
+    """What a layer hook call says about each prefill chunk: request, start, tokens, blocks."""
+    return [
+        [c.request.request_id, c.start_pos, c.num_new_tokens, list(c.block_ids)]  # type: ignore[attr-defined]
+        for c in chunks  # type: ignore[attr-defined]
+    ]
+
+
+def recording_init(path: str, core: object) -> None:
+    """A worker_init (functools.partial(recording_init, path)): the rank's layer hook appends
+    each call, with the rank's shard and KV pool, to `path` (one JSON line per call)."""
+    import json
+
+    tp, pool = core.tp, core.pool  # type: ignore[attr-defined]
+    shard = [tp.rank, tp.shard.kv_head_start, tp.shard.kv_head_end, tp.shard.replicated]
+    pool_heads = pool.kv_caches[0][0].shape[2]
+
+    def hook(layer_idx: int, chunks: object) -> None:
+        assert core.layer_ready(layer_idx) is None  # type: ignore[attr-defined]  # CPU
+        line = {"shard": shard, "pool_heads": pool_heads, "num_blocks": pool.num_blocks,
+                "layer": layer_idx, "chunks": chunk_keys(chunks)}  # fmt: skip
+        with open(path, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    core.on_layer_done = hook  # type: ignore[attr-defined]
