@@ -27,6 +27,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.step_message import StepMessage
+from engine.outputs import PrefillLayerChunk
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
@@ -36,9 +37,10 @@ from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
 
-# Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
-# write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
-LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
+# Called after layer `layer_idx` wrote its KV, with the step's prefill chunks (snapshots, the
+# same tuple for every layer of a step). On CUDA the write is queued, not done:
+# `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
+LayerHook = Callable[[int, tuple[PrefillLayerChunk, ...]], None]
 
 
 @dataclass
@@ -135,18 +137,18 @@ class ModelRunner:
         self,
         batch: FlatBatch,
         on_layer_done: LayerHook | None = None,
-        prefill_chunks: Sequence[ScheduledChunk] | None = None,
+        prefill_chunks: tuple[PrefillLayerChunk, ...] | None = None,
     ) -> torch.Tensor:
         """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
         one eager model call (with the per-layer hook for prefill chunks: the batch's, or
         `prefill_chunks` on a tensor-parallel worker rank). Queued, not waited."""
         if batch.is_decode_only and self.decode_graphs is not None:
             return self.decode_graphs.run(batch)
-        if prefill_chunks is None:
+        if prefill_chunks is None and on_layer_done is not None:
             prefill_chunks = _prefill_chunks(batch)
         return self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-            self._layer_hook(prefill_chunks, on_layer_done),
+            self._layer_hook(prefill_chunks or (), on_layer_done),
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -214,7 +216,7 @@ class ModelRunner:
         self.tp.send_step(StepMessage(ints, host.fields, chunks or None), prev_ids)
 
     def _layer_hook(
-        self, prefill_chunks: Sequence[ScheduledChunk], on_layer_done: LayerHook | None
+        self, prefill_chunks: tuple[PrefillLayerChunk, ...], on_layer_done: LayerHook | None
     ) -> Callable[[int], None] | None:
         if on_layer_done is None or not prefill_chunks:
             return None
@@ -228,6 +230,14 @@ class ModelRunner:
         return layer_hook
 
 
-def _prefill_chunks(batch: FlatBatch) -> list[ScheduledChunk]:
-    """The chunks of `batch` whose KV a prefill layer hook sees."""
-    return [c for c in batch.chunks if c.is_prefill]
+def _prefill_chunks(batch: FlatBatch) -> tuple[PrefillLayerChunk, ...]:
+    """What a prefill layer hook gets for `batch`: its prefill chunks, as snapshots (built once
+    per step, the same tuple for every layer's call, and shipped to the other ranks)."""
+    return tuple(
+        PrefillLayerChunk(
+            c.request.request_id, c.start_pos, c.num_new_tokens, c.request.prompt_len,
+            tuple(c.block_ids),
+        )
+        for c in batch.chunks
+        if c.is_prefill
+    )  # fmt: skip

@@ -1,5 +1,6 @@
-"""Typed results that leave the engine: one `StepOutput` per request per step, and the
-offline API's `RequestOutput`."""
+"""Typed results that leave the engine: one `StepOutput` per request per step, a
+`PrefillLayerChunk` per prefill chunk for the per-layer hook, and the offline API's
+`RequestOutput`."""
 
 from __future__ import annotations
 
@@ -42,6 +43,27 @@ class StepOutput:
             prefill_done=prefill_done,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLayerChunk:
+    """What the per-layer hook's consumer may read of one request's prefill chunk in a step:
+    a snapshot built once per step, not the live request (the engine thread owns that)."""
+
+    request_id: str
+    start_pos: int  # position of the chunk's first token
+    num_tokens: int  # tokens the step runs for it: [start_pos, start_pos + num_tokens)
+    prompt_len: int
+    block_ids: tuple[int, ...]  # the request's block table this step (covers end_pos)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def ends_prompt(self) -> bool:
+        """The step computes the prompt's last token: its KV is complete after this step."""
+        return self.end_pos == self.prompt_len
 
 
 @dataclass

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
-from node_common.role_server import RoleServer
+from node_common.node_base import NodeBase
 from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
 from pdserve.security import load_cluster_auth, open_cluster_warning
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _BIND_RETRY_INTERVAL_S = 0.5
 
 
-def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
+def build_node_parser(server_cls: type[NodeBase]) -> argparse.ArgumentParser:
     """The flags of `server_cls`'s launcher (pd-prefill or pd-decode)."""
     role = _role(server_cls)
     description = (
@@ -43,7 +43,7 @@ def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
     return build_parser(role, description=description)
 
 
-def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) -> int:
+def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> int:
     """Parse the flags, then serve one node of `server_cls` until signalled; the exit code."""
     parser = build_node_parser(server_cls)
     args = parser.parse_args(argv)
@@ -58,7 +58,7 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     if auth is None:
         logger.warning(open_cluster_warning(f"pd-{role}"))
 
-    async def start() -> RoleServer:
+    async def start() -> NodeBase:
         logger.info("loading model %s on %s", engine.model.model, engine.model.device)
         core = await asyncio.to_thread(EngineCore, engine)
         return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
@@ -67,14 +67,12 @@ def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) ->
     return run_server(name, start, lambda s: _ready_line(name, s))
 
 
-def _ready_line(name: str, server: RoleServer) -> str:
+def _ready_line(name: str, server: NodeBase) -> str:
     metrics = f", metrics {server.metrics.url}" if server.metrics.url else ""
     return f"{name} listening on {server.address} (kv {server.kv_address}{metrics})"
 
 
-async def start_with_bind_retry(
-    make_server: Callable[[], RoleServer], retry_s: float
-) -> RoleServer:
+async def start_with_bind_retry(make_server: Callable[[], NodeBase], retry_s: float) -> NodeBase:
     """Builds and starts a server (which binds its gRPC and KV ports), again every
     `_BIND_RETRY_INTERVAL_S` while a port cannot be bound, for up to `retry_s`; then raises
     the OSError (the launcher exits 1 with its message)."""
@@ -98,5 +96,5 @@ async def start_with_bind_retry(
             raise
 
 
-def _role(server_cls: type[RoleServer]) -> str:
+def _role(server_cls: type[NodeBase]) -> str:
     return "prefill" if server_cls.prefill_only else "decode"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -138,15 +138,21 @@ class NodeMetrics:
             self._server = None
 
 
-def loop_stats_reader(loop: asyncio.AbstractEventLoop, stats: Callable[[], Any]) -> StatsReader:
-    """A StatsReader for a scrape thread: runs the coroutine `stats()` (-> dict) on `loop`."""
+def loop_stats_reader(
+    loop: asyncio.AbstractEventLoop, stats: Callable[[], Coroutine[Any, Any, dict[str, int]]]
+) -> StatsReader:
+    """A StatsReader for a scrape thread: runs the coroutine `stats()` (-> dict) on `loop`,
+    for at most _SCRAPE_TIMEOUT_S (then cancelled: a scrape answers without the node's stats
+    rather than wait for a long engine step)."""
 
     def read() -> dict[str, int] | None:
         if not loop.is_running() or _in_loop(loop):
             return None
+        future = asyncio.run_coroutine_threadsafe(stats(), loop)
         try:
-            return asyncio.run_coroutine_threadsafe(stats(), loop).result(_SCRAPE_TIMEOUT_S)
+            return future.result(_SCRAPE_TIMEOUT_S)
         except Exception as error:  # a scrape must not fail the node
+            future.cancel()
             logger.warning("metrics: reading the node's stats failed: %r", error)
             return None
 

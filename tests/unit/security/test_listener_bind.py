@@ -97,7 +97,7 @@ def test_a_port_another_listener_holds_is_still_refused(name: str) -> None:
 def test_a_live_nodes_grpc_port_cannot_be_shared() -> None:
     """gRPC's default SO_REUSEPORT would let a second server bind a live node's port and take
     a share of its connections; pdserve's servers turn it off."""
-    from node_common.node_server import NodeServer
+    from node_common.grpc_node_server import GrpcNodeServer
     from pdserve.config import RouterConfig
     from router.server import RouterServer
 
@@ -105,10 +105,10 @@ def test_a_live_nodes_grpc_port_cannot_be_shared() -> None:
         node_info = tokenizer_files = kv_address = None
 
     async def scenario() -> None:
-        first = NodeServer("127.0.0.1", 0, Backend(), "pdserve.v1.DecodeNode", lambda s: None)
+        first = GrpcNodeServer("127.0.0.1", 0, Backend(), "pdserve.v1.DecodeNode", lambda s: None)
         await first.start()
         try:
-            second = NodeServer(
+            second = GrpcNodeServer(
                 "127.0.0.1", first.port, Backend(), "pdserve.v1.DecodeNode", lambda s: None
             )
             with pytest.raises(OSError):

@@ -70,10 +70,7 @@ def hanging_init(core: object) -> None:
 
 def chunk_keys(chunks: object) -> list[list[object]]:
     """What a layer hook call says about each prefill chunk: request, start, tokens, blocks."""
-    return [
-        [c.request.request_id, c.start_pos, c.num_new_tokens, list(c.block_ids)]  # type: ignore[attr-defined]
-        for c in chunks  # type: ignore[attr-defined]
-    ]
+    return [[c.request_id, c.start_pos, c.num_tokens, list(c.block_ids)] for c in chunks]  # type: ignore[attr-defined]
 
 
 def recording_init(path: str, core: object) -> None:

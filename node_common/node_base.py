@@ -1,9 +1,9 @@
-"""`RoleServer`: what a prefill or a decode node is, less what its role does.
+"""`NodeBase`: what a prefill or a decode node is, less what its role does.
 
 ```
-RoleServer(core, config)   inside the event loop: AsyncEngine around the EngineCore, KV layout,
+NodeBase(core, config)     inside the event loop: AsyncEngine around the EngineCore, KV layout,
                            KV transport + KVTransferManager, the role's servicer, NodeInfo,
-                           tokenizer files, NodeServer (Node + the role's service + health)
+                           tokenizer files, GrpcNodeServer (Node + the role's service + health)
 start()                    engine thread, then serve (and register, with a registry); /metrics
                            on config.metrics_port unless 0 (NodeMetrics)
 stop()                     stop serving (in-flight calls get grace_s, then are cancelled and
@@ -24,14 +24,15 @@ import logging
 from typing import Any, ClassVar
 
 import grpc
+import torch
 
-from cache_transfer import KVLayout, KVTransferManager, make_transport
-from cache_transfer.in_place.pool_sharing import CudaIpcSharing
+from cache_transfer import CudaIpcSharing, KVLayout, KVTransferManager, make_transport
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
+from node_common.grpc_node_server import GrpcNodeServer
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
-from node_common.node_server import NodeServer
+from node_common.role_servicer import RoleServicer
 from pdserve.config import NodeConfig
 from pdserve.security import load_cluster_auth
 from pdserve.tokenizer import Tokenizer
@@ -40,10 +41,10 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 
-class RoleServer(abc.ABC):
+class NodeBase(abc.ABC):
     """One node. Construct it inside the event loop it will serve on."""
 
-    role: ClassVar[int]  # node_pb2.NODE_ROLE_*
+    role: ClassVar[node_pb2.NodeRole]  # node_pb2.NODE_ROLE_*
     role_service: ClassVar[str]  # the full name of the role's gRPC service
     prefill_only: ClassVar[bool]  # the role's EngineCore runs in prefill-only mode
 
@@ -70,40 +71,39 @@ class RoleServer(abc.ABC):
             core.loaded.name,
             loop_stats_reader(asyncio.get_running_loop(), self._metric_stats),
         )
-        transport = make_transport(
-            config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
-        )
-        kv_device = core.pool.buffer.device
-        sharing = (
-            CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
-        )
-        self.manager = KVTransferManager(
-            transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
-            kv_device=kv_device,
-        )  # fmt: skip
-        self.servicer = self.make_servicer()
+        self.manager = self._make_manager()
+        self.servicer: RoleServicer = self.make_servicer()
         self._node_info = self._make_node_info()
         tokenizer_dir = core.loaded.tokenizer_dir
         chat_template = Tokenizer.from_dir(tokenizer_dir).chat_template if tokenizer_dir else None
         self._tokenizer_files = read_tokenizer_files(tokenizer_dir, chat_template)
-        self._server = NodeServer(
-            config.host,
-            config.port,
-            self,
-            self.role_service,
-            self.add_servicer,
-            registry=config.registry,
-            advertise_host=config.advertise_host,
-            security=config.security,
-            auth=self.auth,
-        )
+        self._server = GrpcNodeServer(
+            config.host, config.port, self, self.role_service, self.add_servicer,
+            registry=config.registry, advertise_host=config.advertise_host,
+            security=config.security, auth=self.auth,
+        )  # fmt: skip
         self._engine_started = False
         self._stopped = False
+
+    def _make_manager(self) -> KVTransferManager:
+        """The KV transport (where peers reach this node) and its transfer manager."""
+        config = self.config
+        transport = make_transport(
+            config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
+        )
+        kv_device = self.core.pool.buffer.device
+        sharing = (
+            CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
+        )
+        return KVTransferManager(
+            transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
+            kv_device=kv_device,
+        )  # fmt: skip
 
     # ---- what a role provides -------------------------------------------------------------
 
     @abc.abstractmethod
-    def make_servicer(self) -> Any:
+    def make_servicer(self) -> RoleServicer:
         """The role's servicer (built once the engine and the transfer manager exist)."""
 
     @abc.abstractmethod
@@ -114,7 +114,7 @@ class RoleServer(abc.ABC):
     async def abort(self, request_id: str) -> bool:
         """`Node.Abort`: end the request wherever it is on this node; False when unknown."""
 
-    def receive_into(self) -> list | None:
+    def receive_into(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The KV caches incoming transfers land in (the decode role); None: sends only."""
         return None
 
@@ -158,11 +158,11 @@ class RoleServer(abc.ABC):
         """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
         the engine thread (a long prefill step must not delay a registry heartbeat)."""
         if fresh:
-            stats = await self.engine.call(lambda core: core.stats())
+            stats = await self.engine.stats()
         else:
             stats = self.engine.last_stats
         counters = self.servicer.counters
-        fields = {
+        fields: dict[str, Any] = {
             "num_kv_blocks": stats.num_total_blocks,
             "num_free_kv_blocks": stats.num_free_blocks,
             "num_running_requests": stats.num_running,
