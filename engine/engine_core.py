@@ -82,10 +82,8 @@ class EngineCore:
             raise
 
     def _init_engine(self, config: EngineConfig, on_layer_done: LayerHook | None) -> None:
-        tp = self.tp
-        self.device = (
-            tp.device if tp else resolve_device(config.parallel.devices or config.model.device)
-        )
+        tp, device = self.tp, config.parallel.devices or config.model.device
+        self.device = tp.device if tp else resolve_device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
         self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
@@ -119,18 +117,21 @@ class EngineCore:
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
-        if tp is not None:
-            tp.attach(self.runner)  # rank 0: publishes each step; the group is ready
+        if tp is not None:  # rank 0: publishes each step, waits until the group is ready
+            tp.attach(self.runner)
         self._reservations: dict[str, list[int]] = {}
         self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
+        self._log_ready()
+
+    def _log_ready(self) -> None:
         graphs = self.runner.decode_graphs
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
             "decode=%s async_scheduling=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
-            self.pool.num_blocks, block_size,
+            self.pool.num_blocks, self.pool.block_size,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",

@@ -7,7 +7,8 @@ pipe FD: rank 0's sys.path, then the WorkerSpec; a thread reads the pipe from th
          EOF (rank 0 gone, or it closed the pipe) -> exit at once, whatever the rank was doing
 TensorParallel.join: the step broadcast, report "joining", the process group
 EngineCore(config, tp=...): the same engine as rank 0's around this rank's shard (its weights,
-         a KV pool of the agreed size, CUDA graphs), then worker_init(core) if given
+         a KV pool of the agreed size, CUDA graphs), then worker_init(core) if given: what it
+         returns goes to rank 0 over the pipe
 ready: the start barrier, then the step timeout
 loop:    receive a step -> ModelRunner.follow (rank 0's inputs, the same forward, the layer hook
          with rank 0's prefill chunks, this rank's logits slice to rank 0) ... until STOP
@@ -62,8 +63,8 @@ def _serve(conn: Connection) -> None:
     configure_logging(logging.getLevelName(spec.log_level).lower(), f"tp-rank{spec.rank}")
     tp = TensorParallel.join(spec, lambda: conn.send(("joining", os.getpid())))
     core = EngineCore(spec.config, tp=tp)
-    if spec.worker_init is not None:
-        spec.worker_init(core)
+    result = spec.worker_init(core) if spec.worker_init is not None else None
+    conn.send(("ready", result))  # rank 0: TensorParallel.worker_results[rank]
     tp.ready()
     logger.info("tensor-parallel rank %d of %d ready on %s", tp.rank, tp.world_size, tp.device)
     while (message := tp.receive_step()) is not None:

@@ -48,9 +48,10 @@ from engine.distributed.worker_group import WorkerGroup
 logger = logging.getLogger(__name__)
 
 # Run in a worker rank's process with that rank's EngineCore, before the engine is ready:
-# node code attaches what it needs there (its KV hooks). Picklable: a module-level function
-# or a functools.partial of one.
-WorkerInit = Callable[[Any], None]
+# node code attaches what it needs there (its KV hooks); what it returns (picklable, e.g. the
+# rank's KV transport address) reaches rank 0 as `TensorParallel.worker_results[rank]`.
+# Picklable itself: a module-level function or a functools.partial of one.
+WorkerInit = Callable[[Any], Any]
 _STOP_GRACE_S = 10.0
 
 
@@ -92,9 +93,11 @@ class TensorParallel:
         self.workers = workers
         self.worker_hooks = worker_hooks  # the workers have a layer hook: ship prefill records
         self.failure: str | None = None
+        # rank 0, once ready: what each worker rank's worker_init returned, by rank
+        self.worker_results: dict[int, Any] = {}
         comm.diagnose = self._diagnose
         self._threads_before = torch.get_num_threads()
-        self._finalizer = weakref.finalize(self, _kill, workers, broadcast)
+        self._finalizer = weakref.finalize(self, _kill, workers, broadcast, comm)
         self.closed = False
 
     @property
@@ -143,7 +146,7 @@ class TensorParallel:
         workers = None
         try:
             workers = WorkerGroup(specs)
-            workers.wait_joining(start_s)
+            workers.wait_reports("joining", start_s)
             comm = TPComm(0, n, devices[0], store, start_s)
         except BaseException:
             _kill(workers, broadcast)
@@ -196,9 +199,12 @@ class TensorParallel:
 
     def ready(self) -> None:
         """Every rank built its engine (and ran its worker_init): from now on a collective
-        that waits longer than the step timeout means a rank hangs."""
+        that waits longer than the step timeout means a rank hangs. Rank 0 then holds what
+        each worker's worker_init returned (`worker_results`)."""
         self.comm.barrier()
         self.comm.set_timeout(self.step_timeout_s)
+        if self.workers is not None:  # each sent its result before the barrier
+            self.worker_results = self.workers.wait_reports("ready", self.start_timeout_s)
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -263,8 +269,11 @@ class TensorParallel:
         self._finalizer.detach()
 
 
-def _kill(workers: WorkerGroup | None, broadcast: ShmBroadcast) -> None:
-    """Nothing left behind when start fails or nobody closed the engine."""
+def _kill(workers: WorkerGroup | None, broadcast: ShmBroadcast, comm: TPComm | None = None) -> None:
+    """Nothing left behind when start fails or nobody closed the engine (its group left too,
+    so this process may start another)."""
     if workers is not None:
         workers.stop(0.0)
     broadcast.unlink()
+    if comm is not None:
+        comm.destroy()

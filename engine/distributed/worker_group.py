@@ -81,8 +81,10 @@ class WorkerGroup:
         self.on_failure = on_failure
         self.failure: str | None = None
         self._failed = threading.Event()
-        self._joined: set[int] = set()  # ranks that reported "joining" (the group's init)
-        self._joining = threading.Condition()
+        # kind -> rank -> what the worker reported: "joining" (it reached the group's init:
+        # its pid), "ready" (its worker_init ran: what that returned)
+        self._reports: dict[str, dict[int, Any]] = {"joining": {}, "ready": {}}
+        self._reported = threading.Condition()
         self._stopping = False
         self._workers: list[_Worker] = []
         try:
@@ -128,23 +130,26 @@ class WorkerGroup:
         self._failed.wait(timeout_s)
         return self.failure
 
-    def wait_joining(self, timeout_s: float) -> None:
-        """Wait until every worker reported it is joining the group (it imported, attached
-        the broadcast, reached the store), or raise TPError when one died or none came."""
+    def wait_reports(self, kind: str, timeout_s: float) -> dict[int, Any]:
+        """Every worker's `kind` report ("joining": it imported, attached the broadcast and
+        reached the store; "ready": its worker_init ran), by rank; TPError when one died or
+        some did not report within `timeout_s` (they hang: they are killed)."""
         ranks = {w.rank for w in self._workers}
-        with self._joining:
-            done = self._joining.wait_for(
-                lambda: self._joined >= ranks or self.failure is not None, timeout_s
+        reports = self._reports[kind]
+        with self._reported:
+            done = self._reported.wait_for(
+                lambda: reports.keys() >= ranks or self.failure is not None, timeout_s
             )
         if self.failure is not None:
             raise TPError(self.failure)
         if not done:
             self.kill()
-            missing = sorted(ranks - self._joined)
+            missing = sorted(ranks - reports.keys())
             raise TPError(
                 f"tensor-parallel ranks {missing} did not start within {timeout_s:g} s "
                 "(tp_start_timeout_s): they hang"
             )
+        return dict(reports)
 
     def _watch(self) -> None:
         by_conn = {w.conn: w for w in self._workers}
@@ -152,18 +157,18 @@ class WorkerGroup:
             for conn in cast(list[Connection], wait(list(by_conn), timeout=0.5)):
                 worker = by_conn[conn]
                 try:
-                    kind, text = conn.recv()
+                    kind, value = conn.recv()
                 except (EOFError, OSError):
                     del by_conn[conn]
                     self._gone(worker)
                     continue
                 if kind == "error":
-                    worker.errors.append(text)
-                    logger.error("tensor-parallel rank %d failed:\n%s", worker.rank, text)
-                elif kind == "joining":
-                    with self._joining:
-                        self._joined.add(worker.rank)
-                        self._joining.notify_all()
+                    worker.errors.append(value)
+                    logger.error("tensor-parallel rank %d failed:\n%s", worker.rank, value)
+                elif kind in self._reports:
+                    with self._reported:
+                        self._reports[kind][worker.rank] = value
+                        self._reported.notify_all()
 
     def _gone(self, worker: _Worker) -> None:
         try:
@@ -182,8 +187,8 @@ class WorkerGroup:
         logger.error("%s", self.failure)
         self.kill()
         self._failed.set()
-        with self._joining:
-            self._joining.notify_all()
+        with self._reported:
+            self._reported.notify_all()
         if self.on_failure is not None:
             self.on_failure()
 

@@ -1,7 +1,7 @@
 """Phase B's hooks on worker ranks: node code's worker_init runs in each worker process with that
-rank's EngineCore; the layer hook it installs gets the same prefill chunks, layer by layer, as
-rank 0's hook; each rank's TPShard, KV pool (its kv heads, rank 0's number of blocks) and
-layer_ready are reachable there."""
+rank's EngineCore, and what it returns reaches rank 0; the layer hook it installs gets the same
+prefill chunks, layer by layer, as rank 0's hook; each rank's TPShard, KV pool (its kv heads,
+rank 0's number of blocks) and layer_ready are reachable there."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_every_rank_hook_sees_rank_0s_prefill_chunks(tmp_path: Path) -> None:
         worker_init=functools.partial(recording_init, str(path)),
     )
     try:
+        (pid,) = core.tp.workers.pids
+        assert core.tp.worker_results == {1: {"rank": 1, "pid": pid}}  # worker_init's return
         params = SamplingParams(max_tokens=3, temperature=0.0)
         for i, prompt in enumerate([list(range(3, 40)), [5, 6, 7]]):  # 37 tokens: 3 chunks
             core.add_request(core.make_request(f"r{i}", prompt, params))

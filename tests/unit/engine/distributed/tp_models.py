@@ -73,10 +73,12 @@ def chunk_keys(chunks: object) -> list[list[object]]:
     return [[c.request_id, c.start_pos, c.num_tokens, list(c.block_ids)] for c in chunks]  # type: ignore[attr-defined]
 
 
-def recording_init(path: str, core: object) -> None:
+def recording_init(path: str, core: object) -> dict[str, int]:
     """A worker_init (functools.partial(recording_init, path)): the rank's layer hook appends
-    each call, with the rank's shard and KV pool, to `path` (one JSON line per call)."""
+    each call, with the rank's shard and KV pool, to `path` (one JSON line per call); returns
+    the rank and its pid (what rank 0 gets back)."""
     import json
+    import os
 
     tp, pool = core.tp, core.pool  # type: ignore[attr-defined]
     shard = [tp.rank, tp.shard.kv_head_start, tp.shard.kv_head_end, tp.shard.replicated]
@@ -90,3 +92,4 @@ def recording_init(path: str, core: object) -> None:
             out.write(json.dumps(line) + "\n")
 
     core.on_layer_done = hook  # type: ignore[attr-defined]
+    return {"rank": tp.rank, "pid": os.getpid()}
