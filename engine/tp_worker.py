@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
             conn.send(("error", text))  # rank 0's watcher logs it
         except OSError:
             print(text, file=sys.stderr, flush=True)
-        return 1
+        os._exit(1)  # at once: rank 0 waits on this death (no slow teardown of torch)
     return 0
 
 

@@ -240,7 +240,7 @@ class TensorParallel:
     def _diagnose(self, error: BaseException) -> TPError:
         """The TPError for a failed collective: the worker that died, if the watcher saw one
         (it may see it just after the collective failed), else the timeout or failure."""
-        failure = self.workers.wait_failure(2.0) if self.workers is not None else None
+        failure = self.workers.wait_failure(5.0) if self.workers is not None else None
         if failure is None:
             failure = (
                 f"a tensor-parallel collective on rank {self.rank} failed or timed out (a rank "

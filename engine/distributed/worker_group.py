@@ -171,14 +171,21 @@ class WorkerGroup:
                         self._reported.notify_all()
 
     def _gone(self, worker: _Worker) -> None:
+        """Its pipe closed: it died (or is dying: it is killed if it lingers)."""
         try:
-            code = worker.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # its pipe closed, the process lingers: end it
-            worker.proc.kill()
-            code = worker.proc.wait()
+            code: int | None = worker.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:  # still tearing down (or stuck): it is gone for us
+            code = None
         if self._stopping or self.failure is not None:
+            worker.proc.kill()
+            worker.proc.wait()
             return
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+        if code is None:
+            how = "closed its pipe to rank 0"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited ({code})"
         error = f": {worker.errors[-1].strip().splitlines()[-1]}" if worker.errors else ""
         self.failure = (
             f"tensor-parallel rank {worker.rank} (pid {worker.proc.pid}) {how}{error}; the "
