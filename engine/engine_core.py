@@ -10,12 +10,12 @@ step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
          async scheduling: step n+1 is scheduled ahead and launched before step n is waited
          for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
-close(): tensor_parallel_size > 1 (engine/distributed): stop the other ranks (rank 0 is this
-         object; each step's inputs go to the other ranks, which run the same forward)
+close(): stop the tensor-parallel worker ranks (engine/distributed: rank 0 is this object)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from engine.distributed import TensorParallel, WorkerInit
 from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
+from engine.kv_offload import KVOffload, KVOffloadStats
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
@@ -57,20 +58,15 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
+    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
 
 
 class EngineCore:
-    def __init__(
-        self,
-        config: EngineConfig,
-        on_layer_done: LayerHook | None = None,
-        *,
-        worker_init: WorkerInit | None = None,
-        tp: TensorParallel | None = None,
-    ) -> None:
-        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with
-        that rank's EngineCore before the engine is ready (node code attaches its per-rank KV
-        hooks there); picklable. `tp`: a worker rank's share (engine/tp_worker.py sets it)."""
+    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None, *,
+                 worker_init: WorkerInit | None = None, tp: TensorParallel | None = None) -> None:  # fmt: skip
+        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with its
+        EngineCore (engine/README.md, tensor parallelism); `tp`: set on a worker rank."""
         if tp is None and config.parallel.tensor_parallel_size > 1:  # rank 0 starts the others
             arch = resolve_model_source(config.model.model).arch  # (a GGUF converted here, once)
             tp = TensorParallel.start(config, arch, worker_init)
@@ -108,9 +104,10 @@ class EngineCore:
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
             agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
+        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
         )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(
@@ -222,6 +219,8 @@ class EngineCore:
                 f"no room for {num_tokens} tokens of KV "
                 f"({self.kv_cache_manager.num_free_blocks} free blocks)"
             )
+        if self.kv_offload is not None:
+            self.kv_offload.settle()  # no host-tier copy still touches these blocks
         self._reservations[request_id] = block_ids
         return block_ids
 
@@ -302,15 +301,14 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
+        if self.kv_offload is not None:
+            self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
         self.scheduler.on_launched(scheduler_output)
         return launched
 
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        sampled = launched.wait().sampled
-        if self.tp is not None:
-            self.tp.check()  # no tokens from a step a rank died in
-        return self.scheduler.update_from_output(scheduler_output, sampled)
+        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
@@ -340,7 +338,9 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_query_tokens=prefix.query_tokens,
-        )
+            kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
+            if self.kv_offload is not None else KVOffloadStats(),
+        )  # fmt: skip
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:

@@ -55,6 +55,7 @@ class LaunchedStep:
 
     sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
     sample: PendingSample | None = None
+    check: Callable[[], None] | None = None  # tensor parallelism: raises if a rank failed
 
     def device_tokens(self) -> DeviceTokens | None:
         """Where the next step finds each request's token while this one runs."""
@@ -69,6 +70,8 @@ class LaunchedStep:
         if self.sample is None:
             return output
         sampled = self.sample.result()
+        if self.check is not None:
+            self.check()  # no tokens from a step a rank died in
         for request, token_id, logprobs in zip(
             self.sampling_requests, sampled.token_ids, sampled.logprobs
         ):
@@ -175,7 +178,7 @@ class ModelRunner:
         """Logits of the sampling rows, the sampler on the device for the whole batch, and the
         queued copy of the sampled ids (with any logprobs) to the host. `prev`: where the
         tokens still pending on the device are (penalties count them)."""
-        step = LaunchedStep()
+        step = LaunchedStep(check=self.tp.check if self.tp is not None else None)
         if not batch.sampling_chunks:
             return step
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):

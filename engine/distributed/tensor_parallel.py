@@ -119,6 +119,11 @@ class TensorParallel:
         par = config.parallel
         n, start_s = par.tensor_parallel_size, par.tp_start_timeout_s
         check_tp_size(arch, n, config.model.model)  # the sizes divide, or a clear refusal
+        if config.cache.kv_offload_memory:
+            raise ValueError(
+                "--kv-offload-memory (the host KV tier) does not run with tensor parallelism "
+                "yet: it moves rank 0's KV only, and every rank holds its own heads"
+            )
         devices = tp_devices(par.devices, config.model.device, n)
         partitions = [partition_model(arch, r, n) for r in range(n)]
         threads = cpu_threads_per_rank(devices[0], n)

@@ -58,6 +58,12 @@ def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> Non
     assert not worker_pids()
 
 
+def test_the_host_kv_tier_is_refused_with_tensor_parallelism() -> None:
+    with pytest.raises(ValueError, match="kv-offload-memory.*does not run with tensor paral"):
+        LLM(**TINY, tensor_parallel_size=2, kv_offload_memory=1 << 20)
+    assert not worker_pids()
+
+
 def test_a_worker_killed_while_idle_fails_the_next_step() -> None:
     llm = LLM(**TINY, tensor_parallel_size=2)
     (pid,) = llm.engine.tp.workers.pids
