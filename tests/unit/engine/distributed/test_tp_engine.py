@@ -13,6 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
+from kernels.gemm import cpu_packed
 from tests.unit.engine.conftest import random_prompts
 from tests.unit.engine.distributed.tp_models import build_biased_llama
 
@@ -92,3 +93,25 @@ def test_checkpoint_tp_matches_tp1(biased_llama: Path) -> None:
 def test_default_model_tp3_matches_tp1() -> None:
     """smollm2-135m: 9 heads and 3 kv heads, so 3 ranks (2 is refused: test_tp_faults)."""
     assert_tp_matches_tp1("smollm2-135m", 3, num_prompts=1)
+
+
+@pytest.mark.skipif(
+    not cpu_packed.supported(torch.device("cpu"), torch.bfloat16),
+    reason="this CPU has no bf16 instructions (the packed projections need them)",
+)
+def test_bf16_packed_projections_run_on_sharded_weights() -> None:
+    """bf16 on CPU: every rank's projections (and a tied LM head's embedding slice) packed for
+    oneDNN; the partial sums round differently, so the logits (bf16 before the cast: a unit in
+    the last place is 0.125 between 16 and 32) agree to two such units."""
+    prompts = prompts_for(512, num_prompts=2)
+    bf16 = {**ENGINE, "dtype": "bfloat16"}
+    want_tokens, want_logits = run(LLM("synthetic:tiny-qwen2", **bf16), prompts)
+    llm = LLM("synthetic:tiny-qwen2", **bf16, tensor_parallel_size=2)
+    try:
+        assert llm.engine.loaded.model.layer_ops.name.endswith("onednn_packed")
+        tokens, logits = run(llm, prompts)
+    finally:
+        llm.close()
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, atol=0.25, rtol=0)
