@@ -258,6 +258,11 @@ class RouterConfig:
         "HTTP request bodies larger than N bytes are refused (413) before being read whole",
     )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    share_prefix_cache_across_tenants: bool = knob(
+        False,
+        "with --api-key-file, each API key is a tenant whose prompts never share cached blocks "
+        "with another's (no cross-tenant cache-hit oracle); this flag lets them share",
+    )
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:

@@ -103,6 +103,7 @@ class RequestCalls:
                 else node_pb2.DECODE_MODE_LOCAL_PREFILL,
                 transfer_timeout_s=self._config.transfer_timeout_s if disaggregated else 0.0,
                 output_token_ids=self._output_token_ids,
+                cache_salt=self._request.cache_salt,
             ),
             timeout=self._timeout_s,
         )
@@ -234,6 +235,7 @@ class RequestCalls:
                 sampling=self._request.node_sampling,
                 ticket=ticket,
                 transfer_timeout_s=self._config.transfer_timeout_s,
+                cache_salt=self._request.cache_salt,
             ),
             timeout=timeout_s,
         )

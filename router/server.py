@@ -36,6 +36,7 @@ from router.redis_node_source import RedisNodeSource
 from router.request_handler import RequestHandler
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
+from router.tenancy import CacheSalts
 
 if TYPE_CHECKING:
     from router.http.http_server import HttpServer
@@ -73,8 +74,13 @@ class RouterServer:
             config.prefix_cache_salt,
         )  # fmt: skip
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
+        salts = CacheSalts(
+            self.auth, config.prefix_cache_salt,
+            per_tenant=not config.share_prefix_cache_across_tenants,
+            keyed_tenants=self.api_keys is not None,
+        )  # fmt: skip
         self.handler = RequestHandler(
-            self.registry, dispatcher, self.stats, config.max_prompt_chars
+            self.registry, dispatcher, self.stats, config.max_prompt_chars, salts
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.handler), self._server

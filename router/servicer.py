@@ -19,6 +19,7 @@ import grpc
 
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
+from router.auth import AUTHORIZATION
 from router.errors import RouterError, abort
 from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
@@ -36,7 +37,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         start_s = time.monotonic()
         try:
             # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
-            processed = await asyncio.to_thread(self._handler.process, request)
+            authorization = _metadata(context, AUTHORIZATION)  # the tenant (API key), if any
+            processed = await asyncio.to_thread(self._handler.process, request, authorization)
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(
@@ -92,6 +94,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 _TOKENIZER_TIMEOUT_S = 30.0  # a large tokenizer.json is tens of MB
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key and isinstance(value, str):
+            return value
+    return None
 
 
 def _as_router_error(error: Exception) -> RouterError:

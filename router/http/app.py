@@ -146,7 +146,7 @@ async def _generate(
         parsed = parse(body)
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
-    prepared = await serving.prepare(parsed, start_s)
+    prepared = await serving.prepare(parsed, start_s, request.headers.get("authorization"))
     if parsed.stream:
         return StreamingResponse(
             serving.stream(prepared),

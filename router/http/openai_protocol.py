@@ -9,6 +9,7 @@ parse_completion(body) / parse_chat(body)
   sampling parameters                    -> generation_pb2.SamplingParams (validated later by
                                             the same InputProcessor the gRPC API uses)
   n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
+  cache_salt (vLLM's)                    -> the prefix cache's namespace within the tenant's
   integers beyond their protobuf field, lone UTF-16 surrogates in strings -> OpenAIError 400
 ```
 """
@@ -42,7 +43,7 @@ _SAMPLING = {
     "min_tokens": (int, "min_tokens"),
 }
 _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
-           "stop_token_ids", "max_tokens", *_SAMPLING}  # fmt: skip
+           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
 # Accepted only at their no-op value: param -> what that value is.
@@ -136,12 +137,16 @@ def _request(
         raise OpenAIError("stream_options takes only include_usage", "stream_options")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("user must be a string", "user")
+    cache_salt = body.get("cache_salt", "")
+    if not isinstance(cache_salt, str) or ("cache_salt" in body and not cache_salt):
+        raise OpenAIError("cache_salt must be a non-empty string", "cache_salt")
     choices = []
     for index, prompt in enumerate(prompts):
         for i in range(n):
             request = generation_pb2.GenerateRequest()
             request.CopyFrom(prompt)
             request.sampling.CopyFrom(sampling)
+            request.cache_salt = cache_salt
             if sampling.HasField("seed"):  # distinct but reproducible choices
                 request.sampling.seed = (sampling.seed + i) % _SEED_END
             choices.append(Choice(index, request))

@@ -66,9 +66,12 @@ class OpenAIServing:
             })  # fmt: skip
         return {"object": "list", "data": data}
 
-    async def prepare(self, parsed: OpenAIRequest, start_s: float) -> PreparedRequest:
+    async def prepare(
+        self, parsed: OpenAIRequest, start_s: float, authorization: str | None = None
+    ) -> PreparedRequest:
         """Validated and tokenized choices; raises OpenAIError (counted as rejected).
-        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate."""
+        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate.
+        `authorization`: the client's header (its tenant, router.tenancy)."""
         prefix = "chatcmpl" if parsed.chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
@@ -80,7 +83,9 @@ class OpenAIServing:
                     f"the model {parsed.model!r} does not exist; this server serves {served!r}",
                     "model", status=404, error_type="not_found_error", code="model_not_found",
                 )  # fmt: skip
-            processed = await asyncio.to_thread(self._process_choices, parsed, request_id)
+            processed = await asyncio.to_thread(
+                self._process_choices, parsed, request_id, authorization
+            )
         except InvalidRequestError as error:
             invalid = OpenAIError(str(error), self._param(parsed, error.param))
             raise self._rejected(request_id, invalid, start_s) from None
@@ -112,22 +117,28 @@ class OpenAIServing:
         self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
         return error
 
-    def _process_choices(self, parsed: OpenAIRequest, request_id: str) -> list[ProcessedRequest]:
+    def _process_choices(
+        self, parsed: OpenAIRequest, request_id: str, authorization: str | None
+    ) -> list[ProcessedRequest]:
         return [
-            self._process(parsed, choice.request, f"{request_id}-{i}")
+            self._process(parsed, choice.request, f"{request_id}-{i}", authorization)
             for i, choice in enumerate(parsed.choices)
         ]
 
     def _process(
-        self, parsed: OpenAIRequest, request: generation_pb2.GenerateRequest, request_id: str
+        self,
+        parsed: OpenAIRequest,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        authorization: str | None,
     ) -> ProcessedRequest:
         request.request_id = request_id
         if parsed.max_tokens_set:
-            return self.handler.process(request)
+            return self.handler.process(request, authorization)
         # Chat without max_tokens: whatever the context leaves after the prompt. Validated with
         # the least it may be (min_tokens, at least 1), then widened: the prompt is tokenized once.
         request.sampling.max_tokens = max(1, request.sampling.min_tokens)
-        processed = self.handler.process(request)
+        processed = self.handler.process(request, authorization)
         info = self.handler.registry.model_info
         if info is None:  # every node left since `prepare` looked
             raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
