@@ -98,6 +98,7 @@ class RouterServer:
                 self.registry.serving,
                 config.max_request_bytes,
                 self.api_keys,
+                config.max_choices_per_request,
             )
             self.http = HttpServer(app, config.host, config.http_port, config.grace_s)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
