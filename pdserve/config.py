@@ -258,6 +258,21 @@ class RouterConfig:
         DEFAULT_MAX_REQUEST_BYTES,
         "HTTP request bodies larger than N bytes are refused (413) before being read whole",
     )
+    http_max_connections: int = knob(
+        2048,
+        "open HTTP connections at most (kept below the open-file limit); beyond, the oldest one "
+        "with no request in flight is closed",
+    )
+    http_max_requests: int = knob(
+        512, "HTTP /v1 requests in flight at most (streams included); beyond, 503 + Retry-After"
+    )
+    http_header_timeout_s: float = knob(
+        15.0, "an HTTP request's headers must arrive within this, else its connection closes"
+    )
+    http_body_timeout_s: float = knob(
+        15.0, "the longest wait for more of an HTTP request's body before its connection closes"
+    )
+    http_keep_alive_s: float = knob(5.0, "an idle HTTP keep-alive connection closes after this")
     max_choices_per_request: int = knob(
         256,
         "an HTTP request asking for more choices (prompts x n) is refused (400): each runs as "
@@ -277,14 +292,16 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        for name in ("max_request_bytes", "max_choices_per_request"):
+        for name in ("max_request_bytes", "max_choices_per_request", "http_max_connections",
+                     "http_max_requests"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s",
-                     "transfer_timeout_s", "token_timeout_s"):  # fmt: skip
+                     "transfer_timeout_s", "token_timeout_s", "http_header_timeout_s",
+                     "http_body_timeout_s", "http_keep_alive_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.grace_s < 0:

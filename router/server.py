@@ -89,6 +89,7 @@ class RouterServer:
         if config.http_port:
             # Imported here: a router run with --http-port 0 needs no FastAPI stack installed.
             from router.http.app import build_app
+            from router.http.connection_limits import HttpLimits
             from router.http.http_server import HttpServer
             from router.http.openai_serving import OpenAIServing
 
@@ -100,7 +101,12 @@ class RouterServer:
                 self.api_keys,
                 config.max_choices_per_request,
             )
-            self.http = HttpServer(app, config.host, config.http_port, config.grace_s)
+            limits = HttpLimits(
+                config.http_max_connections, config.http_max_requests,
+                config.http_header_timeout_s, config.http_body_timeout_s,
+                config.http_keep_alive_s,
+            )  # fmt: skip
+            self.http = HttpServer(app, config.host, config.http_port, config.grace_s, limits)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from router.auth import ApiKeys
 from router.http.json_body import INLINE_BYTES, parse_json
@@ -177,6 +178,8 @@ async def _generate(
         parsed = await _parse(serving, await _read_body(request, limits.max_bytes), parse, limits)
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
+    except ClientDisconnect:  # gone (or too slow: --http-body-timeout-s) before its body was in
+        return Response(status_code=_CLIENT_CLOSED)
     prepared = await serving.prepare(parsed, start_s, request.headers.get("authorization"))
     if parsed.stream:
         return StreamingResponse(
