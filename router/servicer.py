@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
@@ -23,6 +24,8 @@ from router.auth import AUTHORIZATION
 from router.errors import RouterError, abort
 from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -83,9 +86,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 node_pb2.GetTokenizerRequest(), timeout=_TOKENIZER_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as error:
-            await abort(
-                context, grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
+            failed = RouterError(
+                grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
             )
+            logger.warning("GetTokenizer failed: %s", failed)
+            await abort(context, failed.code, failed.message)
         return generation_pb2.ModelTokenizer(
             tokenizer_json=files.tokenizer_json,
             tokenizer_config_json=files.tokenizer_config_json,

@@ -182,8 +182,11 @@ async def _generate(
         return Response(status_code=_CLIENT_CLOSED)
     prepared = await serving.prepare(parsed, start_s, request.headers.get("authorization"))
     if parsed.stream:
+        events = await _unless_disconnected(request, serving.open_stream(prepared))
+        if events is None:  # nobody to answer
+            return Response(status_code=_CLIENT_CLOSED)
         return StreamingResponse(
-            serving.stream(prepared),
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.request_id},
         )

@@ -5,7 +5,8 @@ as gRPC Generate), one task per choice, and builds the responses (`openai_respon
 prepare(parsed)     model check (404), per choice: request id "<id>-<i>", RequestHandler.process
                     (bad input: 400; chat without max_tokens: the rest of the context)
 complete(...)       every choice to its end -> one JSON body (MAX_CHOICES_IN_FLIGHT at a time)
-stream(...)         SSE: "data: {chunk}" as tokens arrive ... [usage chunk] "data: [DONE]"
+open_stream(...)    SSE once the first token is in (a failure before it: its HTTP status, never
+                    a 200 then an error): "data: {chunk}" ... [usage chunk] "data: [DONE]"
 ```
 """
 
@@ -17,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -158,7 +159,24 @@ class OpenAIServing:
             states[index].add(response)
         return builder.full_response(states)
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def open_stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+        """The request's server-sent events, once its first token is in: a request that fails
+        before it (a node overloaded, none reachable) raises OpenAIError here, so the client
+        gets that status, not a 200 followed by an error event."""
+        events = self._run(prepared)
+        try:
+            first = await anext(events, None)
+        except BaseException:
+            await events.aclose()
+            raise
+        return self._stream(prepared, first, events)
+
+    async def _stream(
+        self,
+        prepared: PreparedRequest,
+        first: tuple[int, generation_pb2.GenerateResponse] | None,
+        events: AsyncGenerator[tuple[int, generation_pb2.GenerateResponse], None],
+    ) -> AsyncIterator[str]:
         """Server-sent events, ending with "data: [DONE]"; an error mid-stream is sent as an
         error event (the status line went out already)."""
         builder = self._builder(prepared)
@@ -166,13 +184,18 @@ class OpenAIServing:
         try:
             for chunk in builder.first_chunks():
                 yield _sse(chunk)
-            async for index, response in self._run(prepared):
-                states[index].add(response)
-                yield _sse(builder.chunk(index, response))
+            if first is not None:
+                states[first[0]].add(first[1])
+                yield _sse(builder.chunk(*first))
+                async for index, response in events:
+                    states[index].add(response)
+                    yield _sse(builder.chunk(index, response))
             if prepared.parsed.include_usage:
                 yield _sse(builder.usage_chunk(states))
         except OpenAIError as error:
             yield _sse(error.body())
+        finally:
+            await events.aclose()
         yield "data: [DONE]\n\n"
 
     def _builder(self, prepared: PreparedRequest) -> ResponseBuilder:
@@ -185,7 +208,7 @@ class OpenAIServing:
 
     async def _run(
         self, prepared: PreparedRequest
-    ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+    ) -> AsyncGenerator[tuple[int, generation_pb2.GenerateResponse], None]:
         """(choice index, GenerateResponse) as they come, from one task per choice; a failed
         choice raises OpenAIError; leaving early cancels every choice."""
         queue: asyncio.Queue[_Event] = asyncio.Queue()
