@@ -74,11 +74,8 @@ class RouterServer:
             config.prefix_cache_salt,
         )  # fmt: skip
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
-        salts = CacheSalts(
-            self.auth, config.prefix_cache_salt,
-            per_tenant=not config.share_prefix_cache_across_tenants,
-            keyed_tenants=self.api_keys is not None,
-        )  # fmt: skip
+        salts = CacheSalts(self.auth, config.prefix_cache_salt,
+                           not config.share_prefix_cache_across_tenants, self.api_keys is not None)  # fmt: skip
         self.handler = RequestHandler(
             self.registry, dispatcher, self.stats, config.max_prompt_chars, salts
         )
@@ -88,25 +85,11 @@ class RouterServer:
         self.http: HttpServer | None = None
         if config.http_port:
             # Imported here: a router run with --http-port 0 needs no FastAPI stack installed.
-            from router.http.app import build_app
-            from router.http.connection_limits import HttpLimits
-            from router.http.http_server import HttpServer
-            from router.http.openai_serving import OpenAIServing
+            from router.http.http_server import router_http_server
 
-            app = build_app(
-                OpenAIServing(self.handler),
-                self.stats.metrics,
-                self.registry.serving,
-                config.max_request_bytes,
-                self.api_keys,
-                config.max_choices_per_request,
+            self.http = router_http_server(
+                config, self.handler, self.stats.metrics, self.registry.serving, self.api_keys
             )
-            limits = HttpLimits(
-                config.http_max_connections, config.http_max_requests,
-                config.http_header_timeout_s, config.http_body_timeout_s,
-                config.http_keep_alive_s,
-            )  # fmt: skip
-            self.http = HttpServer(app, config.host, config.http_port, config.grace_s, limits)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

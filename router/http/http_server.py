@@ -18,18 +18,24 @@ import dataclasses
 import logging
 import resource
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.config import RouterConfig
 from pdserve.net import host_port
+from router.auth import ApiKeys
+from router.http.app import build_app
 from router.http.connection_limits import (
     AcceptErrorLog,
     HttpLimits,
     RequestLimit,
     protocol_class,
 )
+from router.http.openai_serving import OpenAIServing
+from router.metrics import RouterMetrics
+from router.request_handler import RequestHandler
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,23 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         if self._accept_log is not None and loop.get_exception_handler() is self._accept_log:
             loop.set_exception_handler(self._accept_log.previous)
+
+
+def router_http_server(
+    config: RouterConfig,
+    handler: RequestHandler,
+    metrics: RouterMetrics,
+    is_ready: Callable[[], bool],
+    api_keys: ApiKeys | None,
+) -> HttpServer:
+    """The router's HTTP server: its app over `handler`, within the config's --http-* limits."""
+    app = build_app(OpenAIServing(handler), metrics, is_ready, config.max_request_bytes,
+                    api_keys, config.max_choices_per_request)  # fmt: skip
+    limits = HttpLimits(
+        config.http_max_connections, config.http_max_requests, config.http_header_timeout_s,
+        config.http_body_timeout_s, config.http_keep_alive_s,
+    )  # fmt: skip
+    return HttpServer(app, config.host, config.http_port, config.grace_s, limits)
 
 
 def _within_descriptors(limits: HttpLimits) -> HttpLimits:
