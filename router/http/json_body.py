@@ -25,10 +25,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from json.decoder import scanstring
+from collections.abc import Callable
 from typing import Any
 
 from router.http.openai_errors import OpenAIError
+
+# The json module's C string scanner (typeshed does not declare it): (text, index after the
+# opening quote) -> (the string, index after its closing quote).
+scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
 MAX_DEPTH = 128
 # Arrays and objects per body: the garbage collector walks each one (2 M of them made a single
