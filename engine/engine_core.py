@@ -10,10 +10,12 @@ step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
          async scheduling: step n+1 is scheduled ahead and launched before step n is waited
          for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
+close(): stop the tensor-parallel worker ranks (engine/distributed: rank 0 is this object)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.distributed import TensorParallel, WorkerInit
 from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
+from engine.kv_offload import KVOffload, KVOffloadStats
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
 from engine.prompt_logprobs import with_prompt_logprobs
@@ -56,11 +61,28 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
+    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
-        self.device = resolve_device(config.model.device)
+    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None, *,
+                 worker_init: WorkerInit | None = None, tp: TensorParallel | None = None) -> None:  # fmt: skip
+        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with its
+        EngineCore (engine/README.md, tensor parallelism); `tp`: set on a worker rank."""
+        if tp is None and config.parallel.tensor_parallel_size > 1:  # rank 0 starts the others
+            arch = resolve_model_source(config.model.model).arch  # (a GGUF converted here, once)
+            tp = TensorParallel.start(config, arch, worker_init)
+        self.tp = tp  # None at TP 1; each rank builds this engine around its shard
+        try:
+            self._init_engine(config, on_layer_done)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_engine(self, config: EngineConfig, on_layer_done: LayerHook | None) -> None:
+        tp, device = self.tp, config.parallel.devices or config.model.device
+        self.device = tp.device if tp else resolve_device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
         self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
@@ -70,7 +92,7 @@ class EngineCore:
             cpu_decode_kernel=envs.cpu_attention_kernel(),
         )  # fmt: skip
         self.loaded: LoadedModel = load_model(
-            config.model, self.attn_backend, self.device, self.dtype
+            config.model, self.attn_backend, self.device, self.dtype, tp
         )
         self.arch = self.loaded.arch
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
@@ -81,32 +103,38 @@ class EngineCore:
             )
         use_graphs = self._decode_graphs_usable()
         self.pool = KVCachePool(
-            self.arch, config.cache, self.device, self.dtype,
+            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
+            agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
+        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
         )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
-        # Structured outputs (engine/structured/README.md): the grammars of requests
-        # (`structured.prepare`/`compile` before `make_request`), the sampler's masks
+        if tp is not None:  # rank 0: publishes each step, waits until the group is ready
+            tp.attach(self.runner)
+        # Structured outputs (engine/structured/README.md): grammars and the sampler's masks
         self.structured = StructuredOutputManager.for_model(self.loaded.tokenizer_dir, self.arch)
         self.runner.token_bitmask = self.structured.token_bitmask(self.device)
         self._reservations: dict[str, list[int]] = {}
         self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
+        self._log_ready()
+
+    def _log_ready(self) -> None:
         graphs = self.runner.decode_graphs
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
             "decode=%s async_scheduling=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
-            self.pool.num_blocks, block_size,
+            self.pool.num_blocks, self.pool.block_size,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
@@ -146,46 +174,30 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        grammar: CompiledGrammar | None = None,
-    ) -> Request:
-        """Build a validated request carrying this model's EOS ids. Reads only the engine's
-        fixed configuration (model, context length, pool size), so any thread may call it (the
-        nodes do, from their event loop, without waiting for the engine thread's step). A
-        structured output needs its grammar compiled: `grammar` from `structured.prepare`
-        (or `compile`), else the cached one (InvalidRequestError if there is none)."""
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, cache_salt: str = "",
+                     grammar: CompiledGrammar | None = None) -> Request:  # fmt: skip
+        """Build a validated request carrying this model's EOS ids (and its prefix-cache
+        namespace, `cache_salt`). Reads only the engine's fixed configuration (model, context
+        length, pool size), so any thread may call it (the nodes do, from their event loop,
+        without waiting for the engine thread's step). `grammar`: `structured.prepare`'s."""
         self.validate(prompt_token_ids, params)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.arch.eos_token_ids,
-            grammar=self.structured.grammar_for(params, grammar),
-        )
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
+                       cache_salt=cache_salt,
+                       grammar=self.structured.grammar_for(params, grammar))  # fmt: skip
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         check_request(
             prompt_token_ids, params, self.arch.vocab_size, self.max_model_len,
-            self.pool.num_blocks * self.pool.block_size,
+            self.pool.num_blocks * self.pool.block_size, tensor_parallel=self.tp is not None,
         )  # fmt: skip
 
     def add_request(self, request: Request) -> None:
-        """Queue a request to prefill here (its grammar's matcher advanced by any output it
-        already has: a migrated request)."""
         self._check_new_id(request.request_id)
         self.validate(request.prompt_token_ids, request.sampling_params)
-        self._start_matcher(request)
+        self.structured.start_matcher(request)  # advanced by its output (a migrated request)
         self.scheduler.add_request(request)
-
-    def _start_matcher(self, request: Request) -> None:
-        """The request's own matcher (if it has a grammar), advanced by the output it has."""
-        request.grammar = self.structured.grammar_for(request.sampling_params, request.grammar)
-        if request.grammar is not None and request.matcher is None:
-            request.matcher = request.grammar.new_matcher(request.output_token_ids)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Take blocks for `num_tokens` tokens of incoming KV (decode role)."""
@@ -196,14 +208,14 @@ class EngineCore:
                 f"no room for {num_tokens} tokens of KV "
                 f"({self.kv_cache_manager.num_free_blocks} free blocks)"
             )
+        if self.kv_offload is not None:
+            self.kv_offload.settle()  # no host-tier copy still touches these blocks
         self._reservations[request_id] = block_ids
         return block_ids
 
     def add_prefilled(self, request: Request, block_ids: Sequence[int], first_token: int) -> None:
         """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
-        the first token sampled elsewhere; it continues decoding from position prompt_len. A
-        constrained request's matcher starts advanced by `first_token` (refused: the
-        reservation is freed and InvalidRequestError raised)."""
+        the first token sampled elsewhere; it continues decoding from position prompt_len."""
         reserved = self._reservations.pop(request.request_id, None)
         if reserved is None or list(block_ids) != reserved:
             if reserved is not None:
@@ -215,7 +227,7 @@ class EngineCore:
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
         try:
-            self._start_matcher(request)  # advanced by the first token, sampled under it
+            self.structured.start_matcher(request)  # advanced by the first token (or raises)
             self.scheduler.add_prefilled(request)
         except BaseException:
             # The reservation is spent either way: free it rather than leak it.
@@ -254,9 +266,8 @@ class EngineCore:
         (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
         returned, so the host's work overlaps the device's. When the next step cannot be
         chosen ahead (a slot only preemption could free), the one in flight is waited for
-        first and the next is scheduled as usual and left in flight. A step launched ahead
-        with a constrained request samples once the one in flight landed (its grammar masks
-        need that step's tokens): forward queued, wait, masks built, then sampling queued."""
+        first and the next is scheduled as usual and left in flight. A constrained step launched
+        ahead samples once the one in flight landed (`ModelRunner.launch`, defer_sampling)."""
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -282,18 +293,15 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
-        """Launch a step; one launched ahead of `prev`'s tokens with a constrained request
-        samples only after them (its grammar masks need them): `_sample_deferred`."""
-        defer = prev is not None and any(
-            c.sample and c.request.matcher is not None for c in scheduler_output.chunks
-        )
+        if self.kv_offload is not None:
+            self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
+        defer = prev is not None and scheduler_output.has_grammar  # masks need prev's tokens
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev, defer)
         self.scheduler.on_launched(scheduler_output, sampled=not defer)
         return launched
 
     def _sample_deferred(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> None:
-        """After the step before it landed (its tokens accepted by the matchers)."""
-        if launched.deferred is not None:
+        if launched.deferred is not None:  # the step before it landed: masks can be built
             self.runner.sample_deferred(launched)
             self.scheduler.on_sampled(scheduler_output)
 
@@ -301,6 +309,11 @@ class EngineCore:
         result = launched.wait()
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
         return with_prompt_logprobs(outputs, scheduler_output, result.prompt_logprobs)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -325,7 +338,9 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_query_tokens=prefix.query_tokens,
-        )
+            kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
+            if self.kv_offload is not None else KVOffloadStats(),
+        )  # fmt: skip
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:

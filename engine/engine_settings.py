@@ -1,5 +1,5 @@
-"""What an `EngineConfig` resolves to on this device: the KV block size flash_attn needs, and
-whether steps are scheduled ahead (async scheduling)."""
+"""The engine's settings resolved against its device: what `auto` async scheduling means, and
+the KV block size flash_attn needs (used by `EngineCore` when it starts)."""
 
 from __future__ import annotations
 

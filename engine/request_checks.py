@@ -38,9 +38,12 @@ def check_request(
     vocab_size: int,
     max_model_len: int,
     num_kv_tokens: int,
+    tensor_parallel: bool = False,
 ) -> None:
     """Refuse a request this engine cannot serve: ids beyond the vocabulary (prompt,
-    logit_bias), bad sampling values, more tokens than the context or the whole KV cache."""
+    logit_bias), bad sampling values, more tokens than the context or the whole KV cache;
+    prompt logprobs with tensor parallelism (their LM-head slices would be collectives the
+    worker ranks do not run)."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("the prompt is empty: send at least one token")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
@@ -51,6 +54,10 @@ def check_request(
     if bad:
         raise InvalidRequestError(
             f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}", "logit_bias"
+        )
+    if tensor_parallel and params.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs is not served with tensor parallelism yet", "prompt_logprobs"
         )
     total = len(prompt_token_ids) + params.max_tokens
     if total > max_model_len:

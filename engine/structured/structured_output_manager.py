@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -44,6 +45,7 @@ from engine.structured.grammar_compiler import (
     GrammarCompiler,
     load_grammar_compiler,
 )
+from engine.structured.grammar_matcher import GrammarMatcher
 from engine.structured.token_bitmask import TokenBitmask
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.structured_output import StructuredOutputParams
@@ -66,6 +68,15 @@ class StructuredOutputConfig:
 
 
 Cached = CompiledGrammar | InvalidRequestError
+
+
+class ConstrainedRequest(Protocol):
+    """What `start_matcher` reads and sets of an engine request."""
+
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+    grammar: CompiledGrammar | None
+    matcher: GrammarMatcher | None
 
 
 class StructuredOutputManager:
@@ -159,6 +170,14 @@ class StructuredOutputManager:
         if grammar.digest != spec.digest:
             raise InvalidRequestError("the grammar given is not the request's structured_output")
         return grammar
+
+    def start_matcher(self, request: ConstrainedRequest) -> None:
+        """Give a request being added its own matcher (if it has a grammar: its own, or the
+        cached one), advanced by the output tokens it already has; InvalidRequestError when
+        its grammar is not compiled or refuses one of them."""
+        request.grammar = self.grammar_for(request.sampling_params, request.grammar)
+        if request.grammar is not None and request.matcher is None:
+            request.matcher = request.grammar.new_matcher(request.output_token_ids)
 
     @property
     def num_cached(self) -> int:
