@@ -100,7 +100,7 @@ class LLM:
         else:
             token_ids = [int(t) for t in prompt]
         grammar = self.engine.structured.compile(params)  # None when unconstrained
-        return self.engine.make_request(str(next(self._ids)), token_ids, params, grammar)
+        return self.engine.make_request(str(next(self._ids)), token_ids, params, grammar=grammar)
 
     def _track(self, request, prompt: Prompt) -> _Tracked:
         output = RequestOutput(

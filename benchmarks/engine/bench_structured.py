@@ -105,7 +105,7 @@ def first_token_s(
 ) -> float:
     start = time.perf_counter()
     grammar = core.structured.compile(params)
-    core.add_request(core.make_request(request_id, prompt, params, grammar))
+    core.add_request(core.make_request(request_id, prompt, params, grammar=grammar))
     while not any(out.new_token_ids for out in core.step()):
         pass
     elapsed = time.perf_counter() - start
@@ -173,7 +173,7 @@ def decode_step_s(
             first = core.structured.compiler.tokenizer.tokenize_str("[")[0]
         rid = f"{'c' if constrained else 'u'}{i}"
         prompt = [(7 * j + i) % 500 + 10 for j in range(args.context)]
-        request = core.make_request(rid, prompt, params, grammar)
+        request = core.make_request(rid, prompt, params, grammar=grammar)
         core.add_prefilled(request, core.reserve(rid, args.context + 1), first_token=first)
     for _ in range(args.warmup_steps):
         core.step()

@@ -58,7 +58,7 @@ def generate(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingPa
     """request_id -> (token ids, finish reason), all in one continuous batch."""
     for request_id, (prompt, params) in requests.items():
         grammar = engine.structured.compile(params)
-        engine.add_request(engine.make_request(request_id, prompt, params, grammar))
+        engine.add_request(engine.make_request(request_id, prompt, params, grammar=grammar))
     results: dict[str, tuple[list[int], str | None]] = {rid: ([], None) for rid in requests}
     for _ in range(10 * MAX_TOKENS):
         if not engine.has_unfinished():
@@ -165,7 +165,7 @@ def test_prefill_decode_handoff_continues_under_the_grammar(engine, smollm2_toke
     expected, _ = generate(engine, {request_id: (prompt, params)})[request_id]
     prefill = make_engine(prefill_only=True, max_num_batched_tokens=16)
     grammar = prefill.structured.compile(params)
-    prefill.add_request(prefill.make_request(request_id, prompt, params, grammar))
+    prefill.add_request(prefill.make_request(request_id, prompt, params, grammar=grammar))
     first_token = first_token_of(prefill, request_id)  # sampled under the grammar
     assert first_token == expected[0]
 
@@ -178,7 +178,9 @@ def test_prefill_decode_handoff_continues_under_the_grammar(engine, smollm2_toke
         dst_v[dst_block_ids[:num_blocks]] = src_v[src_block_ids[:num_blocks]]
     prefill.release(request_id)
     prefill.check_no_leaks()
-    request = decode.make_request(request_id, prompt, params, decode.structured.compile(params))
+    request = decode.make_request(
+        request_id, prompt, params, grammar=decode.structured.compile(params)
+    )
     decode.add_prefilled(request, dst_block_ids, first_token)  # its matcher takes the token
     assert request.matcher.num_accepted_tokens == 1
     rest = []
