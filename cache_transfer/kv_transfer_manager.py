@@ -77,6 +77,7 @@ class KVTransferManager:
         self.num_in_place = 0  # of num_succeeded: written in place
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
+        self.transport_caveat = transport.caveat  # for the node's start-up warning
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}

@@ -54,6 +54,7 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
@@ -301,6 +302,7 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_query_tokens=prefix.query_tokens,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
         )
 
     def _check_new_id(self, request_id: str) -> None:

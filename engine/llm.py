@@ -43,6 +43,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
         self._ids = itertools.count()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (its generation config's, or its model card's;
+        engine/model/sources.py), what `generate` and `chat` use without sampling params."""
+        return SamplingParams(**self.engine.loaded.sampling_defaults)  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -53,7 +58,7 @@ class LLM:
             prompts = [cast(Prompt, prompts)]  # a single prompt
         prompts = cast(Sequence[Prompt], prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -51,6 +51,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_preemptions = 0  # total since construction
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, in total
         self._requests: dict[str, Request] = {}  # every request not finished or released
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
@@ -181,9 +182,14 @@ class Scheduler:
         each sampling chunk's token as pending, so the next step can be scheduled before the
         tokens are on the host (`schedule_ahead`)."""
         for chunk in scheduler_output.chunks:
-            chunk.request.num_computed_tokens = chunk.end_pos
+            request = chunk.request
+            request.num_computed_tokens = chunk.end_pos
+            # prompt tokens run through the model (a prefix-cache hit is not; a recompute is)
+            self.num_prompt_tokens_computed += max(
+                0, min(chunk.end_pos, request.prompt_len) - chunk.start_pos
+            )
             if chunk.sample:
-                chunk.request.num_pending_tokens += 1
+                request.num_pending_tokens += 1
         self._in_flight.launched(scheduler_output)
 
     def update_from_output(

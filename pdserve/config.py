@@ -160,7 +160,11 @@ class NodeConfig:
     )
     transfer_timeout_s: float = transfer_timeout_knob()
     min_prefill_tokens_per_s: float = prefill_rate_knob()
-    kv_write_in_place: bool = knob(True, "one GPU: P writes the KV into D's blocks (CUDA IPC)")
+    kv_write_in_place: bool = knob(
+        True,
+        "turn writes in place off: on one GPU the prefill node then sends the KV instead of "
+        "writing it into the decode node's blocks itself over CUDA IPC (default: on)",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,

@@ -1,8 +1,12 @@
 """Per-request sampling parameters (vLLM-compatible names and defaults), and their wire form.
 
-generation_pb2.SamplingParams ──SamplingParams.from_proto──► SamplingParams (validated)
+generation_pb2.SamplingParams ──SamplingParams.from_proto(proto, defaults)──► SamplingParams
+    (validated; an unset field takes the model's default, else the dataclass's)
 SamplingParams ──to_proto(node_pb2.NodeSamplingParams)──► what the nodes receive
 node_pb2.NodeSamplingParams ──SamplingParams.from_proto──► the engine's SamplingParams
+generation_config.json ──sampling_defaults──► the model's defaults (as vLLM's
+    `--generation-config auto`: temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens); every entry point applies them (router: gRPC and HTTP; LLM, pd-generate)
 """
 
 from __future__ import annotations
@@ -57,6 +61,60 @@ _FLOAT_FIELDS = (
 )
 
 
+# generation_config.json key -> SamplingParams field (the keys vLLM's --generation-config auto
+# reads)
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+SamplingDefaults = dict[str, float | int]  # field -> value, e.g. {"temperature": 0.2}
+# Model alias -> sampling defaults, for those whose files set none. SmolLM2-135M-Instruct (the
+# default model): its GGUF has no sampling metadata and its generation_config.json only
+# bos/eos; its model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "How to use")
+# samples with temperature=0.2, top_p=0.9 (at 1.0 its chat and haiku answers are gibberish).
+ALIAS_SAMPLING: dict[str, SamplingDefaults] = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9}}
+
+
+def default_help(name: str) -> str:
+    """How a sampling flag's help names its default: the model's, else SamplingParams'."""
+    own = getattr(SamplingParams, name)
+    own_text = "none" if own is None else f"{own}"
+    if name not in GENERATION_CONFIG_KEYS.values():
+        return f"default: {own_text}"
+    cards = [f"{d[name]:g} for {alias}" for alias, d in ALIAS_SAMPLING.items() if name in d]
+    model = f"the model's ({', '.join(cards)}), else" if cards else "the model's, else"
+    return f"default: {model} {own_text}"
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> SamplingDefaults:
+    """The sampling defaults a model's generation_config.json sets (numbers only; the rest
+    is ignored)."""
+    defaults: SamplingDefaults = {}
+    for key, name in GENERATION_CONFIG_KEYS.items():
+        value = generation_config.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            defaults[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    return defaults
+
+
+def defaults_to_proto(defaults: SamplingDefaults) -> node_pb2.NodeSamplingParams:
+    """A NodeInfo's `default_sampling`: the fields `defaults` sets."""
+    proto = node_pb2.NodeSamplingParams()
+    for name, value in defaults.items():
+        setattr(proto, name, value)
+    return proto
+
+
+def defaults_from_proto(proto: node_pb2.NodeSamplingParams) -> SamplingDefaults:
+    """The fields a NodeInfo's `default_sampling` sets."""
+    return {name: getattr(proto, name) for name in GENERATION_CONFIG_KEYS.values()
+            if proto.HasField(name)}  # fmt: skip
+
+
 class InvalidRequestError(ValueError):
     """A request or its parameters cannot be served; the message says what to fix, `param`
     (when one is to blame) names the parameter (OpenAI's error "param")."""
@@ -92,13 +150,17 @@ class SamplingParams:
 
     @classmethod
     def from_proto(
-        cls, proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams
+        cls,
+        proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams,
+        defaults: SamplingDefaults | None = None,
     ) -> SamplingParams:
         """From a `SamplingParams` (client) or `NodeSamplingParams` (nodes) message: the fields
-        it sets (unset optional ones keep the defaults). Raises InvalidRequestError."""
-        kwargs: dict[str, Any] = {
-            name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)
-        }
+        it sets; unset optional ones take `defaults` (the model's), else the dataclass's.
+        Raises InvalidRequestError."""
+        kwargs: dict[str, Any] = dict(defaults or {})
+        kwargs.update(
+            {name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)}
+        )
         for name, value in kwargs.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidRequestError(

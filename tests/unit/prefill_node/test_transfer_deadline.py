@@ -135,8 +135,11 @@ def test_a_prefill_that_progresses_outlives_the_no_progress_timeout() -> None:
                 assert tokens_of(await read_chunks(decode))[0] == first.first_token.token_id
             for request_id in ("long", "behind"):
                 assert not nodes.decode.traces[request_id].prefilled_locally
-            _, decode_stats = await nodes.stats()
+            prefill_stats, decode_stats = await nodes.stats()
             assert decode_stats.num_local_prefills == 0
+            # each prompt computed once, on the prefill node
+            assert prefill_stats.num_prefilled_tokens == len(long_ids) + len(queued_ids)
+            assert decode_stats.num_prefilled_tokens == 0
 
     run(main())
 
