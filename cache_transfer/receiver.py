@@ -225,7 +225,8 @@ class KVReceiver(TransferSession):
             if self._peer_address is not None:
                 self.spawn(self._notify(handshake_ack=ack))
             return
-        if handshake.timeout_s > 0:
+        if self.state == TransferState.BOOTSTRAPPING and handshake.timeout_s > 0:
+            # the sender's ceiling, up to ours (a takeover's handshake does not move it)
             self.set_ceiling(min(handshake.timeout_s, self.max_ceiling_s))
         self._advance(TransferState.WAITING)
         self._in_place.grant(handshake, ack)
