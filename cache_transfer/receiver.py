@@ -95,7 +95,7 @@ class KVReceiver(TransferSession):
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
             layout.layout_hash(), num_tokens, kv_device,
         )  # fmt: skip
-        self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device)
+        self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         # set once no write of the sender can land any more: the blocks may be reused
         self.writes_settled = self._in_place.writes_settled
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))

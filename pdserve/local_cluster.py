@@ -22,6 +22,7 @@ the model, not this process.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
@@ -30,6 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from pdserve import envs
@@ -138,6 +140,16 @@ def node_devices(
     for slot, (role, _) in enumerate(order):
         devices[role].append(f"cuda:{slot % num_gpus}")
     return devices, -(-num_nodes // num_gpus)
+
+
+def _client_command() -> str:
+    """pd-client as this environment has it: `.venv/bin/pd-client` from the repository's root
+    (the README's form), else its full path, else the bare name."""
+    client = Path(sys.executable).parent / "pd-client"
+    if not client.exists():
+        return "pd-client"
+    relative = os.path.relpath(client)
+    return relative if not relative.startswith("..") else str(client)
 
 
 def describe_exit(code: int) -> str:
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if http_url := cluster.router and cluster.router.http_url:
             print(f"pd-serve: OpenAI-compatible API on {http_url}/v1 "
                   f"(metrics: {http_url}/metrics)", flush=True)  # fmt: skip
-        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
+        print(f'pd-serve: try  {_client_command()} --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0

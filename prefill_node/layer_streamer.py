@@ -156,7 +156,8 @@ class LayerStreamer:
             try:
                 layer = self._packer.pack(outgoing, chunk.block_ids, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
-                logger.exception("request %s: could not pack layer %d", chunk.request_id, layer_idx)
+                logger.exception("request %s: could not pack layer %d", chunk.request_id,
+                                 layer_idx, extra={"request_id": chunk.request_id})  # fmt: skip
                 outgoing.broken = True
                 continue
             if layer.ready is None:
@@ -316,7 +317,8 @@ class LayerStreamer:
             handed.set_result(None)
             await sending
         except Exception as error:  # a bug, not the peer: fail this transfer only
-            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
+            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers,
+                             extra={"request_id": sender.log_id})  # fmt: skip
             sender.abort(f"sending layers {layers} failed: {error!r}")
             return
         finally:
