@@ -244,10 +244,12 @@ class TransferSession:
         try:
             # Not wait_for: on 3.11 it runs `sending` as a task of its own, a loop iteration
             # later, so a caller that goes on packing the next layer holds this one back.
-            if self.remaining_s <= 0:
+            # one send that takes longer than the no-progress timeout is no progress either
+            bound_s = min(self.remaining_s, self.timeout_s)
+            if bound_s <= 0:
                 sending.close()
                 raise TimeoutError
-            async with asyncio.timeout(self.remaining_s):
+            async with asyncio.timeout(bound_s):
                 await sending
         except TimeoutError:
             self.fail(f"send to {self._peer_address} timed out", notify_peer=False)
