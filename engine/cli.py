@@ -2,6 +2,7 @@
 
 pd-generate "Write a haiku about GPUs" --max-tokens 48
 pd-generate --chat "What is the capital of France?"
+pd-generate --tensor-parallel-size 3 "Hello"   (smollm2-135m's 9 heads over 3 ranks)
 
 Sampling flags left out take the model's defaults, as every entry point does (its generation
 config's, or its model card's: pdserve.sampling_params).
@@ -13,8 +14,10 @@ import argparse
 import dataclasses
 import sys
 import time
+from dataclasses import asdict
 
-from pdserve.config import DEFAULT_MODEL
+from pdserve.cli import ArgumentParser, add_config_flags, config_from_args
+from pdserve.config import DEFAULT_MODEL, ParallelConfig
 from pdserve.logs import configure_logging
 from pdserve.sampling_params import default_help
 
@@ -22,7 +25,7 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-generate", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="pd-generate", description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT,
                    help=f"the prompt (default: {DEFAULT_PROMPT!r})")  # fmt: skip
     p.add_argument("--chat", action="store_true",
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"0: greedy ({default_help('temperature')})")  # fmt: skip
     p.add_argument("--top-p", type=float, default=None, help=f"({default_help('top_p')})")
     p.add_argument("--seed", type=int, default=None, help="(default: none: unseeded)")
+    add_config_flags(p, p.add_argument_group("tensor parallelism"), ParallelConfig, ())
     return p
 
 
@@ -43,10 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     # INFO: a cold start's conversion and loading progress (a bar instead on a terminal)
     configure_logging("info", "generate")
     from engine import LLM, InvalidRequestError
+    from engine.distributed import TPError
 
     try:
         start = time.perf_counter()
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        parallel = config_from_args(ParallelConfig, args)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, **asdict(parallel))
         load_s = time.perf_counter() - start
         given = {
             name: getattr(args, name)
@@ -55,14 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         params = dataclasses.replace(llm.default_sampling_params(), **given)
         start = time.perf_counter()
-        if args.chat:
-            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-        else:
-            out = llm.generate([args.prompt], params)[0]
+        try:
+            if args.chat:
+                out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+            else:
+                out = llm.generate([args.prompt], params)[0]
+        finally:
+            llm.close()
         gen_s = time.perf_counter() - start
     except (InvalidRequestError, FileNotFoundError, ValueError) as exc:
         print(f"pd-generate: {exc}", file=sys.stderr)
         return 2
+    except TPError as exc:
+        print(f"pd-generate: {exc}", file=sys.stderr)
+        return 1
     print(out.text)
     print(
         f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, load {load_s:.1f}s, "

@@ -48,6 +48,11 @@ class LLM:
         engine/model/sources.py), what `generate` and `chat` use without sampling params."""
         return SamplingParams(**self.engine.loaded.sampling_defaults)  # type: ignore[arg-type]
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker ranks (nothing to do at TP 1); they also
+        exit with this process."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

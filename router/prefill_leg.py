@@ -90,6 +90,7 @@ class PrefillLeg:
                 sampling=self._request.node_sampling,
                 ticket=ticket,
                 transfer_timeout_s=config.transfer_timeout_s,
+                cache_salt=self._request.cache_salt,
             ),
             timeout=timeout_s,
         )
