@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pdserve.cli import ArgumentParser, add_config_flags, config_from_args
 from pdserve.config import DEFAULT_MODEL, ParallelConfig
 from pdserve.logs import configure_logging
-from pdserve.sampling_params import default_help
+from pdserve.sampling_defaults import default_help
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

@@ -35,7 +35,7 @@ from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
 from pdserve.config import NodeConfig
-from pdserve.sampling_params import defaults_to_proto
+from pdserve.sampling_defaults import defaults_to_proto
 from pdserve.security import load_cluster_auth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, transfer_pb2

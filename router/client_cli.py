@@ -21,7 +21,8 @@ import grpc
 
 from pdserve import envs
 from pdserve.config import DEFAULT_HOST, DEFAULT_ROUTER_PORT
-from pdserve.sampling_params import default_help, int_field_range
+from pdserve.sampling_defaults import default_help
+from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
 from router.client import GenerationClient, GenerationResult
 

@@ -12,7 +12,8 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from pdserve.sampling_params import InvalidRequestError, SamplingParams, defaults_from_proto
+from pdserve.sampling_defaults import defaults_from_proto
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, node_pb2
 

@@ -38,7 +38,7 @@ from kernels.gemm import cpu_packed
 from pdserve import envs
 from pdserve.config import ModelConfig
 from pdserve.progress import track
-from pdserve.sampling_params import SamplingDefaults
+from pdserve.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from engine.model.arch_config import ModelArchConfig
 from engine.model.hf_config import read_arch_config
 from engine.model.synthetic import SHAPES, is_synthetic, parse_synthetic
-from pdserve.sampling_params import ALIAS_SAMPLING, SamplingDefaults, sampling_defaults
+from pdserve.sampling_defaults import ALIAS_SAMPLING, SamplingDefaults, sampling_defaults
 
 
 def _smollm2_135m() -> Path:
