@@ -73,9 +73,7 @@ class KVReceiver(TransferSession):
         check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
         super().__init__(transport, transfer_id, timeout_s, self.max_ceiling_s, log_id)
-        self.layout = layout
-        self.dst_block_ids = list(dst_block_ids)
-        self.num_tokens = num_tokens
+        self.layout, self.dst_block_ids, self.num_tokens = layout, list(dst_block_ids), num_tokens
         self.num_blocks = layout.num_blocks_for(num_tokens)
         self.first_token: transfer_pb2.FirstToken | None = None
         self.num_computed_tokens = 0  # of the prompt, as the sender's last progress said
