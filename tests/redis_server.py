@@ -8,7 +8,6 @@ Needs `redis-server` on PATH (Redis 6+; `apt-get install redis-server`; `make te
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,14 +17,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tests.ports import free_port
+
 START_TIMEOUT_S = 10.0
 PORT_ATTEMPTS = 5  # a free port picked here may be taken before redis binds it (parallel tests)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class PortTakenError(RuntimeError):

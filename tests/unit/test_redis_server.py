@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.skipif(
     not __import__("shutil").which("redis-server"), reason="needs redis-server on PATH"
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_a_picked_port_taken_meanwhile_is_replaced_and_a_restart_keeps_its_port(tmp_path):
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", free_port()))  # bound, not listening: refuses connections
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: refuses connections
         server = RedisServer(tmp_path / "redis")
         server.port = taken.getsockname()[1]  # as if another process took it first
         try:
@@ -34,7 +34,7 @@ def test_a_picked_port_taken_meanwhile_is_replaced_and_a_restart_keeps_its_port(
 
 def test_a_port_given_by_the_caller_is_never_replaced(tmp_path):
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", free_port()))
+        taken.bind(("127.0.0.1", 0))
         server = RedisServer(tmp_path / "redis", port=taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="redis-server did not start"):
             server.start()
