@@ -33,12 +33,14 @@ def cluster_1p1d():
     yield from _cluster("--prefill", "1", "--decode", "1")
 
 
-@pytest.fixture(scope="module")
+# One test uses each of these two: started for it and stopped after it (module-scoped, they
+# lived until test_serving.py ended, with cluster_1p1d: 7 nodes, ~8.4 GiB, at once).
+@pytest.fixture
 def cluster_colocated():
     yield from _cluster("--prefill", "0", "--decode", "1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster_2p2d():
     yield from _cluster("--prefill", "2", "--decode", "2")
 
