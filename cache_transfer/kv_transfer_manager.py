@@ -6,12 +6,12 @@
                   await sender.send_layer(...) per layer; await sender.send_first_token(...)
                   await sender.wait(); release the blocks either way
 
-Incoming messages are decoded once and routed to their session by transfer id and kind.
-Headers that do not decode, or name no live session, are refused and logged; no session is
-touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
-finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
-manager owns).
+Incoming messages are decoded once and routed to their session by transfer id and kind
+(with their bytes: a MAC covers them). Headers that do not decode, or name no live session,
+are refused and logged; no session is touched. A session leaves the manager the moment it
+finishes. A hello or handshake for a receiver that finished already (e.g. it was not started
+in time, or cancelled) is answered with a refusal, so its sender fails at once instead of at
+its deadline (`FinishedReceivers`, which the manager owns).
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class KVTransferManager:
         routed = self._route(peer_id, header)
         if routed is not None:
             session, msg = routed
-            session.complete(peer_id, msg, payload)
+            session.complete(peer_id, msg, payload, header)
         elif payload is not None:  # its receiver finished while the payload was landing
             self._staging.give_back(payload)
 
@@ -232,10 +232,13 @@ class KVTransferManager:
             session = self._quarantined.get(msg.transfer_id)
         if session is None:
             stray = self.get(msg.transfer_id)
-            if stray is not None:
+            if stray is not None and self.auth is not None:  # nobody's we could tell: dropped
+                logger.warning("dropped a %s message from %s for %s %s", kind, peer_id,
+                               stray.role, msg.transfer_id)  # fmt: skip
+            elif stray is not None:
                 stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
-            elif kind == "handshake" and msg.transfer_id in self._finished:
-                self._finished.refuse_handshake(peer_id, msg)
+            elif kind in ("hello", "handshake") and msg.transfer_id in self._finished:
+                self._finished.refuse(peer_id, msg)
             else:
                 logger.warning(
                     "refused a %s message from %s: no live transfer %r",
@@ -265,7 +268,7 @@ class KVTransferManager:
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished.remember(session.transfer_id, why, session.ticket())
+            self._finished.remember(session, why)
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""

@@ -20,11 +20,13 @@ MessageBody = (
     | transfer_pb2.LayerManifest
     | transfer_pb2.FirstToken
     | transfer_pb2.TransferResult
+    | transfer_pb2.TransferHello
+    | transfer_pb2.HandshakeChallenge
 )
 
 # Which end of a transfer reads each kind ("result" travels both ways).
-TO_RECEIVER_KINDS = frozenset({"handshake", "layer_manifest", "first_token", "result"})
-TO_SENDER_KINDS = frozenset({"handshake_ack", "result"})
+TO_RECEIVER_KINDS = frozenset({"hello", "handshake", "layer_manifest", "first_token", "result"})
+TO_SENDER_KINDS = frozenset({"challenge", "handshake_ack", "result"})
 KINDS = TO_RECEIVER_KINDS | TO_SENDER_KINDS
 
 

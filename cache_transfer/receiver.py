@@ -1,6 +1,8 @@
 """`KVReceiver`: the decode side of one KV hand-off.
 
     created (blocks reserved) ── ticket() ──► router ──► prefill node
+    hello from a connection ──► challenge {a fresh nonce for it} (any number of connections,
+                                at most MAX_OUTSTANDING waiting at once; nothing starts)
     BOOTSTRAPPING ── handshake ok (starts the deadline, given start_timeout_s) ──► WAITING
                   ── layer lands ──► TRANSFERRING
                   ── every layer complete + first token ──► SUCCESS (result ok sent to P)
@@ -9,7 +11,10 @@
     add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
 Every message is checked before its payload lands (receiver_checks.py: every check, in the
-order they run); payloads land only in this session's own `dst_block_ids`. A sender on this
+order they run); payloads land only in this session's own `dst_block_ids`. With a cluster
+secret only the sender whose handshake proved its connection's challenge is heard, and each of
+its messages only if its MAC verifies (a payload's once it landed in staging, before it is
+unpacked; a GPU payload's through its device digest, off the event loop). A sender on this
 GPU may be granted writes in place (`InPlaceGrant`: `writes_settled` says when the blocks may
 be reused). A retried sender may take a waiting session over (`takeover_allowed`): the layers
 start over (the same blocks, overwritten), the first sender is heard no more, and the
@@ -23,7 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cache_transfer import protocol
 from cache_transfer import receiver_checks as checks
+from cache_transfer.frame_auth.challenges import Challenges, make_challenge
+from cache_transfer.frame_auth.frame_key import TO_SENDER, Chunk, FrameKey
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
 from cache_transfer.layout import KVCaches, KVLayout, check_reservation, kv_device_id
 from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
@@ -44,6 +52,7 @@ LayerCallback = Callable[[int, int], None]  # (layer_idx, token_end) of a layer 
 
 class KVReceiver(TransferSession):
     role = "receiver"
+    outgoing = TO_SENDER
 
     def __init__(
         self,
@@ -83,6 +92,8 @@ class KVReceiver(TransferSession):
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
         self._auth = auth
+        self.challenges = Challenges()  # the nonce of each connection that said hello
+        self._proven_key: FrameKey | None = None  # that of the handshake being heard
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self._ticket = issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
@@ -112,8 +123,9 @@ class KVReceiver(TransferSession):
     def prepare(
         self, peer_id: str, msg: TransferMessage, payload_bytes: int
     ) -> torch.Tensor | None:
-        """A message with a payload: accept a valid layer and hand out its staging buffer."""
-        if not self._hears(peer_id, msg):
+        """A message with a payload: accept a valid layer and hand out its staging buffer (its
+        MAC, which covers the payload, is checked once it landed there)."""
+        if not self._hears(peer_id, msg, None):
             return None
         refusal = checks.refusal(self, peer_id, msg, payload_bytes)
         if refusal is not None:
@@ -125,13 +137,23 @@ class KVReceiver(TransferSession):
         self.num_landing += 1
         return self._staging.take(payload_bytes, self._device)
 
-    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A whole message: land a layer prepare() accepted, or act on a header-only one."""
+    def complete(
+        self,
+        peer_id: str,
+        msg: TransferMessage,
+        payload: torch.Tensor | None,
+        header: bytes = b"",
+    ) -> None:
+        """A whole message (its bytes: `header`): land a layer prepare() accepted once its MAC
+        verifies, or act on a header-only one."""
         if payload is not None:
-            self._land_layer(msg.layer_manifest, payload)
+            self._verify_then_land(msg, header, payload)
             return
         kind = kind_of(msg)
-        if not self._hears(peer_id, msg):
+        if kind == "hello":
+            self._challenge(peer_id, msg.hello)
+            return
+        if not self._hears(peer_id, msg, header):
             return
         if self.finished and kind == "result" and msg.result.writes_drained:
             self._in_place.on_drained(peer_id, self.sender_id)
@@ -155,10 +177,11 @@ class KVReceiver(TransferSession):
         layer_idx = msg.layer_manifest.layer_idx
         self.fail(f"the connection from {peer_id} broke while layer {layer_idx} was landing")
 
-    def _hears(self, peer_id: str, msg: TransferMessage) -> bool:
-        """Checks 1 and 2: a message nobody but the sender may send is dropped (logged); it
-        neither feeds nor fails the session."""
-        unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg)
+    def _hears(self, peer_id: str, msg: TransferMessage, header: bytes | None) -> bool:
+        """Checks 1 and 2 (and, with `header`, the MAC): a message nobody but the sender may
+        send is dropped (logged); it neither feeds nor fails the session. The sender's own
+        message whose MAC fails fails it."""
+        unproven = self._unproven(peer_id, msg, header)
         if unproven is not None:
             logger.warning("receiver %s: ignored a message from %s: %s",
                            self.transfer_id, peer_id, unproven)  # fmt: skip
@@ -167,7 +190,39 @@ class KVReceiver(TransferSession):
         if superseded is not None:
             logger.info("receiver %s: dropped %s", self.transfer_id, superseded)
             return False
-        return True
+        forged = None
+        if header is not None and peer_id == self.sender_id:
+            forged = self.frames.forged(msg, header)
+        if forged is not None:
+            self.fail(f"refused a message from {peer_id}: {forged}")
+        return forged is None
+
+    def _unproven(self, peer_id: str, msg: TransferMessage, header: bytes | None) -> str | None:
+        """Check 1; a handshake that proves its connection's challenge must carry that
+        challenge's MAC too (its key: `_proven_key`, bound if the handshake is accepted)."""
+        nonce = None
+        if kind_of(msg) == "handshake" and peer_id != self.sender_id:
+            nonce = self.challenges.take(peer_id)  # one handshake per challenge
+        unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg, nonce)
+        if unproven is not None or nonce is None or self._auth is None or self.finished:
+            return unproven
+        key = FrameKey(self._auth, self.transfer_id, nonce, peer_id)
+        self._proven_key, was = key, self.frames.key
+        self.frames.bind(key)
+        forged = self.frames.forged(msg, header or b"")
+        self.frames.bind(was)
+        return forged
+
+    def _challenge(self, peer_id: str, hello: transfer_pb2.TransferHello) -> None:
+        """Answer a hello (to its src_address) with a fresh nonce for its connection."""
+        nonce = self.challenges.issue(peer_id)
+        if nonce is None or not hello.src_address:
+            logger.warning("receiver %s: no challenge for %s (%s)", self.transfer_id, peer_id,
+                           "no src_address" if nonce else "too many outstanding")  # fmt: skip
+            return
+        challenge = make_challenge(self._auth, self.transfer_id, peer_id, nonce)
+        header = protocol.encode(self.transfer_id, 0, challenge=challenge)
+        self.spawn(self._send_best_effort(hello.src_address, header))
 
     def _act_on(self, peer_id: str, msg: TransferMessage) -> None:
         """A header-only message the checks accepted (other than a handshake)."""
@@ -203,6 +258,7 @@ class KVReceiver(TransferSession):
         place are granted if asked for from this GPU)."""
         self.sender_id = peer_id
         self._peer_address = handshake.src_address or None
+        self.frames.bind(self._proven_key)  # its MAC key (None: an open cluster)
         ack = transfer_pb2.HandshakeAck(accepted=refusal is None, protocol_version=PROTOCOL_VERSION)
         if refusal is not None:
             ack.reason = refusal.reason
@@ -214,6 +270,36 @@ class KVReceiver(TransferSession):
         self._advance(TransferState.WAITING)
         self._in_place.grant(handshake, ack)
         self.spawn(self._send(handshake_ack=ack))
+
+    def _verify_then_land(self, msg: TransferMessage, header: bytes, payload: torch.Tensor) -> None:
+        """Unpack a landed payload once its MAC verifies: at once (no key; host bytes), or off
+        the loop (its digest computed on the GPU); one that fails fails the session, unread."""
+        if self.frames.key is None:
+            self._land_layer(msg.layer_manifest, payload)
+        elif msg.layer_manifest.payload_digest and payload.device.type == "cuda":
+            self.spawn(self._verify_on_device(msg, header, payload))
+        else:
+            self._land_checked(msg, header, payload, None)
+
+    async def _verify_on_device(
+        self, msg: TransferMessage, header: bytes, payload: torch.Tensor
+    ) -> None:
+        part = None
+        try:
+            part = await self.frames.device_part(payload)
+        except Exception as error:  # noqa: BLE001 - a CUDA error, or a hung device
+            self.fail(f"could not check layer {msg.layer_manifest.layer_idx}'s MAC: {error!r}")
+        self._land_checked(msg, header, payload, part)
+
+    def _land_checked(
+        self, msg: TransferMessage, header: bytes, payload: torch.Tensor, part: list[Chunk] | None
+    ) -> None:
+        if not self.finished:
+            part = self.frames.landed_part(msg, payload) if part is None else part
+            forged = self.frames.forged(msg, header, part)
+            if forged is not None:
+                self.fail(f"refused layer {msg.layer_manifest.layer_idx}: {forged}")
+        self._land_layer(msg.layer_manifest, payload)  # (a failed session writes nothing)
 
     def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
         self.num_landing -= 1

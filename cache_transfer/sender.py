@@ -1,8 +1,10 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
+    created from the ticket ── hello (at once) ... challenge (SenderHello)
+                            ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
     (started at creation unless given start_timeout_s: a prefill node starts it, and the
-    transfer's deadline, when the engine starts the prefill)
+    transfer's deadline, when the engine starts the prefill; the handshake waits for the
+    challenge, and proves its nonce with a cluster secret)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
@@ -18,10 +20,12 @@ that grants it gets each layer written into its blocks by us, then a manifest wi
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.frame_auth.sender_hello import SenderHello
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
@@ -36,6 +40,8 @@ from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
+
+logger = logging.getLogger(__name__)
 
 
 class KVSender(TransferSession):
@@ -58,9 +64,12 @@ class KVSender(TransferSession):
         `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
         With `auth`, a ticket whose signature does not verify fails the session at once and
         nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The handshake goes out at the start (TransferSession)."""
+        The hello goes out at once, the handshake at the start (TransferSession)."""
         super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
         self._auth = auth
+        self._hello = SenderHello(transport, auth, ticket.transfer_id)
+        self.add_finish_callback(lambda _: self._hello.answered.set())
+        self.frames.required = auth is not None
         self._ticket = ticket
         self.layout = layout
         self.num_tokens = ticket.num_tokens
@@ -83,8 +92,10 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        elif self.started:
-            self.spawn(self._handshake())
+        else:  # the hello at once: an unreachable receiver fails the transfer now
+            self.spawn(self._hello.say(ticket.dst_address, timeout_s, self._unreachable))
+            if self.started:
+                self.spawn(self._handshake())
 
     @property
     def dst_kv_device(self) -> str:
@@ -190,10 +201,14 @@ class KVSender(TransferSession):
             )
             await self._send(first_token=first_token)
 
-    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A header-only message from the receiver: the handshake's ack or the result (the
-        manager refuses payloads for senders before they land)."""
-        reason = self._check_envelope(msg)
+    def complete(self, peer_id: str, msg: TransferMessage, _: object, header: bytes = b"") -> None:
+        """A header-only message from the receiver (its bytes: `header`): the challenge, the
+        handshake's ack or the result (the manager refuses payloads for senders before they
+        land). With a cluster secret every one after the challenge carries its MAC."""
+        if kind_of(msg) == "challenge":
+            self._on_challenge(peer_id, msg.challenge)
+            return
+        reason = self.frames.forged(msg, header) or self._check_envelope(msg)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
@@ -287,10 +302,26 @@ class KVSender(TransferSession):
         announced = self._in_place.announcements(manifests)
         await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
+    def _unreachable(self, error: str) -> None:
+        self.fail(error, notify_peer=False)
+
+    def _on_challenge(self, peer_id: str, challenge: transfer_pb2.HandshakeChallenge) -> None:
+        refused = self._hello.take(peer_id, challenge)
+        if refused is not None:
+            self.fail(f"the receiver refused the transfer: {refused}", notify_peer=False)
+        else:
+            self.frames.bind(self._hello.frame_key)
+
     async def _handshake(self) -> None:
+        """Once challenged: the handshake, proving the challenge's nonce on our connection."""
+        if not await self._hello.wait_answered(self.remaining_s):
+            self.fail("no challenge from the receiver before the deadline")
+        if self.finished:
+            return
         handshake = handshake_for(
             self._ticket, self.layout, self._transport.address, self._auth,
             self._in_place.kv_device, self.may_write_in_place, self.timeout_s,
+            self._hello.nonce or b"", self._hello.connection,
         )  # fmt: skip
         await self._send(handshake=handshake)
 

@@ -9,7 +9,9 @@ at `start()` (a prefill node starts its sender when the engine starts the prefil
 starts at the sender's handshake): the time a request queues before that is not the
 transfer's, and is bounded by `start_timeout_s` instead. Outgoing messages carry this side's
 sequence numbers; incoming ones must carry the peer's next number, so a lost, repeated or
-injected message fails the transfer.
+injected message fails the transfer. With a cluster secret, once the challenge gave the
+transfer its `FrameKey`, every message carries its MAC (`FrameSealer`, which the session owns:
+`self.frames`); the hello and the challenge before it are neither numbered nor MACed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 
 from cache_transfer import protocol
+from cache_transfer.frame_auth.frame_key import TO_RECEIVER
+from cache_transfer.frame_auth.frame_sealer import FrameSealer
 from cache_transfer.protocol import MessageBody, TransferMessage
 from cache_transfer.state import TransferState
 from cache_transfer.transports.base import KVTransport, TransportError
@@ -37,6 +41,7 @@ Outgoing = tuple[torch.Tensor | None, dict[str, MessageBody]]
 
 class TransferSession:
     role = "session"
+    outgoing = TO_RECEIVER  # the direction of what this side sends (frame_key)
 
     def __init__(
         self,
@@ -72,6 +77,7 @@ class TransferSession:
             self._start_timeout_s = start_timeout_s
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finish_callbacks: list[Callable[[TransferSession], None]] = []
+        self.frames = FrameSealer(self.outgoing)  # MACs, once the transfer has a FrameKey
 
     @property
     def finished(self) -> bool:
@@ -193,9 +199,13 @@ class TransferSession:
         are numbered: a message sent after its waiters wake goes behind them (the transport
         numbers a send before the send first suspends, and waiters wake only after that)."""
         assert self._peer_address is not None
+        parts = await self._payload_parts(messages)
+        if parts is None:
+            return False
         encoded = []
-        for payload, kind in messages:
-            encoded.append((protocol.encode(self.transfer_id, self._send_seq, **kind), payload))
+        for (payload, kind), part in zip(messages, parts, strict=True):
+            body = protocol.encode(self.transfer_id, self._send_seq, **kind)
+            encoded.append((self.frames.seal(self._send_seq, body, part), payload))
             self._send_seq += 1
         if submitted is not None and not submitted.done():
             submitted.set_result(None)
@@ -219,14 +229,30 @@ class TransferSession:
             return False
         return True
 
+    async def _payload_parts(self, messages: Sequence[Outgoing]) -> list[Any] | None:
+        """What each message's MAC covers of its payload (awaited only for CUDA payloads with
+        a frame key: their digests); None when the session ended meanwhile."""
+        if self.frames.key is None:
+            return [[] for _ in messages]
+        try:
+            async with asyncio.timeout(max(self.remaining_s, 1e-3)):
+                parts = await self.frames.parts(messages)
+        except TimeoutError:
+            self.fail("the payloads' digests were not computed before the deadline")
+            return None
+        return None if self.finished else parts
+
     async def _notify(self, **kind: MessageBody) -> None:
         """Best-effort message once the session is finished (its deadline no longer applies)."""
         assert self._peer_address is not None
-        header = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        body = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        header = self.frames.seal(self._send_seq, body, [])
         self._send_seq += 1
+        await self._send_best_effort(self._peer_address, header)
+
+    async def _send_best_effort(self, address: str, header: bytes) -> None:
+        """One header-only message, bounded by NOTIFY_TIMEOUT_S; a failure is only logged."""
         try:
-            await asyncio.wait_for(
-                self._transport.send(self._peer_address, header), NOTIFY_TIMEOUT_S
-            )
+            await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
         except (TimeoutError, TransportError) as e:
             logger.info("%s %s: could not tell the peer (%s)", self.role, self.transfer_id, e)

@@ -1,0 +1,87 @@
+"""`FrameSealer`: the part of a session that authenticates its messages (a `TransferSession`
+owns one; without a key, in an open cluster or before the challenge, headers pass as they are).
+
+    bind(key)                          the transfer's FrameKey (the sender: on the challenge;
+                                       the receiver: on the handshake that proved it)
+    await parts(messages)              outgoing: what each tag covers of its payload (CUDA
+                                       payloads: their digests, awaited; the manifest says so)
+    seal(seq, body, part)              outgoing: the header on the wire
+    forged(msg, header, part)          incoming: why its mac does not verify, or None
+    landed_part(msg, payload)          incoming: what its tag covers of a landed payload
+    await device_part(payload)         the same for a GPU payload's digest, off the loop
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cache_transfer.frame_auth.frame_key import Chunk, FrameKey, seal, unseal
+from cache_transfer.frame_auth.payload_digests import device_parts, digest_part, host_part
+from cache_transfer.protocol import MessageBody, TransferMessage, kind_of
+
+Outgoing = tuple[torch.Tensor | None, dict[str, MessageBody]]
+
+
+class FrameSealer:
+    def __init__(self, outgoing: int) -> None:
+        """`outgoing`: the direction of what this side sends (frame_key.TO_RECEIVER: a sender)."""
+        self.key: FrameKey | None = None
+        self.required = False  # a cluster secret: no message is authentic before the key
+        self._out = outgoing
+        self._in = 1 - outgoing
+
+    def bind(self, key: FrameKey | None) -> None:
+        self.key = key
+
+    async def parts(self, messages: Sequence[Outgoing]) -> list[list[Chunk]]:
+        """Per message, what its tag covers of its payload (nothing without a key)."""
+        parts: list[list[Chunk]] = [[] for _ in messages]
+        if self.key is None:
+            return parts
+        on_device = [i for i, (payload, _) in enumerate(messages) if _on_cuda(payload)]
+        for i, (payload, kind) in enumerate(messages):
+            if payload is not None and i not in on_device:
+                parts[i] = host_part(payload)
+            elif payload is not None:
+                kind["layer_manifest"].payload_digest = True  # type: ignore[union-attr]
+        digests = await device_parts(self.key, [messages[i][0] for i in on_device])  # type: ignore[misc]
+        for i, digest in zip(on_device, digests, strict=True):
+            parts[i] = digest
+        return parts
+
+    def seal(self, seq: int, body: bytes, part: list[Chunk]) -> bytes:
+        if self.key is None:
+            return body
+        return seal(body, self.key.tag(self._out, seq, body, part))
+
+    def forged(self, msg: TransferMessage, header: bytes, part: Sequence[Chunk] = ()) -> str | None:
+        """Why an incoming message (its whole `header`; `part`: what covers its payload) is
+        not authentic, or None (always None without a key, unless one is `required`)."""
+        if self.key is None:
+            return f"a {kind_of(msg)} message before the challenge" if self.required else None
+        body = unseal(header, msg.mac)
+        if body is None:
+            return f"a {kind_of(msg)} message without its MAC"
+        if not self.key.verify(self._in, msg.seq, body, msg.mac, part):
+            return f"a {kind_of(msg)} message (seq {msg.seq}) whose MAC does not verify"
+        return None
+
+    def landed_part(self, msg: TransferMessage, payload: torch.Tensor) -> list[Chunk]:
+        """What the tag of `msg` covers of its landed `payload`, now: its bytes, or (the
+        manifest says payload_digest) its digest computed where it landed."""
+        assert self.key is not None
+        if not msg.layer_manifest.payload_digest:
+            return host_part(payload if payload.device.type == "cpu" else payload.cpu())
+        return digest_part(self.key, payload)
+
+    async def device_part(self, payload: torch.Tensor) -> list[Chunk]:
+        """A CUDA payload's digest, computed on its GPU and awaited off the loop."""
+        assert self.key is not None
+        (part,) = await device_parts(self.key, [payload])
+        return part
+
+
+def _on_cuda(payload: torch.Tensor | None) -> bool:
+    return payload is not None and payload.device.type == "cuda"
