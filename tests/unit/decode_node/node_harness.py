@@ -254,11 +254,15 @@ async def run_local(
 @dataclass
 class RawPeer:
     """A bare KV transport endpoint that speaks transfer.proto by hand: it records what it
-    receives and sends whatever a test tells it to (forged messages included)."""
+    receives and sends whatever a test tells it to (forged messages included). A sender's
+    hello it answers at once with a challenge (no proof: an open cluster), as a receiver does,
+    and keeps apart (`hellos`)."""
 
     transport: KVTransport
     received: list[transfer_pb2.TransferMessage] = field(default_factory=list)
     seq: int = 0
+    hellos: list[transfer_pb2.TransferMessage] = field(default_factory=list)
+    _replies: set[asyncio.Task[None]] = field(default_factory=set)
 
     @classmethod
     def start(cls, transport_name: str) -> RawPeer:
@@ -274,7 +278,17 @@ class RawPeer:
         return torch.empty(payload_bytes, dtype=torch.uint8)
 
     def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
-        self.received.append(protocol.decode(header))
+        msg = protocol.decode(header)
+        if protocol.kind_of(msg) != "hello":
+            self.received.append(msg)
+            return
+        self.hellos.append(msg)
+        challenge = transfer_pb2.HandshakeChallenge(nonce=bytes(16), connection=peer_id)
+        header = protocol.encode(msg.transfer_id, 0, challenge=challenge)
+        reply = self.transport.send(msg.hello.src_address, header)
+        task = asyncio.ensure_future(asyncio.wait_for(reply, RPC_TIMEOUT_S))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
 
     def kinds(self) -> list[str]:
         return [protocol.kind_of(msg) for msg in self.received]
