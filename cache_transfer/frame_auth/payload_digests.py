@@ -36,7 +36,7 @@ DIGEST_WAIT_TIMEOUT_S = 120.0  # as the transports' wait for queued CUDA work
 
 def host_part(payload: torch.Tensor) -> list[Chunk]:
     """A host payload's bytes, as the tag reads them (no copy)."""
-    return [memoryview(payload.numpy())]
+    return [payload.numpy().data.cast("B")]
 
 
 async def device_parts(key: FrameKey, payloads: list[torch.Tensor]) -> list[list[Chunk]]:
@@ -44,19 +44,20 @@ async def device_parts(key: FrameKey, payloads: list[torch.Tensor]) -> list[list
     host: one launch each, one copy each into pinned memory, one event for all."""
     host: list[torch.Tensor] = []
     for payload in payloads:
-        digest = kv_digest(payload, key.digest_key(payload.device))  # [chunks, LANES] int32
-        pinned = torch.empty(digest.shape, dtype=digest.dtype, pin_memory=True)
-        pinned.copy_(digest, non_blocking=True)
+        with torch.cuda.device(payload.device):
+            digest = kv_digest(payload, key.digest_key(payload.device))  # [chunks, LANES] int32
+            pinned = torch.empty(digest.shape, dtype=digest.dtype, pin_memory=True)
+            pinned.copy_(digest, non_blocking=True)
         host.append(pinned)
-    if payloads:
+    for device in {payload.device for payload in payloads}:  # one event per device, after all
         event = new_event()
-        event.record(torch.cuda.current_stream(payloads[0].device))
+        event.record(torch.cuda.current_stream(device))
         await wait_event(event, DIGEST_WAIT_TIMEOUT_S)
-    return [[memoryview(digest.numpy()).cast("B")] for digest in host]
+    return [[digest.numpy().data.cast("B")] for digest in host]
 
 
 def digest_part(key: FrameKey, payload: torch.Tensor) -> list[Chunk]:
     """The digest of a payload where it lives, computed now (a host payload: the reference on
     the CPU; used when a CUDA sender's digest must be checked against a host buffer)."""
     digest = kv_digest(payload, key.digest_key(payload.device)).cpu()
-    return [memoryview(digest.numpy()).cast("B")]
+    return [digest.numpy().data.cast("B")]

@@ -117,7 +117,8 @@ class TcpTransport(KVTransport):
             task = asyncio.current_task()
             if (self._closed or sock.closed) and task is not None and not task.cancelling():
                 # close() (or a failed connect) cancelled the socket's send, not our caller
-                raise TransportError(f"the connection to {peer_address} closed during a send")
+                closed = f"the connection to {peer_address} closed during a send"
+                raise TransportError(closed) from None
             raise
 
     async def _connect_and_send(

@@ -27,7 +27,9 @@ CHUNK_WORDS = 8192  # 16 KiB of payload per digest row (key: LANES x CHUNK_WORDS
 def check_digest_inputs(payload: torch.Tensor, key: torch.Tensor) -> int:
     """The number of 16-bit words in `payload`; ValueError when an input is malformed."""
     if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
-        raise ValueError(f"payload must be flat contiguous uint8, got {payload.dtype} {payload.shape}")
+        raise ValueError(
+            f"payload must be flat contiguous uint8, got {payload.dtype} {payload.shape}"
+        )
     if payload.numel() % 2:
         raise ValueError(f"payload has {payload.numel()} bytes; the digest reads 16-bit words")
     if key.dtype != torch.int64 or tuple(key.shape) != (LANES, CHUNK_WORDS):

@@ -10,6 +10,8 @@ Real prefill and decode nodes and a real router in this process, tcp KV transpor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -89,66 +91,85 @@ async def replay_and_forge(attacker, dst_address: str, opening: list[bytes], lay
     return len(opening) + layout.num_layers + 1
 
 
+class DecodeWatch:
+    """What the decode node's transfer manager did with each peer's messages."""
+
+    def __init__(self, manager) -> None:
+        self.landed: list[str] = []  # peers given a buffer for a payload
+        self.handled: list[str] = []  # peers whose message it handled
+        real_prepare, real_complete = manager.prepare, manager.complete
+
+        def prepare(peer_id: str, header: bytes, payload_bytes: int):
+            buffer = real_prepare(peer_id, header, payload_bytes)
+            self.handled.append(peer_id)
+            if buffer is not None:
+                self.landed.append(peer_id)
+            return buffer
+
+        def complete(peer_id: str, header: bytes, payload) -> None:
+            real_complete(peer_id, header, payload)
+            if payload is None:
+                self.handled.append(peer_id)
+
+        manager.prepare, manager.complete = prepare, complete
+
+
+@contextlib.asynccontextmanager
+async def routed(nodes, security: SecurityConfig) -> AsyncIterator[GenerationClient]:
+    router = RouterServer(RouterConfig(
+        host="127.0.0.1", port=0, http_port=0, node_wait_s=20, security=security,
+        prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
+    ))  # fmt: skip
+    await router.start()
+    try:
+        async with GenerationClient(router.address) as client:
+            yield client
+    finally:
+        await router.stop()
+
+
+async def generate(client: GenerationClient) -> list[int]:
+    result = await client.generate_all(prompt_token_ids=PROMPT, temperature=0.0,
+                                       max_tokens=MAX_TOKENS, ignore_eos=True, timeout_s=60)  # fmt: skip
+    return list(result.token_ids)
+
+
+async def attacked_run(nodes, client: GenerationClient, attacker, watch: DecodeWatch,
+                       forged: int) -> list[int]:  # fmt: skip
+    """A request whose hand-off the attacker replays and forges while the tap holds the
+    honest sender's layers back; its tokens."""
+    tap = Tap(nodes.prefill.manager)
+    attacked = asyncio.ensure_future(generate(client))
+    await asyncio.wait_for(tap.handshake.wait(), 30)
+    sent = await replay_and_forge(attacker, nodes.decode.manager.address, tap.opening,
+                                  nodes.decode.layout, forged)  # fmt: skip
+    me = attacker._routing_id.decode()  # the peer id the decode node sees
+    await wait_until(lambda: watch.handled.count(me) >= sent, 20.0)
+    tap.release()
+    return await attacked
+
+
 def test_a_replayed_handshake_with_forged_layers_lands_nothing(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("a-cluster-secret-0123456789abcdef\n")
     security = SecurityConfig(cluster_secret_file=str(secret))
 
-    async def main() -> tuple[list[int], list[int], list[str], list[str]]:
+    async def main() -> tuple[list[int], list[int], list[str], str]:
         async with running_nodes("tcp", security=security, check_free=False) as nodes:
-            router = RouterServer(RouterConfig(
-                host="127.0.0.1", port=0, http_port=0, node_wait_s=20, security=security,
-                prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
-            ))  # fmt: skip
-            await router.start()
             attacker = make_transport("tcp")
             attacker.start(Recorder())
-            landed: list[str] = []  # peers the decode node gave a buffer to
-            handled: list[str] = []  # peers whose messages it handled
-            manager = nodes.decode.manager
-            real_prepare, real_complete = manager.prepare, manager.complete
-
-            def prepare(peer_id: str, header: bytes, payload_bytes: int):
-                buffer = real_prepare(peer_id, header, payload_bytes)
-                handled.append(peer_id)
-                if buffer is not None:
-                    landed.append(peer_id)
-                return buffer
-
-            def complete(peer_id: str, header: bytes, payload) -> None:
-                real_complete(peer_id, header, payload)
-                if payload is None:
-                    handled.append(peer_id)
-
-            manager.prepare, manager.complete = prepare, complete
+            watch = DecodeWatch(nodes.decode.manager)
             try:
-                async with GenerationClient(router.address) as client:
-
-                    async def generate() -> list[int]:
-                        result = await client.generate_all(
-                            prompt_token_ids=PROMPT, temperature=0.0, max_tokens=MAX_TOKENS,
-                            ignore_eos=True, timeout_s=60,
-                        )  # fmt: skip
-                        return list(result.token_ids)
-
-                    undisturbed = await generate()
-                    tap = Tap(nodes.prefill.manager)
-                    attacked = asyncio.ensure_future(generate())
-                    await asyncio.wait_for(tap.handshake.wait(), 30)
-                    me = attacker._routing_id.decode()  # the peer id the decode node sees
-                    forged = (undisturbed[0] + 1 - 3) % 500 + 3  # a token of its choosing
-                    sent = await replay_and_forge(attacker, nodes.decode.manager.address,
-                                                  tap.opening, nodes.decode.layout, forged)  # fmt: skip
-                    await wait_until(lambda: handled.count(me) >= sent, 20.0)
-                    tap.release()
-                    tokens = await attacked
-                    return undisturbed, tokens, landed, [me]
+                async with routed(nodes, security) as client:
+                    undisturbed = await generate(client)
+                    forged = (undisturbed[0] + 1 - 3) % 500 + 3  # a first token of its choosing
+                    tokens = await attacked_run(nodes, client, attacker, watch, forged)
+                return undisturbed, tokens, watch.landed, attacker._routing_id.decode()
             finally:
                 await attacker.close()
-                await router.stop()
                 for server in (nodes.prefill, nodes.decode):
                     await server.engine.check_no_leaks()
 
-    undisturbed, tokens, landed, (attacker_id,) = run(main(), timeout_s=150)
+    undisturbed, tokens, landed, attacker_id = run(main(), timeout_s=150)
     assert attacker_id not in landed, "the decode node took forged KV bytes"
     assert tokens == undisturbed, (tokens, undisturbed)
