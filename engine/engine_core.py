@@ -24,6 +24,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
+from engine.kv_offload import KVOffload, KVOffloadStats
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
@@ -54,6 +55,8 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
+    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
 
 
 class EngineCore:
@@ -82,9 +85,10 @@ class EngineCore:
             self.arch, config.cache, self.device, self.dtype,
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
         )  # fmt: skip
+        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
         )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(
@@ -191,6 +195,8 @@ class EngineCore:
                 f"no room for {num_tokens} tokens of KV "
                 f"({self.kv_cache_manager.num_free_blocks} free blocks)"
             )
+        if self.kv_offload is not None:
+            self.kv_offload.settle()  # no host-tier copy still touches these blocks
         self._reservations[request_id] = block_ids
         return block_ids
 
@@ -271,6 +277,8 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
+        if self.kv_offload is not None:
+            self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
         self.scheduler.on_launched(scheduler_output)
         return launched
@@ -301,7 +309,9 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_query_tokens=prefix.query_tokens,
-        )
+            kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
+            if self.kv_offload is not None else KVOffloadStats(),
+        )  # fmt: skip
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:

@@ -29,6 +29,7 @@ import torch
 from cache_transfer import CudaIpcSharing, KVLayout, KVTransferManager, make_transport
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
+from engine.kv_offload import KVOffloadStats
 from node_common.grpc_node_server import GrpcNodeServer
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
@@ -173,6 +174,7 @@ class NodeBase(abc.ABC):
             "num_in_place_transfers": self.manager.num_in_place,
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
+            **_host_tier_fields(stats.kv_offload),
         }
         reply = node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
         timeline = self.last_transfer()
@@ -228,3 +230,14 @@ class NodeBase(abc.ABC):
             protocol_version=transfer_pb2.PROTOCOL_VERSION_CURRENT,
             max_num_seqs=self.core.config.scheduler.max_num_seqs,
         )
+
+
+def _host_tier_fields(tier: KVOffloadStats) -> dict[str, int]:
+    """NodeStats fields of the host KV tier (engine/kv_offload; zeros when it is off)."""
+    return {
+        "num_host_kv_blocks": tier.num_host_blocks,
+        "num_free_host_kv_blocks": tier.num_free_host_blocks,
+        "num_host_prefix_cache_hit_tokens": tier.host_hit_tokens,
+        "num_kv_offload_bytes": tier.offload_bytes,
+        "num_kv_promotion_bytes": tier.promotion_bytes,
+    }

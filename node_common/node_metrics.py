@@ -3,8 +3,9 @@
 
 ```
 scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
-           waiting, KV blocks, pending transfers; counters: finished, prefix-cache hits, local
-           prefills, fallbacks)
+           waiting, KV blocks, host-tier blocks, pending transfers; counters: finished,
+           prefix-cache hits (all tiers, host tier), host-tier offload and promotion bytes,
+           local prefills, fallbacks)
 transfer session finished ──► transfer_finished: bytes, duration histogram, result ok | failed
                               (by direction: sent on the prefill node, received on the decode
                               node; every series of the node's direction exists from the start)
@@ -40,11 +41,21 @@ _GAUGES = {
     "num_pending_transfers": ("pdserve_node_kv_transfers_pending", "KV hand-offs in flight"),
     "num_queued_prefill_tokens": (
         "pdserve_node_queued_prefill_tokens", "prompt tokens accepted and not prefilled yet"),
+    "num_host_kv_blocks": ("pdserve_node_host_kv_blocks", "blocks of the host KV tier"),
+    "num_free_host_kv_blocks": (
+        "pdserve_node_host_kv_blocks_free", "host KV tier blocks holding no KV"),
 }  # fmt: skip
 _COUNTERS = {
     "num_finished_requests": ("pdserve_node_requests_finished", "requests whose output went out"),
     "num_prefix_cache_hit_tokens": (
         "pdserve_node_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
+    "num_host_prefix_cache_hit_tokens": (
+        "pdserve_node_prefix_cache_host_hit_tokens",
+        "prompt tokens found in the host KV tier (promoted; also in the prefix cache hits)"),
+    "num_kv_offload_bytes": (
+        "pdserve_node_kv_offload_bytes", "KV bytes copied from the device pool to the host tier"),
+    "num_kv_promotion_bytes": (
+        "pdserve_node_kv_promotion_bytes", "KV bytes copied from the host tier back to the device"),
     "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
     "num_in_place_transfers": (
         "pdserve_node_kv_transfers_in_place",

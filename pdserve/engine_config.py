@@ -38,7 +38,8 @@ class CacheConfig:
     """Paged KV cache: block geometry and how much memory the pool takes.
 
     Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
-    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
+    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB.
+    `kv_offload_memory`: bytes of host memory for the host tier (engine/kv_offload), 0: none."""
 
     block_size: int = knob(
         16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
@@ -57,6 +58,12 @@ class CacheConfig:
         True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
     )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    kv_offload_memory: int = knob(
+        0,
+        "host memory for a tier under the prefix cache, e.g. 16GiB (page-locked on CUDA): "
+        "evicted blocks are kept there and copied back on a hit (0: off)",
+        parse=parse_size,
+    )
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,11 @@ class NodeStats(_message.Message):
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_PLACE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PROMOTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_running_requests: int
@@ -256,7 +261,12 @@ class NodeStats(_message.Message):
     num_queued_prefill_tokens: int
     last_transfer: LayerTimeline
     num_in_place_transfers: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ...) -> None: ...
+    num_host_kv_blocks: int
+    num_free_host_kv_blocks: int
+    num_host_prefix_cache_hit_tokens: int
+    num_kv_offload_bytes: int
+    num_kv_promotion_bytes: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerTimeline(_message.Message):
     __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s", "marks_s")
