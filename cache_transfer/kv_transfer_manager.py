@@ -57,6 +57,7 @@ class KVTransferManager:
         sharing: PoolSharing | None = None,
         kv_device: torch.device | None = None,
         kv_device_name: str | None = None,
+        encrypt: bool = False,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
@@ -65,11 +66,15 @@ class KVTransferManager:
         signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
-        write into a receiver there."""
+        write into a receiver there. `encrypt` (needs `auth`; host payloads): senders encrypt
+        their payloads and first token, receivers take encrypted transfers only."""
+        if encrypt and auth is None:
+            raise ValueError("encrypted KV frames (--kv-encrypt) need a cluster secret")
         if kv_caches is not None:
             _check_caches(layout, kv_caches)
         self.layout = layout
         self.auth = auth
+        self.encrypt = encrypt
         self.num_succeeded = 0
         self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
@@ -138,6 +143,7 @@ class KVTransferManager:
             start_timeout_s=start_timeout_s,
             pool_export=self._pool_export,
             kv_device=self._kv_device_name,
+            require_encryption=self.encrypt,
         )
         return self._register(receiver, self._receivers)
 
@@ -162,6 +168,7 @@ class KVTransferManager:
             sharing=self._sharing,
             kv_device=self._sender_kv_device,
             device=self._kv_device,
+            encrypt=self.encrypt,
         )
         return self._register(sender, self._senders)
 

@@ -28,9 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cache_transfer import protocol
 from cache_transfer import receiver_checks as checks
-from cache_transfer.frame_auth.challenges import Challenges, make_challenge
+from cache_transfer.frame_auth.challenges import Challenges
 from cache_transfer.frame_auth.frame_key import TO_SENDER, Chunk, FrameKey
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
 from cache_transfer.layout import KVCaches, KVLayout, check_reservation, kv_device_id
@@ -68,12 +67,14 @@ class KVReceiver(TransferSession):
         start_timeout_s: float | None = None,
         pool_export: transfer_pb2.KVPoolExport | None = None,
         kv_device: str | None = None,
+        require_encryption: bool = False,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
         block_size) receive the KV). `pool_export`: grant writes in place to a sender on
         `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is signed and
-        only a handshake proving the secret is heard. With `start_timeout_s` the handshake
-        must come within it, and `timeout_s` counts from the handshake."""
+        only a handshake proving the secret is heard (`require_encryption`: and asking for
+        encrypted frames). With `start_timeout_s` the handshake must come within it, and
+        `timeout_s` counts from the handshake."""
         check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
         super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
         self.layout = layout
@@ -92,6 +93,8 @@ class KVReceiver(TransferSession):
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
         self._auth = auth
+        self.authenticated = auth is not None
+        self.requires_encryption = require_encryption
         self.challenges = Challenges()  # the nonce of each connection that said hello
         self._proven_key: FrameKey | None = None  # that of the handshake being heard
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
@@ -150,8 +153,10 @@ class KVReceiver(TransferSession):
             self._verify_then_land(msg, header, payload)
             return
         kind = kind_of(msg)
-        if kind == "hello":
-            self._challenge(peer_id, msg.hello)
+        if kind == "hello":  # a challenge for its connection (to its src_address)
+            answer = self.challenges.answer(peer_id, msg.hello, self._auth, self.transfer_id)
+            if answer is not None:
+                self.spawn(self._send_best_effort(msg.hello.src_address, answer))
             return
         if not self._hears(peer_id, msg, header):
             return
@@ -213,24 +218,16 @@ class KVReceiver(TransferSession):
         self.frames.bind(was)
         return forged
 
-    def _challenge(self, peer_id: str, hello: transfer_pb2.TransferHello) -> None:
-        """Answer a hello (to its src_address) with a fresh nonce for its connection."""
-        nonce = self.challenges.issue(peer_id)
-        if nonce is None or not hello.src_address:
-            logger.warning("receiver %s: no challenge for %s (%s)", self.transfer_id, peer_id,
-                           "no src_address" if nonce else "too many outstanding")  # fmt: skip
-            return
-        challenge = make_challenge(self._auth, self.transfer_id, peer_id, nonce)
-        header = protocol.encode(self.transfer_id, 0, challenge=challenge)
-        self.spawn(self._send_best_effort(hello.src_address, header))
-
     def _act_on(self, peer_id: str, msg: TransferMessage) -> None:
         """A header-only message the checks accepted (other than a handshake)."""
         kind = kind_of(msg)
         if kind == "layer_manifest":
             self._land_in_place(msg.layer_manifest)
         elif kind == "first_token":
-            self.first_token = msg.first_token
+            try:
+                self.first_token = self.frames.open_token(msg.first_token)
+            except ValueError as error:
+                self.fail(f"refused the first token: {error}")
             self._maybe_succeed()
         else:  # a failed result (a successful one is refused)
             self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False)
@@ -258,7 +255,8 @@ class KVReceiver(TransferSession):
         place are granted if asked for from this GPU)."""
         self.sender_id = peer_id
         self._peer_address = handshake.src_address or None
-        self.frames.bind(self._proven_key)  # its MAC key (None: an open cluster)
+        # its MAC key (None: an open cluster), and its cipher if it encrypts
+        self.frames.bind(self._proven_key, handshake.encrypted and refusal is None)
         ack = transfer_pb2.HandshakeAck(accepted=refusal is None, protocol_version=PROTOCOL_VERSION)
         if refusal is not None:
             ack.reason = refusal.reason
@@ -299,6 +297,10 @@ class KVReceiver(TransferSession):
             forged = self.frames.forged(msg, header, part)
             if forged is not None:
                 self.fail(f"refused layer {msg.layer_manifest.layer_idx}: {forged}")
+            elif self.frames.cipher is not None:  # encrypted: decrypted into staging of its own
+                sealed, payload = payload, self._staging.take(payload.numel(), payload.device)
+                self.frames.decrypt(msg.layer_manifest, sealed, payload)
+                self._staging.give_back(sealed)
         self._land_layer(msg.layer_manifest, payload)  # (a failed session writes nothing)
 
     def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:

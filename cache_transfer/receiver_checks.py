@@ -18,7 +18,8 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
        sender_refusal       the session is live, the handshake comes first and then everything
                             from the peer that sent it, each with the next sequence number
        by kind:
-       handshake            handshake_refusal: version, layout, layers, tokens, blocks, address
+       handshake            handshake_refusal: version, layout, layers, tokens, blocks,
+                            address, encryption
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
        first_token          first_token_refusal: once, after every layer is complete
@@ -65,6 +66,10 @@ class ReceiverView(Protocol):
     def first_token(self) -> transfer_pb2.FirstToken | None: ...
     @property
     def in_place(self) -> bool: ...  # the sender was granted writes in place
+    @property
+    def authenticated(self) -> bool: ...  # a cluster secret: handshakes prove it
+    @property
+    def requires_encryption(self) -> bool: ...  # --kv-encrypt: only encrypted transfers
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
             return f"{field} is {got!r}, this receiver expects {want!r}"
     if not handshake.src_address:
         return "no src_address to reply to"
+    if r.requires_encryption and not handshake.encrypted:
+        return "this receiver takes encrypted KV frames only (--kv-encrypt on both nodes)"
+    if handshake.encrypted and not r.authenticated:
+        return "encrypted KV frames need a cluster secret (the key comes from it)"
     return None
 
 

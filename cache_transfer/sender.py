@@ -59,15 +59,17 @@ class KVSender(TransferSession):
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
+        encrypt: bool = False,
     ) -> None:
         """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
         `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
         With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The hello goes out at once, the handshake at the start (TransferSession)."""
+        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret;
+        `encrypt`: payloads and the first token encrypted (host payloads; needs `auth`). The
+        hello goes out at once, the handshake at the start (TransferSession)."""
         super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
         self._auth = auth
-        self._hello = SenderHello(transport, auth, ticket.transfer_id)
+        self._hello = SenderHello(transport, auth, ticket.transfer_id, self.frames, encrypt)
         self.add_finish_callback(lambda _: self._hello.answered.set())
         self.frames.required = auth is not None
         self._ticket = ticket
@@ -93,7 +95,8 @@ class KVSender(TransferSession):
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
         else:  # the hello at once: an unreachable receiver fails the transfer now
-            self.spawn(self._hello.say(ticket.dst_address, timeout_s, self._unreachable))
+            unreachable = lambda why: self.fail(why, notify_peer=False)  # noqa: E731
+            self.spawn(self._hello.say(ticket.dst_address, timeout_s, unreachable))
             if self.started:
                 self.spawn(self._handshake())
 
@@ -199,7 +202,7 @@ class KVSender(TransferSession):
             first_token = transfer_pb2.FirstToken(
                 token_id=token_id, logprob=logprob, finish_reason=finish_reason
             )
-            await self._send(first_token=first_token)
+            await self._send(first_token=self.frames.seal_token(first_token))
 
     def complete(self, peer_id: str, msg: TransferMessage, _: object, header: bytes = b"") -> None:
         """A header-only message from the receiver (its bytes: `header`): the challenge, the
@@ -272,10 +275,13 @@ class KVSender(TransferSession):
         staged = StagedSend(self._staging, self._transport.buffer_device(device))
         sent = False
         try:
-            messages: list[Outgoing] = [
-                (staged.payload(source, manifest.num_bytes), {"layer_manifest": manifest})
-                for manifest, source in zip(manifests, sources, strict=True)
-            ]
+            messages: list[Outgoing] = []
+            for manifest, source in zip(manifests, sources, strict=True):
+                payload = staged.payload(source, manifest.num_bytes)
+                if self.frames.cipher is not None:  # encrypted into staging of its own
+                    fill = self.frames.encrypting(manifest, payload)
+                    payload = staged.payload(fill, manifest.num_bytes)
+                messages.append((payload, {"layer_manifest": manifest}))
             self._advance(TransferState.TRANSFERRING)
             # counted as handed over: the receiver may confirm them before their send completes
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
@@ -302,15 +308,10 @@ class KVSender(TransferSession):
         announced = self._in_place.announcements(manifests)
         await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
-    def _unreachable(self, error: str) -> None:
-        self.fail(error, notify_peer=False)
-
     def _on_challenge(self, peer_id: str, challenge: transfer_pb2.HandshakeChallenge) -> None:
-        refused = self._hello.take(peer_id, challenge)
+        refused = self._hello.take(peer_id, challenge)  # binds our FrameKey when it fits
         if refused is not None:
             self.fail(f"the receiver refused the transfer: {refused}", notify_peer=False)
-        else:
-            self.frames.bind(self._hello.frame_key)
 
     async def _handshake(self) -> None:
         """Once challenged: the handshake, proving the challenge's nonce on our connection."""
@@ -321,7 +322,7 @@ class KVSender(TransferSession):
         handshake = handshake_for(
             self._ticket, self.layout, self._transport.address, self._auth,
             self._in_place.kv_device, self.may_write_in_place, self.timeout_s,
-            self._hello.nonce or b"", self._hello.connection,
+            self._hello.nonce or b"", self._hello.connection, self._hello.encrypt,
         )  # fmt: skip
         await self._send(handshake=handshake)
 

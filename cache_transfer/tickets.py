@@ -108,6 +108,7 @@ def handshake_for(
     timeout_s: float,
     nonce: bytes = b"",
     connection: str = "",
+    encrypted: bool = False,
 ) -> transfer_pb2.TransferHandshake:
     """The sender's handshake for `ticket`: what the receiver checks it against, where to
     answer, whether it asks to write in place, its deadline; with a secret, proving it on
@@ -122,6 +123,7 @@ def handshake_for(
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,
+        encrypted=encrypted,
     )
     if auth is not None:
         handshake.proof = handshake_proof(auth, ticket, src_address, nonce, connection)

@@ -148,6 +148,12 @@ class NodeConfig:
     )
     transfer_timeout_s: float = transfer_timeout_knob()
     kv_write_in_place: bool = knob(True, "one GPU: P writes the KV into D's blocks (CUDA IPC)")
+    kv_encrypt: bool = knob(
+        False,
+        "encrypt the KV payloads and first tokens this node sends, and take only encrypted "
+        "hand-offs (AES-256-CTR under a per-transfer key; host payloads: --kv-transport tcp on "
+        "GPU nodes; needs --cluster-secret-file; off: they are MACed, not encrypted)",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,

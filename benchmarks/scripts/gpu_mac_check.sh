@@ -13,6 +13,8 @@
 #                sent over ucx from GPU memory, MACed through their
 #                device digest (the path two GPUs take)
 #      inplace   the default on one GPU: layers written in place, only headers MACed
+#      tcp       (not in the default MODES) --transport tcp: packed into pinned host staging,
+#                MACed on the host (Poly1305) at both ends
 #    Target: the secret's TTFT within 1 % of the open cluster's (compare the two 1P1D rows of a
 #    mode; the 2nd-token column shows what the decode node's checks add).
 # Budget: ~3-4 minutes per ttft run (4 by default): run MODES=sent and MODES=inplace as two
@@ -49,6 +51,7 @@ st=${PIPESTATUS[0]}; echo "exit code: $st"; [ "$st" = 0 ] || rc=1
 for mode in "${modes[@]}"; do
   extra=(--serve-arg=--http-port=0)
   [ "$mode" = sent ] && extra+=(--serve-arg=--kv-write-in-place)  # (turns it off)
+  [ "$mode" = tcp ] && extra+=(--serve-arg=--kv-write-in-place --transport tcp)
   for auth in open secret; do
     flags=("${extra[@]}")
     [ "$auth" = secret ] && flags+=("--serve-arg=--cluster-secret-file=$secret")

@@ -6,9 +6,10 @@ For one layer of one request (K and V of `--prompt-tokens` tokens, bf16: 4 KiB a
 llama3-8b), best of `--iters`:
 
 - host (a tcp hand-off's payloads, host memory): the MAC the nodes use (Poly1305 under a
-  one-time key, `FrameKey.tag`), keyed BLAKE2b and HMAC-SHA256 (hashlib) for comparison, AES-256-GCM
-  encryption and decryption (what encrypting the frames would cost), against a host memcpy of
-  the same bytes (the ceiling: each MAC reads the bytes once);
+  one-time key, `FrameKey.tag`), keyed BLAKE2b and HMAC-SHA256 (hashlib) for comparison, and
+  `--kv-encrypt`'s AES-256-CTR into a staging buffer (`FrameCipher.payload`: what each end adds
+  when frames are encrypted, beside the MAC), against a host memcpy of the same bytes (the
+  ceiling: each reads the bytes once);
 - device (`--device cuda`: a ucx hand-off's GPU payloads): the keyed digest (kernels/kv_digest,
   Triton and the torch reference) against a device copy of the same bytes, and what a sender
   pays per message on top (digest, its copy to the host, the event awaited, the tag:
@@ -31,12 +32,14 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from cache_transfer.frame_auth.frame_cipher import FrameCipher
 from cache_transfer.frame_auth.frame_key import TO_RECEIVER, FrameKey
 from cache_transfer.frame_auth.frame_sealer import FrameSealer
+from cache_transfer.protocol import MessageBody
 from kernels.kv_digest import kv_digest
 from pdserve.security import ClusterAuth
+from pdserve.v1 import transfer_pb2
 
 BYTES_PER_TOKEN_LAYER = {"llama3-8b": 2 * 8 * 128 * 2, "qwen2.5-7b": 2 * 4 * 128 * 2}
 NUM_LAYERS = {"llama3-8b": 32, "qwen2.5-7b": 28}
@@ -64,8 +67,8 @@ def host_rows(num_bytes: int, iters: int) -> tuple[list[str], float]:
     """The host MACs of one layer; returns the rows and the nodes' MAC time (s)."""
     buf = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
     view, dst, key = memoryview(buf), np.empty_like(buf), FrameKey(AUTH, "t", bytes(16), "c")
-    aes, nonce = AESGCM(bytes(32)), bytes(12)
-    sealed = aes.encrypt(nonce, view, None)
+    cipher, manifest = FrameCipher(key), transfer_pb2.LayerManifest(layer_idx=1, token_end=9)
+    src, out = torch.from_numpy(buf), torch.from_numpy(dst)
     copy_s = best_s(lambda: np.copyto(dst, buf), iters)
     tag_s = best_s(lambda: key.tag(TO_RECEIVER, 1, b"header", [view]), iters)
     rows = [
@@ -75,10 +78,8 @@ def host_rows(num_bytes: int, iters: int) -> tuple[list[str], float]:
             lambda: hashlib.blake2b(view, key=bytes(32), digest_size=16).digest(), iters), copy_s),
         row("HMAC-SHA256 (hashlib)", num_bytes,
             best_s(lambda: hmac.digest(bytes(32), view, "sha256"), iters), copy_s),
-        row("AES-256-GCM encrypt (frame encryption)", num_bytes,
-            best_s(lambda: aes.encrypt(nonce, view, None), iters), copy_s),
-        row("AES-256-GCM decrypt", num_bytes,
-            best_s(lambda: aes.decrypt(nonce, sealed, None), iters), copy_s),
+        row("AES-256-CTR into staging (--kv-encrypt, each end)", num_bytes,
+            best_s(lambda: cipher.payload(TO_RECEIVER, manifest, src, out), iters), copy_s),
     ]  # fmt: skip
     return rows, tag_s
 
@@ -101,9 +102,6 @@ def device_rows(num_bytes: int, num_layers: int, iters: int) -> tuple[list[str],
     sealer.bind(key)
 
     async def seal(count: int) -> None:
-        from cache_transfer.protocol import MessageBody
-        from pdserve.v1 import transfer_pb2
-
         messages: list[tuple[torch.Tensor | None, dict[str, MessageBody]]] = [
             (payload, {"layer_manifest": transfer_pb2.LayerManifest()}) for _ in range(count)
         ]

@@ -16,11 +16,15 @@ someone else draws a challenge naming their connection, which the honest sender 
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import OrderedDict
 
+from cache_transfer import protocol
 from pdserve.security import ClusterAuth
 from pdserve.v1 import transfer_pb2
+
+logger = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
 MAX_OUTSTANDING = 8  # challenges a receiver keeps unanswered at once (a flood of hellos)
@@ -45,6 +49,23 @@ class Challenges:
 
     def outstanding(self) -> dict[str, bytes]:
         return dict(self._nonces)
+
+    def answer(
+        self,
+        peer_id: str,
+        hello: transfer_pb2.TransferHello,
+        auth: ClusterAuth | None,
+        transfer_id: str,
+    ) -> bytes | None:
+        """The challenge header for a hello on `peer_id` (a fresh nonce, proved with the
+        secret), to send to its src_address; None (logged) when there is none to give."""
+        nonce = self.issue(peer_id)
+        if nonce is None or not hello.src_address:
+            why = "no src_address" if nonce else f"{self._max} challenges wait already"
+            logger.warning("transfer %s: no challenge for %s (%s)", transfer_id, peer_id, why)
+            return None
+        challenge = make_challenge(auth, transfer_id, peer_id, nonce)
+        return protocol.encode(transfer_id, 0, challenge=challenge)
 
 
 def _proof(

@@ -54,13 +54,17 @@ class FrameKey:
     ) -> bool:
         return hmac.compare_digest(tag, self.tag(direction, seq, body, payload))
 
+    def derive(self, label: bytes) -> bytes:
+        """A 32-byte key for another use of this transfer's key (HMAC-SHA256 with `label`)."""
+        return hmac.digest(self._key, label, "sha256")
+
     def digest_key(self, device: torch.device) -> torch.Tensor:
         """The device digest's key for this transfer (`kernels.kv_digest`: LANES x CHUNK_WORDS
         int64 in [0, PRIME)): an AES-256-CTR keystream under a key derived from this one, 31
         bits a word (2^31 - 1 becomes 0: each value has probability <= 2 / 2^31)."""
         key = self._digest_keys.get(device)
         if key is None:
-            seed = hmac.digest(self._key, b"kv-digest-key", "sha256")
+            seed = self.derive(b"kv-digest-key")
             stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
             raw = stream.update(bytes(4 * LANES * CHUNK_WORDS))
             words = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)

@@ -1,8 +1,9 @@
 """`FrameSealer`: the part of a session that authenticates its messages (a `TransferSession`
 owns one; without a key, in an open cluster or before the challenge, headers pass as they are).
 
-    bind(key)                          the transfer's FrameKey (the sender: on the challenge;
-                                       the receiver: on the handshake that proved it)
+    bind(key, encrypted)               the transfer's FrameKey (the sender: on the challenge;
+                                       the receiver: on the handshake that proved it), and
+                                       with `encrypted` its FrameCipher (--kv-encrypt)
     await parts(messages)              outgoing: what each tag covers of its payload (CUDA
                                        payloads: their digests, awaited; the manifest says so)
     seal(seq, body, part)              outgoing: the header on the wire
@@ -13,13 +14,15 @@ owns one; without a key, in an open cluster or before the challenge, headers pas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from cache_transfer.frame_auth.frame_cipher import FrameCipher
 from cache_transfer.frame_auth.frame_key import Chunk, FrameKey, seal, unseal
 from cache_transfer.frame_auth.payload_digests import device_parts, digest_part, host_part
 from cache_transfer.protocol import MessageBody, TransferMessage, kind_of
+from pdserve.v1 import transfer_pb2
 
 Outgoing = tuple[torch.Tensor | None, dict[str, MessageBody]]
 
@@ -28,12 +31,40 @@ class FrameSealer:
     def __init__(self, outgoing: int) -> None:
         """`outgoing`: the direction of what this side sends (frame_key.TO_RECEIVER: a sender)."""
         self.key: FrameKey | None = None
+        self.cipher: FrameCipher | None = None  # an encrypted transfer's (--kv-encrypt)
         self.required = False  # a cluster secret: no message is authentic before the key
         self._out = outgoing
         self._in = 1 - outgoing
 
-    def bind(self, key: FrameKey | None) -> None:
+    def bind(self, key: FrameKey | None, encrypted: bool = False) -> None:
         self.key = key
+        self.cipher = FrameCipher(key) if encrypted and key is not None else None
+
+    def encrypting(
+        self, manifest: transfer_pb2.LayerManifest, plain: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
+        """What fills a staging buffer with `plain` encrypted (the sender's payload)."""
+        cipher = self.cipher
+        assert cipher is not None
+        return lambda out: cipher.payload(self._out, manifest, plain, out)
+
+    def decrypt(
+        self, manifest: transfer_pb2.LayerManifest, sealed: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        assert self.cipher is not None
+        self.cipher.payload(self._in, manifest, sealed, out)
+
+    def seal_token(self, token: transfer_pb2.FirstToken) -> transfer_pb2.FirstToken:
+        return token if self.cipher is None else self.cipher.seal_token(self._out, token)
+
+    def open_token(self, token: transfer_pb2.FirstToken) -> transfer_pb2.FirstToken:
+        """The first token as sent (ValueError: sealed, and it does not decrypt; or in clear
+        where the transfer is encrypted)."""
+        if self.cipher is None:
+            return token
+        if not token.sealed:
+            raise ValueError("a first token in clear in an encrypted transfer")
+        return self.cipher.open_token(self._in, token)
 
     async def parts(self, messages: Sequence[Outgoing]) -> list[list[Chunk]]:
         """Per message, what its tag covers of its payload (nothing without a key)."""

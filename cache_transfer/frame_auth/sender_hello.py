@@ -4,7 +4,8 @@
 created (ticket verified) ──► hello {src_address} to the ticket's dst_address, at once: the
     receiver is reached (or found unreachable: the transfer fails) while the prefill queues
 challenge for our connection ──► nonce (with a secret: its proof verified; the transfer's
-    FrameKey from here on) ──► `answered`: the handshake may go, proving the nonce
+    FrameKey bound to the session's FrameSealer from here on, and with `encrypt` its
+    FrameCipher) ──► `answered`: the handshake may go, proving the nonce
 refusal for our connection ──► the transfer fails at once (the receiver ended)
 a challenge for another connection, a second one, or one without a valid proof ──► ignored
 ```
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from cache_transfer import protocol
 from cache_transfer.frame_auth.challenges import challenge_misfit
 from cache_transfer.frame_auth.frame_key import FrameKey
+from cache_transfer.frame_auth.frame_sealer import FrameSealer
 from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.security import ClusterAuth
 from pdserve.v1 import transfer_pb2
@@ -27,14 +29,26 @@ logger = logging.getLogger(__name__)
 
 
 class SenderHello:
-    def __init__(self, transport: KVTransport, auth: ClusterAuth | None, transfer_id: str) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        auth: ClusterAuth | None,
+        transfer_id: str,
+        frames: FrameSealer,
+        encrypt: bool = False,
+    ) -> None:
+        """`frames`: the session's, bound once challenged; `encrypt`: its payloads and first
+        token encrypted (needs `auth`)."""
+        if encrypt and auth is None:
+            raise ValueError("encrypted KV frames need a cluster secret (the key comes from it)")
         self._transport = transport
         self._auth = auth
         self._transfer_id = transfer_id
+        self._frames = frames
+        self.encrypt = encrypt
         self.connection = ""  # our transport's peer id at the receiver (what proofs cover)
         self.nonce: bytes | None = None
         self.answered = asyncio.Event()  # challenged (or the session ended)
-        self.frame_key: FrameKey | None = None  # with a secret, once challenged
 
     async def say(
         self, peer_address: str, timeout_s: float, on_error: Callable[[str], None]
@@ -73,6 +87,7 @@ class SenderHello:
             return challenge.refused
         self.nonce = challenge.nonce
         if self._auth is not None:
-            self.frame_key = FrameKey(self._auth, self._transfer_id, self.nonce, self.connection)
+            key = FrameKey(self._auth, self._transfer_id, self.nonce, self.connection)
+            self._frames.bind(key, self.encrypt)
         self.answered.set()
         return None

@@ -70,7 +70,7 @@ def test_a_secured_gpu_hand_off_macs_through_the_digest(backend: str, tamper: bo
             real = transport.send_many
 
             async def flip(peer_address: str, messages: list) -> None:
-                for header, payload in messages:
+                for _, payload in messages:
                     if payload is not None:
                         payload.view(-1)[5] ^= 1  # in flight, after the MAC
                 await real(peer_address, messages)

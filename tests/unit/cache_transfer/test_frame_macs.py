@@ -236,3 +236,53 @@ def test_an_unreachable_receiver_fails_the_sender_within_the_connect_timeout() -
     raw_s, state, error, elapsed_s = run(scenario())
     assert raw_s < 5.0 and elapsed_s < 5.0, (raw_s, elapsed_s)
     assert state == TransferState.FAILED and "could not reach the receiver" in error, error
+
+
+def test_an_encrypted_transfer_lands_byte_exact_and_shows_no_plaintext(backend: str) -> None:
+    """--kv-encrypt: the payloads and the first token on the wire are ciphertext (no layer's
+    bytes, nor the token, appear in what the transport carried); the receiver decrypts them
+    after their MAC verified; a receiver that requires encryption refuses a sender without."""
+
+    async def scenario() -> tuple[TransferState, bool, bool, int, TransferState, str]:
+        src = random_caches(LAYOUT, 8)
+        prefill = KVTransferManager(make_transport(backend), LAYOUT, auth=AUTH, encrypt=True)
+        decode = KVTransferManager(
+            make_transport(backend), LAYOUT, sentinel_caches(LAYOUT, 12), auth=AUTH, encrypt=True
+        )
+        wire: list[tuple[bytes, bytes]] = []
+        transport = prefill._transport.inner
+        real = transport.send_many
+
+        async def record(peer_address: str, messages: list) -> None:
+            for header, payload in messages:
+                data = b"" if payload is None else payload.numpy().tobytes()
+                wire.append((bytes(header), data))
+            await real(peer_address, messages)
+
+        transport.send_many = record
+        receiver = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
+        sender = prefill.create_sender(receiver.ticket(), timeout_s=10)
+        for layer_idx, (k, v) in enumerate(src):
+            await sender.send_layer(layer_idx, k, v, [5, 0, 7])
+        await sender.send_first_token(321)
+        state = await receiver.wait(timeout_s=10)
+        exact = all(torch.equal(k[DST_BLOCK_IDS[:3]], src[i][0][[5, 0, 7]])
+                    for i, (k, _) in enumerate(caches(decode)))  # fmt: skip
+        plain = [src[i][0][[5, 0, 7]].numpy().tobytes()[:64] for i in range(LAYOUT.num_layers)]
+        hidden = all(p not in data for p in plain for _, data in wire)
+        sent_tokens = [m.first_token for m in map(protocol.decode, (h for h, _ in wire))
+                       if protocol.kind_of(m) == "first_token"]  # fmt: skip
+        hidden &= [(t.token_id, bool(t.sealed)) for t in sent_tokens] == [(0, True)]
+        token = receiver.first_token.token_id if receiver.first_token else -1
+        open_prefill = KVTransferManager(make_transport(backend), LAYOUT, auth=AUTH)
+        refused = decode.create_receiver([0, 1, 3], NUM_TOKENS, timeout_s=10)
+        plain_sender = open_prefill.create_sender(refused.ticket(), timeout_s=10)
+        refused_state = await plain_sender.wait(timeout_s=10)
+        for manager in (prefill, decode, open_prefill):
+            await manager.close()
+        return state, exact, hidden, token, refused_state, plain_sender.error or ""
+
+    state, exact, hidden, token, refused_state, error = run(scenario())
+    assert state == TransferState.SUCCESS and exact and token == 321
+    assert hidden, "a layer's bytes crossed the transport in clear"
+    assert refused_state == TransferState.FAILED and "encrypted KV frames only" in error, error
