@@ -66,7 +66,7 @@ def row(name: str, num_bytes: int, seconds: float, ceiling_s: float | None = Non
 def host_rows(num_bytes: int, iters: int) -> tuple[list[str], float]:
     """The host MACs of one layer; returns the rows and the nodes' MAC time (s)."""
     buf = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
-    view, dst, key = memoryview(buf), np.empty_like(buf), FrameKey(AUTH, "t", bytes(16), "c")
+    view, dst, key = buf.data, np.empty_like(buf), FrameKey(AUTH, "t", bytes(16), "c")
     cipher, manifest = FrameCipher(key), transfer_pb2.LayerManifest(layer_idx=1, token_end=9)
     src, out = torch.from_numpy(buf), torch.from_numpy(dst)
     copy_s = best_s(lambda: np.copyto(dst, buf), iters)
@@ -96,7 +96,11 @@ def device_rows(num_bytes: int, num_layers: int, iters: int) -> tuple[list[str],
     copy_s = best_s(lambda: dst.copy_(payload), iters, sync)
     rows = [row("device copy of the same bytes (ceiling)", num_bytes, copy_s)]
     for impl in ("triton", "torch"):
-        seconds = best_s(lambda impl=impl: kv_digest(payload, digest_key, impl), iters, sync)
+
+        def digest(impl: str = impl) -> torch.Tensor:
+            return kv_digest(payload, digest_key, impl)
+
+        seconds = best_s(digest, iters, sync)
         rows.append(row(f"kv_digest {impl} (device)", num_bytes, seconds, copy_s))
     sealer = FrameSealer(TO_RECEIVER)
     sealer.bind(key)
