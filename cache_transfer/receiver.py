@@ -211,12 +211,8 @@ class KVReceiver(TransferSession):
         unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg, nonce)
         if unproven is not None or nonce is None or self._auth is None or self.finished:
             return unproven
-        key = FrameKey(self._auth, self.transfer_id, nonce, peer_id)
-        self._proven_key, was = key, self.frames.key
-        self.frames.bind(key)
-        forged = self.frames.forged(msg, header or b"")
-        self.frames.bind(was)
-        return forged
+        self._proven_key = FrameKey(self._auth, self.transfer_id, nonce, peer_id)
+        return self.frames.forged(msg, header or b"", key=self._proven_key)
 
     def _act_on(self, peer_id: str, msg: TransferMessage) -> None:
         """A header-only message the checks accepted (other than a handshake)."""

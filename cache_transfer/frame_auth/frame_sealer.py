@@ -46,6 +46,10 @@ class FrameSealer:
         """What fills a staging buffer with `plain` encrypted (the sender's payload)."""
         cipher = self.cipher
         assert cipher is not None
+        if plain.device.type != "cpu":
+            raise ValueError(
+                f"encrypted KV frames are host payloads; this one is on {plain.device}"
+            )
         return lambda out: cipher.payload(self._out, manifest, plain, out)
 
     def decrypt(
@@ -87,15 +91,23 @@ class FrameSealer:
             return body
         return seal(body, self.key.tag(self._out, seq, body, part))
 
-    def forged(self, msg: TransferMessage, header: bytes, part: Sequence[Chunk] = ()) -> str | None:
+    def forged(
+        self,
+        msg: TransferMessage,
+        header: bytes,
+        part: Sequence[Chunk] = (),
+        key: FrameKey | None = None,
+    ) -> str | None:
         """Why an incoming message (its whole `header`; `part`: what covers its payload) is
-        not authentic, or None (always None without a key, unless one is `required`)."""
-        if self.key is None:
+        not authentic under `key` (default: the bound one), or None (always None without a
+        key, unless one is `required`)."""
+        key = key or self.key
+        if key is None:
             return f"a {kind_of(msg)} message before the challenge" if self.required else None
         body = unseal(header, msg.mac)
         if body is None:
             return f"a {kind_of(msg)} message without its MAC"
-        if not self.key.verify(self._in, msg.seq, body, msg.mac, part):
+        if not key.verify(self._in, msg.seq, body, msg.mac, part):
             return f"a {kind_of(msg)} message (seq {msg.seq}) whose MAC does not verify"
         return None
 
