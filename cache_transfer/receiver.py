@@ -23,6 +23,7 @@ deadline stays the first handshake's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -281,6 +282,10 @@ class KVReceiver(TransferSession):
         part = None
         try:
             part = await self.frames.device_part(payload)
+        except asyncio.CancelledError:  # (the manager closing): nothing lands
+            self.num_landing -= 1
+            self._staging.give_back(payload)
+            raise
         except Exception as error:  # noqa: BLE001 - a CUDA error, or a hung device
             self.fail(f"could not check layer {msg.layer_manifest.layer_idx}'s MAC: {error!r}")
         self._land_checked(msg, header, payload, part)
