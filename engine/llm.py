@@ -1,6 +1,8 @@
 """The offline API (vLLM-like): `LLM(model=...).generate(prompts, params)`.
 
-prompts (text or token ids) -> Tokenizer.encode -> EngineCore.add_request
+prompts (text or token ids) -> Tokenizer.encode
+    -> EngineCore.structured.compile (structured outputs: the grammar, compiled once, cached)
+    -> EngineCore.make_request -> EngineCore.add_request
 loop EngineCore.step():
     new tokens -> IncrementalDetokenizer -> StopStringMatcher (a match aborts the request)
 -> one RequestOutput per prompt, in prompt order
@@ -97,7 +99,8 @@ class LLM:
             token_ids = self._require_tokenizer().encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        return self.engine.make_request(str(next(self._ids)), token_ids, params)
+        grammar = self.engine.structured.compile(params)  # None when unconstrained
+        return self.engine.make_request(str(next(self._ids)), token_ids, params, grammar=grammar)
 
     def _track(self, request, prompt: Prompt) -> _Tracked:
         output = RequestOutput(
@@ -117,6 +120,8 @@ class LLM:
         output = tracked.output
         output.token_ids.extend(step_output.new_token_ids)
         output.num_cached_tokens = step_output.num_cached_tokens
+        if step_output.prompt_logprobs is not None:
+            output.prompt_logprobs = step_output.prompt_logprobs
         if output.logprobs is not None and step_output.new_logprobs:
             output.logprobs.extend(step_output.new_logprobs)
         if tracked.detokenizer is None:
