@@ -30,6 +30,7 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late hellos and handshakes are refused
+ALREADY_ENDED = "the receiver already ended: "  # how a refusal to a late hello/handshake begins
 
 
 @dataclass
@@ -37,6 +38,7 @@ class _Finished:
     why: str
     ticket: node_pb2.TransferTicket
     nonces: dict[str, bytes]  # the challenges it had given, unanswered (peer_id -> nonce)
+    log_id: str  # its request's id
 
 
 class FinishedReceivers:
@@ -52,27 +54,31 @@ class FinishedReceivers:
 
     def remember(self, receiver: KVReceiver, why: str) -> None:
         nonces = receiver.challenges.outstanding()
-        self._finished[receiver.transfer_id] = _Finished(why, receiver.ticket(), nonces)
+        finished = _Finished(why, receiver.ticket(), nonces, receiver.log_id)
+        self._finished[receiver.transfer_id] = finished
         while len(self._finished) > MAX_FINISHED_REMEMBERED:
             self._finished.popitem(last=False)
 
     def refuse(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """Tell a sender whose receiver finished before its hello or handshake (best effort)."""
         finished = self._finished[msg.transfer_id]
-        is_hello = protocol.kind_of(msg) == "hello"
-        if not is_hello and self._auth is not None:
+        tag = {"request_id": finished.log_id} if finished.log_id else None
+        kind = protocol.kind_of(msg)
+        if kind != "hello" and self._auth is not None:
             nonce = finished.nonces.pop(peer_id, None)
             forged = check_handshake(self._auth, finished.ticket, msg.handshake, nonce, peer_id)
             if forged is not None:  # with a secret, only a sender that proves it is answered
                 logger.warning("ignored a late handshake from %s for transfer %s: %s",
-                               peer_id, msg.transfer_id, forged)  # fmt: skip
+                               peer_id, msg.transfer_id, forged, extra=tag)  # fmt: skip
                 return
-        reason = f"the receiver already ended: {finished.why}"
-        logger.warning("refused a %s from %s for transfer %s: %s",
-                       protocol.kind_of(msg), peer_id, msg.transfer_id, reason)  # fmt: skip
-        address = msg.hello.src_address if is_hello else msg.handshake.src_address
+        reason = ALREADY_ENDED + finished.why
+        # (the receiver logged why it ended; a cancelled one was nobody's failure)
+        level = logging.DEBUG if finished.why.startswith("cancelled") else logging.INFO
+        logger.log(level, "refused a %s from %s for transfer %s: %s",
+                   kind, peer_id, msg.transfer_id, reason, extra=tag)  # fmt: skip
+        address = msg.hello.src_address if kind == "hello" else msg.handshake.src_address
         if address:
-            self._send(address, self._refusal(peer_id, msg, reason, is_hello))
+            self._send(address, self._refusal(peer_id, msg, reason, kind == "hello"))
 
     def _refusal(
         self, peer_id: str, msg: protocol.TransferMessage, reason: str, is_hello: bool

@@ -1,15 +1,17 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── hello (at once) ... challenge (SenderHello)
-                            ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
-    (started at creation unless given start_timeout_s: a prefill node starts it, and the
-    transfer's deadline, when the engine starts the prefill; the handshake waits for the
-    challenge, and proves its nonce with a cluster secret)
+    created from the ticket ── hello (at once: queued or computing) ... challenge (SenderHello)
+        ── handshake (proving the challenge's nonce, with a cluster secret) ──► BOOTSTRAPPING
+        ── ack ──► WAITING
+    beat(n) while the node's engine progresses (queued, or computing this prompt): a Progress
+    message (MACed as any other) when nothing else went out for a while (SenderBeats)
+    start() when the engine starts this prefill (marks elapsed_s)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
-    refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
+    refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
+    cancel(), or a failed result ──► FAILED
 
 Layers wait for the handshake's ack before they are packed (a refused layout costs no
 bandwidth; `LayerSpans` turns them into manifests). Writes in place: a receiver on our own GPU
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.finished_receivers import ALREADY_ENDED
 from cache_transfer.frame_auth.sender_hello import SenderHello
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
@@ -34,14 +37,13 @@ from cache_transfer.layout import KVLayout
 from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
+from cache_transfer.sender_beats import SenderBeats
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
-from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
+from cache_transfer.tickets import check_ticket, ticket_misfit
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
-
-logger = logging.getLogger(__name__)
 
 
 class KVSender(TransferSession):
@@ -55,36 +57,31 @@ class KVSender(TransferSession):
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
         auth: ClusterAuth | None = None,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
         encrypt: bool = False,
+        log_id: str = "",
     ) -> None:
-        """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
-        `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
-        With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret;
-        `encrypt`: payloads and the first token encrypted (host payloads; needs `auth`). The
-        hello goes out at once, the handshake at the start (TransferSession)."""
-        super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
-        self._auth = auth
-        self._hello = SenderHello(transport, auth, ticket.transfer_id, self.frames, encrypt)
-        self.add_finish_callback(lambda _: self._hello.answered.set())
+        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
+        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
+        into a receiver on `kv_device` (our cache's), mapping its pool on `device`. With `auth`
+        a forged ticket fails the session at once, nobody contacted (its dst_address may be
+        anyone's), and the handshake proves the secret; `encrypt`: --kv-encrypt."""
+        super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
+        self._hello = SenderHello(transport, auth, ticket, self.frames, encrypt)
+        self.add_finish_callback(lambda _: self._hello.session_ended())
         self.frames.required = auth is not None
-        self._ticket = ticket
-        self.layout = layout
-        self.num_tokens = ticket.num_tokens
+        self._ticket, self.layout, self.num_tokens = ticket, layout, ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
         self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
         self._spans = LayerSpans(layout, ticket.num_tokens)
-        self._handshake_resolved = asyncio.Event()  # acked, or the session finished
-        self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
-        # layer sends whose messages the transport has not numbered yet (send_first_token
-        # goes right behind them: the transport keeps that order, so it need not wait for them
-        # to complete)
+        self._beats = SenderBeats(self._loop, timeout_s)
+        # layer sends the transport has not numbered yet (send_first_token goes right behind
+        # them: the transport keeps that order, so it need not wait for them to complete)
         self._unsubmitted: set[asyncio.Future[None]] = set()
         self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
@@ -94,11 +91,8 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        else:  # the hello at once: an unreachable receiver fails the transfer now
-            unreachable = lambda why: self.fail(why, notify_peer=False)  # noqa: E731
-            self.spawn(self._hello.say(ticket.dst_address, timeout_s, unreachable))
-            if self.started:
-                self.spawn(self._handshake())
+        else:
+            self.spawn(self._open())
 
     @property
     def dst_kv_device(self) -> str:
@@ -117,12 +111,24 @@ class KVSender(TransferSession):
 
     @property
     def in_place_writer(self) -> InPlaceWriter | None:
-        """Granted writes in place and mapped: what writes a layer into the receiver's blocks
-        (any thread); report such layers with `send_written_layers`."""
+        """Granted and mapped: what writes layers into the receiver's blocks (any thread)."""
         return self._in_place.writer
 
-    def _on_start(self) -> None:
-        self.spawn(self._handshake())
+    def beat(self, num_computed_tokens: int) -> None:
+        """This node's engine progressed (`num_computed_tokens` of this prompt computed; 0:
+        still queued): tell the receiver when due (SenderBeats); not before the ack nor from
+        the first token on."""
+        busy = self.finished or self.state < TransferState.WAITING or self._first_token_sent
+        if not busy and self._beats.due():
+            self.spawn(self._send_progress(num_computed_tokens))
+
+    async def _send_progress(self, computed: int) -> None:
+        if not self.finished and not self._first_token_sent:  # numbered before the token
+            await self._send(progress=transfer_pb2.Progress(num_computed_tokens=computed))
+
+    def _on_sending(self) -> None:
+        self._beats.sent()
+        self.touch()
 
     async def send_layer(
         self,
@@ -153,17 +159,17 @@ class KVSender(TransferSession):
     ) -> None:
         """Send layer `layer_idx`'s KV packed already (by `pack_layer`): the request's blocks
         not yet sent for this layer up to `ceil(token_end / block_size)`, in order, as flat
-        uint8. Sent in place when it lives where the transport sends from
-        (`buffer_device`), else copied once into staging; leave it unchanged until this
-        returns. A CUDA payload must be written on the current stream. No-op once finished."""
+        uint8. Sent in place when it lives where the transport sends from (`buffer_device`),
+        else copied once into staging; leave it unchanged until this returns. A CUDA payload
+        must be written on the current stream. No-op once finished."""
         await self.send_packed_layers([(layer_idx, payload)], token_end)
 
     async def send_packed_layers(
         self, layers: Sequence[tuple[int, torch.Tensor]], token_end: int | None = None
     ) -> None:
         """`send_packed` for several layers (distinct, same `token_end`) as one transport
-        message (`KVTransport.send_many`): fewer, larger messages. The receiver lands and
-        reports each layer as if sent alone. ValueError, nothing sent, when any is wrong."""
+        message (`send_many`): the receiver lands and reports each layer as if sent alone.
+        ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
         buffer_device = self._transport.buffer_device
         manifests, sources = self._spans.from_packed(layers, token_end, buffer_device)
@@ -172,8 +178,8 @@ class KVSender(TransferSession):
     async def send_written_layers(
         self, layer_ids: Sequence[int], token_end: int | None = None
     ) -> None:
-        """Layers the caller wrote through `in_place_writer` (their writes complete): tell
-        the receiver, one message. ValueError, nothing sent, when any is wrong."""
+        """Layers the caller wrote through `in_place_writer` (writes complete): tell the
+        receiver, one message. ValueError, nothing sent, when any is wrong."""
         writer = self._in_place.writer
         if writer is None:
             raise ValueError(f"transfer {self.transfer_id}: no writes in place were granted")
@@ -187,9 +193,8 @@ class KVSender(TransferSession):
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
     ) -> None:
-        """Send the sampled first token, after every layer's KV: once every layer's message is
-        handed to the transport (which delivers in that order), not once it is sent. A no-op
-        once finished."""
+        """Send the sampled first token once every layer's message is handed to the transport
+        (which delivers in that order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -206,38 +211,38 @@ class KVSender(TransferSession):
 
     def complete(self, peer_id: str, msg: TransferMessage, _: object, header: bytes = b"") -> None:
         """A header-only message from the receiver (its bytes: `header`): the challenge, the
-        handshake's ack or the result (the manager refuses payloads for senders before they
-        land). With a cluster secret every one after the challenge carries its MAC."""
-        if kind_of(msg) == "challenge":
-            self._on_challenge(peer_id, msg.challenge)
+        ack or the result (the manager refuses payloads for senders). With a cluster secret
+        every one after the challenge carries its MAC."""
+        if kind_of(msg) == "challenge":  # ours binds our FrameKey (SenderHello)
+            refused = self._hello.take(peer_id, msg.challenge)
+            if refused is not None:
+                self._refused("the transfer", refused)
             return
         reason = self.frames.forged(msg, header) or self._check_envelope(msg)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
             self._on_ack(msg.handshake_ack)
-        elif not msg.result.ok:
-            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
+        elif not msg.result.ok:  # (the receiver logged why)
+            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False,
+                      level=logging.INFO)  # fmt: skip
         elif not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
         else:
             self._succeed()
 
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
+    def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
         """As any session; granted writes in place, the receiver hears only once every write
         this sender launched is done (writes_drained), whoever ended the transfer."""
-        if self.finished or not self._in_place.granted:
-            super().fail(reason, notify_peer=notify_peer)
-            return
-        super().fail(reason, notify_peer=False)
-        if self._peer_address is not None:
+        drains = self._in_place.granted and not self.finished
+        super().fail(reason, notify_peer=notify_peer and not drains, level=level)
+        if drains and self._peer_address is not None:
             self.spawn(self._drain_then_notify(reason))
 
     async def _drain_then_notify(self, reason: str) -> None:
-        if not await self._in_place.drain():
-            return  # the receiver keeps its blocks until our deadline is past
-        result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
-        await self._notify(result=result)
+        if await self._in_place.drain():  # (else D keeps its blocks until our deadline is past)
+            result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
+            await self._notify(result=result)
 
     async def _send_layers(
         self,
@@ -275,13 +280,10 @@ class KVSender(TransferSession):
         staged = StagedSend(self._staging, self._transport.buffer_device(device))
         sent = False
         try:
-            messages: list[Outgoing] = []
-            for manifest, source in zip(manifests, sources, strict=True):
-                payload = staged.payload(source, manifest.num_bytes)
-                if self.frames.cipher is not None:  # encrypted into staging of its own
-                    fill = self.frames.encrypting(manifest, payload)
-                    payload = staged.payload(fill, manifest.num_bytes)
-                messages.append((payload, {"layer_manifest": manifest}))
+            messages: list[Outgoing] = [
+                (self.frames.payload(staged, manifest, source), {"layer_manifest": manifest})
+                for manifest, source in zip(manifests, sources, strict=True)
+            ]
             self._advance(TransferState.TRANSFERRING)
             # counted as handed over: the receiver may confirm them before their send completes
             self.num_bytes_sent += sum(m.num_bytes for m in manifests)
@@ -296,8 +298,8 @@ class KVSender(TransferSession):
         submitted: asyncio.Future[None],
     ) -> None:
         """Land the layers in the receiver's blocks ourselves (`sources` None: the caller did,
-        through `in_place_writer`, and saw the write complete); once written, tell the
-        receiver in one message (header only: a manifest per token span, naming its layers)."""
+        through `in_place_writer`), then tell it in one message (header only: a manifest per
+        token span, naming its layers)."""
         self._advance(TransferState.TRANSFERRING)
         if sources is not None:
             error = await self._in_place.write(manifests, sources, self.remaining_s)
@@ -308,42 +310,40 @@ class KVSender(TransferSession):
         announced = self._in_place.announcements(manifests)
         await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
-    def _on_challenge(self, peer_id: str, challenge: transfer_pb2.HandshakeChallenge) -> None:
-        refused = self._hello.take(peer_id, challenge)  # binds our FrameKey when it fits
-        if refused is not None:
-            self.fail(f"the receiver refused the transfer: {refused}", notify_peer=False)
+    def _refused(self, what: str, reason: str) -> None:
+        """The receiver refused us (INFO when it had ended already: it logged why)."""
+        level = logging.INFO if reason.startswith(ALREADY_ENDED) else logging.WARNING
+        self.fail(f"the receiver refused {what}: {reason}", notify_peer=False, level=level)
 
-    async def _handshake(self) -> None:
-        """Once challenged: the handshake, proving the challenge's nonce on our connection."""
-        if not await self._hello.wait_answered(self.remaining_s):
+    async def _open(self) -> None:
+        """The hello at once (an unreachable receiver fails the transfer now), then, once
+        challenged, the handshake, proving the challenge's nonce on our connection."""
+        unreachable = await self._hello.say(self._ticket.dst_address, self.timeout_s)
+        if unreachable is not None:
+            self.fail(unreachable, notify_peer=False)
+        elif not await self._hello.wait(self._hello.answered, self.remaining_s):
             self.fail("no challenge from the receiver before the deadline")
-        if self.finished:
-            return
-        handshake = handshake_for(
-            self._ticket, self.layout, self._transport.address, self._auth,
-            self._in_place.kv_device, self.may_write_in_place, self.timeout_s,
-            self._hello.nonce or b"", self._hello.connection, self._hello.encrypt,
-        )  # fmt: skip
-        await self._send(handshake=handshake)
+        if not self.finished:
+            kv_device, asks = self._in_place.kv_device, self.may_write_in_place
+            await self._send(handshake=self._hello.handshake(self.layout, kv_device, asks,
+                                                             self.remaining_s))  # fmt: skip
 
     async def _wait_acked(self) -> bool:
         """True once the receiver accepted the handshake; False if the session ended first."""
-        if not self._handshake_resolved.is_set():
-            try:
-                await asyncio.wait_for(self._handshake_resolved.wait(), self.remaining_s)
-            except TimeoutError:
-                self.fail("no handshake ack before the deadline")
+        if not await self._hello.wait(self._hello.acked, self.remaining_s):
+            self.fail("no handshake ack before the deadline")
         return not self.finished
 
     def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
-        if self._handshake_resolved.is_set():
+        if self._hello.acked.is_set():
             self.fail("refused a second handshake ack")
         elif not ack.accepted:
-            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
+            self._refused("the handshake", ack.reason)
         else:
             refused = self._in_place.take_grant(ack.pool) if ack.HasField("pool") else None
             if refused is not None:
                 self.fail(refused)
                 return
+            self.touch()
             self._advance(TransferState.WAITING)
-            self._handshake_resolved.set()
+            self._hello.acked.set()

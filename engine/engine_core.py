@@ -63,6 +63,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
     # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
     kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
@@ -177,10 +178,9 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      params: SamplingParams, cache_salt: str = "",
                      grammar: CompiledGrammar | None = None) -> Request:  # fmt: skip
-        """Build a validated request carrying this model's EOS ids (and its prefix-cache
-        namespace, `cache_salt`). Reads only the engine's fixed configuration (model, context
-        length, pool size), so any thread may call it (the nodes do, from their event loop,
-        without waiting for the engine thread's step). `grammar`: `structured.prepare`'s."""
+        """Build a validated request carrying this model's EOS ids (its prefix-cache namespace
+        `cache_salt`; `grammar`: `structured.prepare`'s). Reads only the fixed configuration
+        (model, context, pool size): any thread may call it (the nodes' event loops do)."""
         self.validate(prompt_token_ids, params)
         return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
@@ -336,8 +336,8 @@ class EngineCore:
             num_reserved=len(self._reservations),
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_query_tokens=prefix.query_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens, prefix_cache_query_tokens=prefix.query_tokens,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
             if self.kv_offload is not None else KVOffloadStats(),
         )  # fmt: skip

@@ -45,6 +45,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
         self._ids = itertools.count()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (its generation config's, or its model card's;
+        engine/model/sources.py), what `generate` and `chat` use without sampling params."""
+        return SamplingParams(**self.engine.loaded.sampling_defaults)  # type: ignore[arg-type]
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel worker ranks (nothing to do at TP 1); they also
         exit with this process."""
@@ -60,7 +65,7 @@ class LLM:
             prompts = [cast(Prompt, prompts)]  # a single prompt
         prompts = cast(Sequence[Prompt], prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -53,6 +53,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_preemptions = 0  # total since construction
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, in total
         self._requests: dict[str, Request] = {}  # every request not finished or released
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
@@ -184,7 +185,12 @@ class Scheduler:
         tokens are on the host (`schedule_ahead`). `sampled=False`: its sampling waits (a
         grammar mask needs the previous step's tokens); `on_sampled` once it is queued."""
         for chunk in scheduler_output.chunks:
-            chunk.request.num_computed_tokens = chunk.end_pos
+            request = chunk.request
+            request.num_computed_tokens = chunk.end_pos
+            # prompt tokens run through the model (a prefix-cache hit is not; a recompute is)
+            self.num_prompt_tokens_computed += max(
+                0, min(chunk.end_pos, request.prompt_len) - chunk.start_pos
+            )
         if sampled:
             self.on_sampled(scheduler_output)
         self._in_flight.launched(scheduler_output)

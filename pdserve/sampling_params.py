@@ -101,13 +101,17 @@ class SamplingParams:
 
     @classmethod
     def from_proto(
-        cls, proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams
+        cls,
+        proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
         """From a `SamplingParams` (client) or `NodeSamplingParams` (nodes) message: the fields
-        it sets (unset optional ones keep the defaults). Raises InvalidRequestError."""
-        kwargs: dict[str, Any] = {
-            name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)
-        }
+        it sets; unset optional ones take `defaults` (the model's: pdserve.sampling_defaults),
+        else the dataclass's. Raises InvalidRequestError."""
+        kwargs: dict[str, Any] = dict(defaults or {})
+        kwargs.update(
+            {name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)}
+        )
         for name, value in kwargs.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidRequestError(

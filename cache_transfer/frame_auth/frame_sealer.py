@@ -6,9 +6,11 @@ owns one; without a key, in an open cluster or before the challenge, headers pas
                                        with `encrypted` its FrameCipher (--kv-encrypt)
     await parts(messages)              outgoing: what each tag covers of its payload (CUDA
                                        payloads: their digests, awaited; the manifest says so)
+    payload(staged, manifest, source)  outgoing: a layer's payload (encrypted, with a cipher)
     seal(seq, body, part)              outgoing: the header on the wire
     forged(msg, header, part)          incoming: why its mac does not verify, or None
     landed_part(msg, payload)          incoming: what its tag covers of a landed payload
+    opened(msg, header, payload, ...)  incoming: a landed payload checked (and decrypted)
     await device_part(payload)         the same for a GPU payload's digest, off the loop
 """
 
@@ -21,6 +23,8 @@ import torch
 from cache_transfer.frame_auth.frame_cipher import FrameCipher
 from cache_transfer.frame_auth.frame_key import Chunk, FrameKey, seal, unseal
 from cache_transfer.frame_auth.payload_digests import device_parts, digest_part, host_part
+from cache_transfer.packing.packed_layer import LayerSource
+from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import MessageBody, TransferMessage, kind_of
 from pdserve.v1 import transfer_pb2
 
@@ -39,6 +43,16 @@ class FrameSealer:
     def bind(self, key: FrameKey | None, encrypted: bool = False) -> None:
         self.key = key
         self.cipher = FrameCipher(key) if encrypted and key is not None else None
+
+    def payload(
+        self, staged: StagedSend, manifest: transfer_pb2.LayerManifest, source: LayerSource
+    ) -> torch.Tensor:
+        """A layer's outgoing payload in `staged`: its source (filled into staging where it
+        must be), and for an encrypted transfer that encrypted into staging of its own."""
+        payload = staged.payload(source, manifest.num_bytes)
+        if self.cipher is None:
+            return payload
+        return staged.payload(self.encrypting(manifest, payload), manifest.num_bytes)
 
     def encrypting(
         self, manifest: transfer_pb2.LayerManifest, plain: torch.Tensor
@@ -118,6 +132,25 @@ class FrameSealer:
         if not msg.layer_manifest.payload_digest:
             return host_part(payload if payload.device.type == "cpu" else payload.cpu())
         return digest_part(self.key, payload)
+
+    def opened(
+        self,
+        msg: TransferMessage,
+        header: bytes,
+        payload: torch.Tensor,
+        part: list[Chunk] | None,
+        staging: StagingPool,
+    ) -> tuple[torch.Tensor, str | None]:
+        """A landed payload checked against its MAC (`part`: its device digest; None: what
+        it covers, now) and, in an encrypted transfer, decrypted into staging of its own
+        (the sealed buffer given back): (what to land, why it is forged or None)."""
+        part = self.landed_part(msg, payload) if part is None else part
+        forged = self.forged(msg, header, part)
+        if forged is None and self.cipher is not None:
+            sealed, payload = payload, staging.take(payload.numel(), payload.device)
+            self.decrypt(msg.layer_manifest, sealed, payload)
+            staging.give_back(sealed)
+        return payload, forged
 
     async def device_part(self, payload: torch.Tensor) -> list[Chunk]:
         """A CUDA payload's digest, computed on its GPU and awaited off the loop."""

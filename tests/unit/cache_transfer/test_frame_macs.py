@@ -191,7 +191,7 @@ def test_a_sender_ignores_challenges_it_cannot_trust(backend: str) -> None:
         receiver = await make_raw_peer(backend)
         ticket = issue_ticket(AUTH, 10, "t-hand", receiver.transport.address, DST_BLOCK_IDS,
                               LAYOUT.layout_hash(), NUM_TOKENS, "")  # fmt: skip
-        sender = prefill.create_sender(ticket, timeout_s=10, start_timeout_s=10)
+        sender = prefill.create_sender(ticket, timeout_s=10, ceiling_s=10)
         await wait_until(lambda: len(receiver.received) == 1, 10.0)  # the hello
         connection, _ = receiver.received[0]
         taken = []
@@ -226,7 +226,7 @@ def test_an_unreachable_receiver_fails_the_sender_within_the_connect_timeout() -
         ticket = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=30).ticket()
         ticket.dst_address = dead
         started = time.monotonic()
-        sender = prefill.create_sender(ticket, timeout_s=30, start_timeout_s=30)
+        sender = prefill.create_sender(ticket, timeout_s=30, ceiling_s=30)
         state = await sender.wait(timeout_s=10)  # not started: the hello alone finds out
         elapsed_s = time.monotonic() - started
         await prefill.close()
