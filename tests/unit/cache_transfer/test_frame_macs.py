@@ -83,7 +83,7 @@ def test_a_tampered_payload_fails_the_transfer_and_is_not_unpacked(backend: str)
     assert sender_state == TransferState.FAILED  # told by the receiver
 
 
-@pytest.mark.parametrize("defect", ["no-mac", "other-key", "rewritten-seq"])
+@pytest.mark.parametrize("defect", ["no-mac", "other-key", "rewritten-seq", "progress-no-mac"])
 def test_a_message_of_the_sender_without_its_mac_fails_the_transfer(backend: str, defect: str):
     async def scenario() -> tuple[TransferState, str, bool]:
         decode = _decode(backend)
@@ -93,14 +93,16 @@ def test_a_message_of_the_sender_without_its_mac_fails_the_transfer(backend: str
             await forger.hello()
             await forger.handshake()
             await forger.next_reply("handshake_ack", 10.0)
-            if defect == "no-mac":
+            if defect in ("no-mac", "progress-no-mac"):
                 forger.key = None
             elif defect == "other-key":
                 forger.auth = ClusterAuth(b"another-cluster-secret-0123456")
                 await forger.hello()  # its key: derived from another secret
             else:  # a valid frame of seq 2, its header rewritten to the expected seq 1
                 await rewritten_seq(forger)
-            if defect != "rewritten-seq":
+            if defect == "progress-no-mac":  # what restarts the no-progress timer, forged
+                await forger.send(progress=transfer_pb2.Progress(num_computed_tokens=1))
+            elif defect != "rewritten-seq":
                 await forger.layer(0, value=MARKER)
             state = await receiver.wait(timeout_s=10)
             return state, receiver.error or "", no_marker(decode)
