@@ -9,7 +9,7 @@
 #    per message (digest, its copy to the host, the event, the tag), and the host MACs.
 # 2. pd-bench ttft, synthetic:llama3-8b bf16, 1P1D on the one GPU against colocated, 2K and 8K,
 #    without and with a cluster secret (--cluster-secret-file), per mode in MODES:
-#      sent      writes in place off (pd-serve's `--kv-write-in-place` switch, a store_false): layers
+#      sent      writes in place off (pd-serve's `--no-kv-write-in-place`): layers
 #                sent over ucx from GPU memory, MACed through their
 #                device digest (the path two GPUs take)
 #      inplace   the default on one GPU: layers written in place, only headers MACed
@@ -50,8 +50,8 @@ timeout -k 10 300 "$py" -m benchmarks.cli mac "${mac[@]}" 2>"$out/mac_bench.err"
 st=${PIPESTATUS[0]}; echo "exit code: $st"; [ "$st" = 0 ] || rc=1
 for mode in "${modes[@]}"; do
   extra=(--serve-arg=--http-port=0)
-  [ "$mode" = sent ] && extra+=(--serve-arg=--kv-write-in-place)  # (turns it off)
-  [ "$mode" = tcp ] && extra+=(--serve-arg=--kv-write-in-place --transport tcp)
+  [ "$mode" = sent ] && extra+=(--serve-arg=--no-kv-write-in-place)
+  [ "$mode" = tcp ] && extra+=(--serve-arg=--no-kv-write-in-place --transport tcp)
   for auth in open secret; do
     flags=("${extra[@]}")
     [ "$auth" = secret ] && flags+=("--serve-arg=--cluster-secret-file=$secret")
