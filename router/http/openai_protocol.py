@@ -2,10 +2,13 @@
 
 ```
 parse_completion(body) / parse_chat(body)
-  unknown or unsupported parameter       -> OpenAIError 400 naming it (tools, response_format, ...)
+  unknown or unsupported parameter       -> OpenAIError 400 naming it (suffix, ...)
   wrong type / value                     -> OpenAIError 400 naming the parameter
   prompt: str | [str] | [int] | [[int]]  -> one GenerateRequest per prompt (prompt or token ids)
-  messages (text content)                -> GenerateRequest.messages (the model's chat template)
+  messages (text content)                -> GenerateRequest.messages (the model's chat template;
+                                            openai_messages: tool calls and results too)
+  response_format, guided_*, structured_outputs -> SamplingParams.structured_output
+                                            (openai_structured)
   sampling parameters                    -> generation_pb2.SamplingParams (validated later by
                                             the same InputProcessor the gRPC API uses)
   n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
@@ -22,7 +25,9 @@ from typing import Any
 
 from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
+from router.http import openai_structured
 from router.http.openai_errors import OpenAIError
+from router.http.openai_messages import chat_messages
 
 MAX_N = 16
 DEFAULT_MAX_CHOICES = 256  # prompts x n per request (--max-choices-per-request)
@@ -45,7 +50,8 @@ _SAMPLING = {
     "min_tokens": (int, "min_tokens"),
 }
 _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
-           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING}  # fmt: skip
+           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING,
+           *openai_structured.PARAMS}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
 # Accepted only at their no-op value: param -> what that value is.
@@ -109,7 +115,7 @@ def parse_chat(
 ) -> OpenAIRequest:
     body = _check_keys(body, _COMMON | _CHAT_ONLY)
     request = generation_pb2.GenerateRequest()
-    request.messages.messages.extend(_messages(body.get("messages")))
+    request.messages.messages.extend(chat_messages(body.get("messages")))
     want_logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, 20)
     if top is not None and not want_logprobs:
@@ -244,6 +250,9 @@ def _sampling(
         raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
     sampling.stop_token_ids.extend(stop_ids)
     sampling.ignore_eos = _bool(body, "ignore_eos")
+    spec = openai_structured.structured_output(body)
+    if spec is not None:
+        sampling.structured_output.CopyFrom(spec.to_proto())
     return sampling
 
 
@@ -275,41 +284,6 @@ def _token_ids(ids: list[Any], max_prompt_tokens: int | None) -> list[int]:
     if not all(_is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
     return list(ids)
-
-
-def _messages(messages: Any) -> list[generation_pb2.ChatMessage]:
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages must be a non-empty list of {role, content}", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(f"messages[{i}] must be an object with a role", "messages")
-        for key in message:
-            if key not in ("role", "content", "name"):
-                raise OpenAIError(f"unsupported parameter: messages[{i}].{key}", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append(generation_pb2.ChatMessage(role=role, content=_content(i, message)))
-    return out
-
-
-def _content(i: int, message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise OpenAIError(
-                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                    "messages",
-                )
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise OpenAIError(f"messages[{i}].content must be a string or text parts", "messages")
 
 
 def _is_int(value: Any) -> bool:

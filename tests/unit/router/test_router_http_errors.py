@@ -20,7 +20,13 @@ def output_ids(tokenizer) -> list[int]:
     ("payload", "status", "param"),
     [
         ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+        (
+            {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+            400,
+            "guided_regex, guided_choice",
+        ),
+        ({"prompt": "x", "guided_json": {"enum": list(range(5000))}}, 400, "guided_json"),
         ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"prompt": []}, 400, "prompt"),
