@@ -28,6 +28,8 @@ from pdserve.v1 import generation_pb2
 from router.http import openai_structured
 from router.http.openai_errors import OpenAIError
 from router.http.openai_messages import chat_messages
+from router.http.tools.tool_choice import PARAMS as TOOL_PARAMS
+from router.http.tools.tool_choice import ToolRequest, tool_request
 
 MAX_N = 16
 DEFAULT_MAX_CHOICES = 256  # prompts x n per request (--max-choices-per-request)
@@ -53,7 +55,9 @@ _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos
            "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING,
            *openai_structured.PARAMS}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
+              *TOOL_PARAMS}  # fmt: skip
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # Accepted only at their no-op value: param -> what that value is.
 _NO_OP: dict[str, tuple[object, ...]] = {
     "echo": (False,),
@@ -77,10 +81,12 @@ class OpenAIRequest:
     num_prompts: int
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     logprobs: int | None = None  # top alternatives per token (0: sampled token only)
     chat: bool = False
     max_tokens_set: bool = True  # chat without max_tokens: filled to the context length
     max_tokens_param: str = "max_tokens"  # the name the body used (chat: or max_completion_tokens)
+    tools: ToolRequest | None = None  # chat: its tools and tool_choice
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -127,7 +133,16 @@ def parse_chat(
     n = _int(body, "n", 1, MAX_N) or 1
     _check_choices(1, n, max_choices)
     sampling = _sampling(body, max_tokens, logprobs)
+    tools = tool_request(body)
+    request.messages.tools.extend(tools.wire_tools())
+    forced = tools.structured_output()
+    if forced is not None:
+        if sampling.HasField("structured_output"):
+            raise OpenAIError(f"tool_choice {tools.mode!r} forces the output's shape: send no "
+                              "response_format or guided_* beside it", "tool_choice")  # fmt: skip
+        sampling.structured_output.CopyFrom(forced.to_proto())
     parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
+    parsed.tools = tools
     if "max_completion_tokens" in body:
         parsed.max_tokens_param = "max_completion_tokens"
     return parsed
@@ -149,8 +164,10 @@ def _request(
     options = body.get("stream_options")
     if options is not None and not stream:
         raise OpenAIError("stream_options needs stream: true", "stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise OpenAIError("stream_options takes only include_usage", "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - _STREAM_OPTIONS):
+        raise OpenAIError(
+            "stream_options takes only include_usage and continuous_usage_stats", "stream_options"
+        )
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("user must be a string", "user")
     cache_salt = body.get("cache_salt", "")
@@ -172,6 +189,7 @@ def _request(
         num_prompts=len(prompts),
         stream=stream,
         include_usage=bool(options and _bool(options, "include_usage")),
+        continuous_usage=bool(options and _bool(options, "continuous_usage_stats")),
         logprobs=logprobs,
         chat=chat,
         max_tokens_set=max_tokens_set,

@@ -5,6 +5,7 @@ completions   {"id", "object": "text_completion", "created", "model",
                "choices": [{"index", "text", "logprobs", "finish_reason"}], "usage"}
 chat          {"id", "object": "chat.completion", ..., "choices": [{"index",
                "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}]}
+              (with tools: tools/tool_output.py's tool_calls and finish_reason "tool_calls")
 stream        "text_completion" / "chat.completion.chunk" chunks (chat: a first chunk per
               choice with the role), then with include_usage a chunk with "choices": []
 logprobs      completions: {tokens, token_logprobs, top_logprobs, text_offset};
@@ -21,6 +22,7 @@ from typing import Any
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2
 from router.http.openai_protocol import OpenAIRequest
+from router.http.tools.tool_output import ToolOutput
 
 
 class ChoiceState:
@@ -59,6 +61,8 @@ class ResponseBuilder:
         self._created = int(time.time())
         self._object = "chat.completion" if parsed.chat else "text_completion"
         self._text_offsets = [0] * len(prompt_lens)  # completions logprobs, per choice
+        tools = parsed.tools if parsed.chat else None  # chat with tools: their output shape
+        self._tools = [ToolOutput(tools) for _ in prompt_lens] if tools is not None else None
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = self._object + (".chunk" if chunk and self._parsed.chat else "")
@@ -70,12 +74,15 @@ class ResponseBuilder:
         for index, state in enumerate(states):
             text = "".join(state.text)
             choice: dict[str, Any] = {"index": index}
-            if self._parsed.chat:
+            finish_reason = state.finish_reason
+            if self._tools is not None:
+                choice["message"], finish_reason = self._tools[index].message(text, finish_reason)
+            elif self._parsed.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(index, state.logprobs)
-            choice["finish_reason"] = state.finish_reason
+            choice["finish_reason"] = finish_reason
             choices.append(choice)
         return {**self._head(False), "choices": choices, "usage": self._usage(states)}
 
@@ -99,13 +106,22 @@ class ResponseBuilder:
 
     def chunk(self, index: int, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
-        if self._parsed.chat:
+        finish_reason = response.finish_reason or None
+        if self._tools is not None:
+            choice["delta"], finish_reason = self._tools[index].delta(response.text, finish_reason)
+        elif self._parsed.chat:
             choice["delta"] = {"content": response.text} if response.text else {}
         else:
             choice["text"] = response.text
         choice["logprobs"] = self._logprobs(index, response.logprobs)
-        choice["finish_reason"] = response.finish_reason or None
+        choice["finish_reason"] = finish_reason
         return self._chunk_body([choice])
+
+    def with_usage(self, chunk: dict[str, Any], states: Sequence[ChoiceState]) -> dict[str, Any]:
+        """The chunk, with the usage so far when the stream asked for it on every chunk."""
+        if self._parsed.continuous_usage:
+            chunk["usage"] = self._usage(states)
+        return chunk
 
     def usage_chunk(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": self._usage(states)}
@@ -120,7 +136,7 @@ class ResponseBuilder:
         """Each prompt counted once (n choices share it), every choice's output tokens."""
         n = len(states) // max(1, self._parsed.num_prompts)
         prompt_tokens = sum(self._prompt_lens[i] for i in range(0, len(states), max(1, n)))
-        completion_tokens = sum(s.completion_tokens for s in states)
+        completion_tokens = sum(s.completion_tokens or len(s.token_ids) for s in states)
         cached = sum(states[i].cached_tokens for i in range(0, len(states), max(1, n)))
         return {
             "prompt_tokens": prompt_tokens,
