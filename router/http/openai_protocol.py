@@ -9,8 +9,12 @@ parse_completion(body) / parse_chat(body)
                                             openai_messages: tool calls and results too)
   response_format, guided_*, structured_outputs -> SamplingParams.structured_output
                                             (openai_structured)
-  sampling parameters                    -> generation_pb2.SamplingParams (validated later by
-                                            the same InputProcessor the gRPC API uses)
+  sampling parameters                    -> generation_pb2.SamplingParams (openai_sampling;
+                                            logit_bias, prompt_logprobs too; validated later
+                                            by the same InputProcessor the gRPC API uses)
+  echo (completions)                     -> the prompt before the text; with logprobs, its
+                                            prompt_logprobs asked for (openai_responses)
+  tools, tool_choice (chat)              -> tools/tool_choice.py
   n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
   cache_salt (vLLM's)                    -> the prefix cache's namespace within the tenant's
   integers beyond their protobuf field, lone UTF-16 surrogates in strings -> OpenAIError 400
@@ -25,9 +29,16 @@ from typing import Any
 
 from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
-from router.http import openai_structured
 from router.http.openai_errors import OpenAIError
 from router.http.openai_messages import chat_messages
+from router.http.openai_sampling import (
+    SAMPLING_PARAMS,
+    is_int,
+    read_bool,
+    read_int,
+    sampling_params,
+)
+from router.http.openai_structured import PARAMS as STRUCTURED_PARAMS
 from router.http.tools.tool_choice import PARAMS as TOOL_PARAMS
 from router.http.tools.tool_choice import ToolRequest, tool_request
 
@@ -39,31 +50,15 @@ MAX_COMPLETION_LOGPROBS = 20
 _MAX_TOKENS_MAX = int_field_range(generation_pb2.SamplingParams, "max_tokens")[1]
 _SEED_END = int_field_range(generation_pb2.SamplingParams, "seed")[1] + 1  # seeds wrap here
 
-# Parameters both endpoints take, with their sampling field (None: handled by the endpoint).
-_SAMPLING = {
-    "temperature": (float, "temperature"),
-    "top_p": (float, "top_p"),
-    "seed": (int, "seed"),
-    "presence_penalty": (float, "presence_penalty"),
-    "frequency_penalty": (float, "frequency_penalty"),
-    "top_k": (int, "top_k"),  # vLLM extras from here on
-    "min_p": (float, "min_p"),
-    "repetition_penalty": (float, "repetition_penalty"),
-    "min_tokens": (int, "min_tokens"),
-}
 _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
-           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING,
-           *openai_structured.PARAMS}  # fmt: skip
+           "stop_token_ids", "max_tokens", "cache_salt", "prompt_logprobs", *SAMPLING_PARAMS,
+           *STRUCTURED_PARAMS}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
               *TOOL_PARAMS}  # fmt: skip
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # Accepted only at their no-op value: param -> what that value is.
-_NO_OP: dict[str, tuple[object, ...]] = {
-    "echo": (False,),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-}
+_NO_OP: dict[str, tuple[object, ...]] = {"suffix": (None, "")}
 
 
 @dataclass
@@ -82,6 +77,8 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    echo: bool = False  # completions: the prompt comes back before the text (its logprobs too)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: on each choice
     logprobs: int | None = None  # top alternatives per token (0: sampled token only)
     chat: bool = False
     max_tokens_set: bool = True  # chat without max_tokens: filled to the context length
@@ -97,14 +94,17 @@ def parse_completion(
     (the context length; None: unchecked here, the InputProcessor checks it)."""
     body = _check_keys(body, _COMMON | _COMPLETION_ONLY)
     prompts = _prompts(body.get("prompt"), max_prompt_tokens)
-    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    best_of = _int(body, "best_of", 1, MAX_N)
-    n = _int(body, "n", 1, MAX_N) or 1
+    logprobs = read_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    best_of = read_int(body, "best_of", 1, MAX_N)
+    n = read_int(body, "n", 1, MAX_N) or 1
     _check_choices(len(prompts), n, max_choices)
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
-    sampling = _sampling(body, max_tokens, logprobs)  # unset: the model's default, else 16
+    max_tokens = read_int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
+    sampling = sampling_params(body, max_tokens, logprobs)  # unset: the model's default, else 16
+    echo = read_bool(body, "echo")
+    if echo and logprobs is not None:  # the prompt's logprobs, as many alternatives
+        sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs)
     requests = []
     for prompt in prompts:
         request = generation_pb2.GenerateRequest()
@@ -113,7 +113,9 @@ def parse_completion(
         else:
             request.prompt_token_ids.ids.extend(prompt)
         requests.append(request)
-    return _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
+    parsed = _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
+    parsed.echo = echo
+    return parsed
 
 
 def parse_chat(
@@ -122,17 +124,17 @@ def parse_chat(
     body = _check_keys(body, _COMMON | _CHAT_ONLY)
     request = generation_pb2.GenerateRequest()
     request.messages.messages.extend(chat_messages(body.get("messages")))
-    want_logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, 20)
+    want_logprobs = read_bool(body, "logprobs")
+    top = read_int(body, "top_logprobs", 0, 20)
     if top is not None and not want_logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", 1, _MAX_TOKENS_MAX)
+    max_tokens = read_int(body, "max_completion_tokens", 1, _MAX_TOKENS_MAX)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
-    n = _int(body, "n", 1, MAX_N) or 1
+        max_tokens = read_int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
+    n = read_int(body, "n", 1, MAX_N) or 1
     _check_choices(1, n, max_choices)
-    sampling = _sampling(body, max_tokens, logprobs)
+    sampling = sampling_params(body, max_tokens, logprobs)
     tools = tool_request(body)
     request.messages.tools.extend(tools.wire_tools())
     forced = tools.structured_output()
@@ -160,7 +162,7 @@ def _request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("model is required: the served model's name (GET /v1/models)", "model")
-    stream = _bool(body, "stream")
+    stream = read_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise OpenAIError("stream_options needs stream: true", "stream_options")
@@ -188,8 +190,9 @@ def _request(
         choices=choices,
         num_prompts=len(prompts),
         stream=stream,
-        include_usage=bool(options and _bool(options, "include_usage")),
-        continuous_usage=bool(options and _bool(options, "continuous_usage_stats")),
+        include_usage=bool(options and read_bool(options, "include_usage")),
+        continuous_usage=bool(options and read_bool(options, "continuous_usage_stats")),
+        prompt_logprobs="prompt_logprobs" in body,
         logprobs=logprobs,
         chat=chat,
         max_tokens_set=max_tokens_set,
@@ -240,47 +243,13 @@ def _check_text(value: Any, param: str) -> None:
             stack.extend(item)
 
 
-def _sampling(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
-) -> generation_pb2.SamplingParams:
-    sampling = generation_pb2.SamplingParams()
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    if logprobs is not None:
-        sampling.logprobs = logprobs
-    for name, (kind, dest) in _SAMPLING.items():
-        if name in body:
-            value: int | float | None
-            if kind is int:
-                value = _int(body, name, *int_field_range(generation_pb2.SamplingParams, dest))
-            else:
-                value = _number(body, name, kind)
-            setattr(sampling, dest, value)
-    stop = body.get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise OpenAIError("stop must be a non-empty string or a list of them", "stop")
-    sampling.stop.extend(stop)
-    stop_ids = body.get("stop_token_ids", [])
-    low, high = int_field_range(generation_pb2.SamplingParams, "stop_token_ids")
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and low <= t <= high for t in stop_ids):
-        raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
-    sampling.stop_token_ids.extend(stop_ids)
-    sampling.ignore_eos = _bool(body, "ignore_eos")
-    spec = openai_structured.structured_output(body)
-    if spec is not None:
-        sampling.structured_output.CopyFrom(spec.to_proto())
-    return sampling
-
-
 def _prompts(prompt: Any, max_prompt_tokens: int | None) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [_token_ids(prompt, max_prompt_tokens)]
         if all(isinstance(p, list) and p for p in prompt):
             return [_token_ids(p, max_prompt_tokens) for p in prompt]
@@ -299,37 +268,6 @@ def _token_ids(ids: list[Any], max_prompt_tokens: int | None) -> list[int]:
             "prompt",
         )
     low, high = int_field_range(generation_pb2.TokenIds, "ids")
-    if not all(_is_int(t) and low <= t <= high for t in ids):
+    if not all(is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
     return list(ids)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict[str, Any], name: str, kind: type[int] | type[float]) -> int | float:
-    value = body[name]
-    ok = _is_int(value) if kind is int else (_is_int(value) or isinstance(value, float))
-    if not ok:
-        raise OpenAIError(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
-    return kind(value)
-
-
-def _int(body: dict[str, Any], name: str, low: int, high: int | None) -> int | None:
-    if body.get(name) is None:
-        return None
-    value = int(_number(body, name, int))
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise OpenAIError(f"{name} must be {bounds}, got {value}", name)
-    return value
-
-
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise OpenAIError(f"{name} must be true or false", name)
-    return value

@@ -203,7 +203,7 @@ class OpenAIServing:
         return ResponseBuilder(
             prepared.parsed,
             prepared.request_id,
-            [p.prompt_len for p in prepared.processed],
+            [p.prompt_token_ids for p in prepared.processed],
             self.handler.registry.tokenizer,
         )
 
