@@ -301,3 +301,20 @@ def test_echo_logprobs_score_the_prompt_as_generation_did(clients, tokenizer, mo
     for token, lp, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:],
                               logprobs.top_logprobs[1:]):  # fmt: skip
         assert len(top) >= 1 and lp <= max(top.values()) + 1e-6, token
+
+
+def test_langchain_structured_output_and_tools(clients) -> None:
+    """LangChain's ChatOpenAI: with_structured_output (a pydantic model, json_schema) and
+    bind_tools with a forced tool."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=clients["1p1d"], api_key="unused", temperature=0,
+                      max_tokens=MAX_TOKENS, timeout=TIMEOUT_S, max_retries=0)  # fmt: skip
+    city = chat.with_structured_output(City, method="json_schema").invoke("Describe Paris as JSON.")
+    assert isinstance(city, City)
+    message = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke(
+        "What is the weather in Paris?"
+    )
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and call["id"]
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
