@@ -208,7 +208,7 @@ BAD_REQUESTS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens"),  # over the context length
     ({"n": 0}, "n"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "a b"}}]}}, "tools"),
     ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
 ]
 
