@@ -15,7 +15,9 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
     detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
     free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
     stats() / last_stats                     after the current step / as of the last step
-    make_request(...), hash_prompt_ahead()   on the caller's thread (fixed configuration only)
+    prepare_structured(params)               a request's grammar, compiled off the loop (cached)
+    validate(...), make_request(...),        on the caller's thread (fixed configuration only)
+      hash_prompt_ahead()
     check_no_leaks(), reset_prefix_cache()   tests and operators
 
 No fixed timeout decides anything here: an awaited command waits for the engine thread to
@@ -105,6 +107,11 @@ class AsyncEngine:
         thread would wait for its current step. A structured output needs `grammar` from
         `prepare_structured` (or its spec compiled and cached)."""
         return self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """`make_request`'s checks without its grammar (InvalidRequestError), on the caller's
+        thread: a node refuses a bad request before it reserves or compiles anything."""
+        self.core.validate(prompt_token_ids, params)
 
     @property
     def vocab_size(self) -> int:

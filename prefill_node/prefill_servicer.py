@@ -1,7 +1,9 @@
 """`PrefillServicer`: the `PrefillNode.Prefill` and `PrefillNode.AttachTicket` RPCs.
 
 check the request, and its ticket if it carries one (layout hash: FAILED_PRECONDITION; shape:
-    INVALID_ARGUMENT); build the Request (bad params: INVALID_ARGUMENT)
+    INVALID_ARGUMENT); build the Request (bad params: INVALID_ARGUMENT), its structured output's
+    grammar compiled first (refused: INVALID_ARGUMENT; too many compiling: RESOURCE_EXHAUSTED):
+    the first token is sampled under it
 LayerStreamer.open(request_id, prompt_len)
 hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
     timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► create_sender(ticket, the
@@ -14,7 +16,7 @@ AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile,
     the decode side failed it, the connection broke) ──► abort the prefill (queued: at once;
     computing: after the step under way, whose first token still goes out; one line logged)
     ──► the ticket's status, or ABORTED (the router cancels D's side)
-──► PrefillFirstToken                                     at once
+──► PrefillFirstToken (+ the prompt logprobs asked for)  at once
 await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
 AsyncEngine.release_nowait (held blocks) ──► PrefillTransferResult
 cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held (an
@@ -38,7 +40,7 @@ from cache_transfer import KVSender, TransferState
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
-from node_common.node_messages import to_engine_request, token_logprob
+from node_common.node_messages import prompt_logprobs, to_engine_request, token_logprob
 from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
@@ -316,6 +318,7 @@ def _first_token(out: StepOutput) -> node_pb2.PrefillFirstToken:
     )
     if out.new_logprobs:
         first.logprob.CopyFrom(token_logprob(out.new_logprobs[0]))
+    first.prompt_logprobs.extend(prompt_logprobs(out))
     return first
 
 

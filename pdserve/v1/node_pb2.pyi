@@ -116,18 +116,20 @@ class DecodeResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("output_index", "token_ids", "logprobs", "finish_reason", "num_cached_tokens")
+    __slots__ = ("output_index", "token_ids", "logprobs", "finish_reason", "num_cached_tokens", "prompt_logprobs")
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     output_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     finish_reason: str
     num_cached_tokens: int
-    def __init__(self, output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")
@@ -180,16 +182,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_result: _Optional[_Union[PrefillTransferResult, _Mapping]] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens")
+    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generation_pb2.TokenLogprob
     finish_reason: str
     num_cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillTransferResult(_message.Message):
     __slots__ = ("ok", "error", "num_bytes", "elapsed_s")

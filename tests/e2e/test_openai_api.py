@@ -208,8 +208,8 @@ BAD_REQUESTS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens"),  # over the context length
     ({"n": 0}, "n"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "a b"}}]}}, "tools"),
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
 ]
 
 

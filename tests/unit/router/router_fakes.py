@@ -208,6 +208,9 @@ class FakeNode(
             )
             if request.sampling.HasField("logprobs"):
                 first.logprob.CopyFrom(_logprob(first_token, 0))
+            if request.sampling.HasField("prompt_logprobs"):  # prompt tokens 2..n
+                prompt = request.prompt_token_ids[1:]
+                first.prompt_logprobs.extend(_logprob(t, i) for i, t in enumerate(prompt))
             await context.write(node_pb2.PrefillResponse(first_token=first))
             await self.gate.wait()
             result = node_pb2.PrefillTransferResult(
