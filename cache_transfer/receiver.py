@@ -25,11 +25,18 @@ import torch
 
 from cache_transfer import receiver_checks as checks
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
-from cache_transfer.layout import KVCaches, KVLayout, check_reservation, kv_device_id
+from cache_transfer.layout import (
+    HeadSlice,
+    KVCaches,
+    KVLayout,
+    check_reservation,
+    kv_device_id,
+)
 from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
 from cache_transfer.packing.packed_layer import unpack_layer
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
+from cache_transfer.route_slice import ReceiverRoute
 from cache_transfer.session import TransferSession
 from cache_transfer.state import TransferState
 from cache_transfer.tickets import issue_ticket
@@ -59,12 +66,15 @@ class KVReceiver(TransferSession):
         start_timeout_s: float | None = None,
         pool_export: transfer_pb2.KVPoolExport | None = None,
         kv_device: str | None = None,
+        route: ReceiverRoute | None = None,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
         block_size) receive the KV). `pool_export`: grant writes in place to a sender on
         `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is signed and
         only a handshake proving the secret is heard. With `start_timeout_s` the handshake
-        must come within it, and `timeout_s` counts from the handshake."""
+        must come within it, and `timeout_s` counts from the handshake. `route`: one session
+        of a tensor-parallel hand-off (cache_transfer/tp/: `layout` and `kv_caches` are then
+        the route's head slice), on the ticket the decode node issued for the whole."""
         check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
         super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
         self.layout = layout
@@ -84,7 +94,10 @@ class KVReceiver(TransferSession):
         self._layer_callbacks: list[LayerCallback] = []
         self._auth = auth
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
-        self._ticket = issue_ticket(
+        # what the sender's handshake must say it carries, and whether a first token follows
+        self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
+        self.expects_first_token = route.first_token if route else True
+        self._ticket = route.ticket if route else issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
             layout.layout_hash(), num_tokens, kv_device,
         )  # fmt: skip
@@ -252,6 +265,10 @@ class KVReceiver(TransferSession):
         self._maybe_succeed()
 
     def _maybe_succeed(self) -> None:
-        if self.first_token is not None and self.num_landing == 0 and not self.finished:
+        if self.expects_first_token:
+            complete = self.first_token is not None
+        else:  # a route of a tensor-parallel hand-off whose first token goes to another
+            complete = all(end == self.num_tokens for end in self.layer_token_end)
+        if complete and self.num_landing == 0 and not self.finished:
             self._succeed()
             self.spawn(self._notify(result=transfer_pb2.TransferResult(ok=True)))

@@ -26,7 +26,7 @@ from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
 from cache_transfer.layer_spans import CacheLayers, LayerSpans
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
@@ -53,15 +53,22 @@ class KVSender(TransferSession):
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
+        heads: HeadSlice | None = None,
+        sends_first_token: bool = True,
     ) -> None:
         """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
         `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
         With `auth`, a ticket whose signature does not verify fails the session at once and
         nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The handshake goes out at the start (TransferSession)."""
+        The handshake goes out at the start (TransferSession). `heads`: the kv heads it carries
+        and from which rank (a route of a tensor-parallel hand-off, cache_transfer/tp/;
+        default every head of `layout`, TP 1); `sends_first_token` False: such a route, which
+        ends once its layers landed (the first token goes on another)."""
         super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
         self._auth = auth
         self._ticket = ticket
+        self.heads = heads or HeadSlice.whole(layout.num_kv_heads)
+        self.sends_first_token = sends_first_token
         self.layout = layout
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
@@ -176,6 +183,8 @@ class KVSender(TransferSession):
         """Send the sampled first token, after every layer's KV: once every layer's message is
         handed to the transport (which delivers in that order), not once it is sent. A no-op
         once finished."""
+        if not self.sends_first_token:
+            raise ValueError(f"transfer {self.transfer_id}: this route sends no first token")
         if self.finished:
             return
         if self._first_token_sent:
@@ -200,8 +209,10 @@ class KVSender(TransferSession):
             self._on_ack(msg.handshake_ack)
         elif not msg.result.ok:
             self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
-        elif not self._first_token_sent:
+        elif self.sends_first_token and not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
+        elif not self.sends_first_token and not self._spans.is_complete():
+            self.fail("refused a success result before every layer was sent")
         else:
             self._succeed()
 
@@ -290,7 +301,7 @@ class KVSender(TransferSession):
     async def _handshake(self) -> None:
         handshake = handshake_for(
             self._ticket, self.layout, self._transport.address, self._auth,
-            self._in_place.kv_device, self.may_write_in_place, self.timeout_s,
+            self._in_place.kv_device, self.may_write_in_place, self.timeout_s, self.heads,
         )  # fmt: skip
         await self._send(handshake=handshake)
 
