@@ -100,6 +100,13 @@ def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | No
 def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
     """Set the ticket's expiry (`timeout_s` from now) and signature, in place."""
     ticket.expires_at_unix_s = round(time.time() + timeout_s, 3)
+    seal_ticket(auth, ticket)
+
+
+def seal_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket) -> None:
+    """Sign `ticket` as it is, expiry included, in place: both ends of a tensor-parallel
+    route derive its ticket from the signed whole and so compute the same signature
+    (cache_transfer/tp/route_tickets.py)."""
     ticket.signature = auth.sign("kv-ticket", *_ticket_parts(ticket))
 
 
