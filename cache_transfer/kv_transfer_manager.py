@@ -194,7 +194,7 @@ class KVTransferManager:
         counted neither way, nobody told."""
         if self._receivers.get(receiver.transfer_id) is receiver and receiver.sender_id is None:
             self._retired.add(receiver.transfer_id)
-            receiver.fail(f"retired: {reason}", notify_peer=False)
+            receiver.fail(f"retired: {reason}", notify_peer=False, quiet=True)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
         return self._receivers.get(transfer_id) or self._senders.get(transfer_id)

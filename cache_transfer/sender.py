@@ -216,13 +216,13 @@ class KVSender(TransferSession):
         else:
             self._succeed()
 
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
+    def fail(self, reason: str, *, notify_peer: bool = True, quiet: bool = False) -> None:
         """As any session; granted writes in place, the receiver hears only once every write
         this sender launched is done (writes_drained), whoever ended the transfer."""
         if self.finished or not self._in_place.granted:
-            super().fail(reason, notify_peer=notify_peer)
+            super().fail(reason, notify_peer=notify_peer, quiet=quiet)
             return
-        super().fail(reason, notify_peer=False)
+        super().fail(reason, notify_peer=False, quiet=quiet)
         if self._peer_address is not None:
             self.spawn(self._drain_then_notify(reason))
 

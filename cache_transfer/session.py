@@ -125,13 +125,15 @@ class TransferSession:
         """End the session as FAILED and tell the peer (no-op once finished)."""
         self.fail(f"aborted: {reason}")
 
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
-        """Mark FAILED (logged) and, unless the peer ended it, send it a failed result."""
+    def fail(self, reason: str, *, notify_peer: bool = True, quiet: bool = False) -> None:
+        """Mark FAILED (logged: a warning unless `quiet`) and, unless the peer ended it, send
+        it a failed result."""
         if self.finished:
             return
         self.state = TransferState.FAILED
         self.error = reason
-        logger.warning("%s %s failed: %s", self.role, self.transfer_id, reason)
+        level = logging.INFO if quiet else logging.WARNING
+        logger.log(level, "%s %s failed: %s", self.role, self.transfer_id, reason)
         if notify_peer and self._peer_address is not None:
             result = transfer_pb2.TransferResult(ok=False, error=reason)
             self.spawn(self._notify(result=result))

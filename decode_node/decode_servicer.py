@@ -2,7 +2,8 @@
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
-    ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+    ──► reserve ceil((prompt + 1) / block) blocks ──► HandOffs.open: a TPReceiver (a
+        KVReceiver; with tensor parallelism every rank's routes)
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
         the prefill node's handshake within transfer_timeout_s (it handshakes when its
         prefill starts), then transfer_timeout_s from the handshake
@@ -25,8 +26,10 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import KVReceiver, TransferState
+from cache_transfer import TransferState
+from cache_transfer.tp import TPReceiver
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
+from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
@@ -55,7 +58,7 @@ class _DecodeJob:
 
     request_id: str
     trace: DecodeTrace
-    receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    receiver: TPReceiver | None = None  # DISAGGREGATED, while the KV is awaited
     hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason
@@ -70,6 +73,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             node.engine, node.manager, config.transfer_timeout_s, node.metrics, DecodeCounters()
         )
         self._traces = traces
+        self._hand_offs = HandOffs(node, node.manager)
         self._jobs: dict[str, _DecodeJob] = {}
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
@@ -119,8 +123,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     async def CancelTransfer(
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
-        reason = request.reason or "no reason given"
-        found = self._manager.abort(request.transfer_id, f"cancelled by the router ({reason})")
+        reason = f"cancelled by the router ({request.reason or 'no reason given'})"
+        hand_off = self._hand_offs.find(request.transfer_id)
+        if hand_off is not None:
+            hand_off.abort(reason)
+            return node_pb2.CancelTransferResponse(found=True)
+        found = self._manager.abort(request.transfer_id, reason)
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
@@ -169,7 +177,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         request: Request,
         timeout_s: float,
         context: grpc.aio.ServicerContext,
-    ) -> KVReceiver:
+    ) -> TPReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, num_tokens = request.request_id, request.prompt_len + 1
         num_blocks = -(-num_tokens // self._block_size)
@@ -183,9 +191,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
-        receiver = self._manager.create_receiver(
-            block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
-        )
+        receiver = await self._hand_offs.open(block_ids, request.prompt_len, timeout_s)
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
             receiver.abort("the request was aborted")
@@ -195,7 +201,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return receiver
 
     async def _after_transfer(
-        self, job: _DecodeJob, request: Request, receiver: KVReceiver
+        self, job: _DecodeJob, request: Request, receiver: TPReceiver
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
@@ -313,10 +319,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 
-    def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
+    def _release_reservation(self, request_id: str, receiver: TPReceiver | None) -> None:
         """Free the request's reserved blocks (or abort it, past its reservation): those of a
         transfer written in place only once its sender cannot write any more (its drained
-        notice, or its deadline: KVReceiver.writes_settled)."""
+        notice, or its deadline: TPReceiver.writes_settled)."""
         self.admission.release(request_id, receiver.writes_settled if receiver else None)
 
 

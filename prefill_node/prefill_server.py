@@ -18,6 +18,7 @@ from node_common.node_base import NodeBase
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.prefill_servicer import PrefillServicer
+from prefill_node.tp_rank import PrefillRankAgent
 from prefill_node.transfer_trace import TransferTrace
 
 
@@ -28,11 +29,12 @@ class PrefillServer(NodeBase):
     role = node_pb2.NODE_ROLE_PREFILL
     role_service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     prefill_only = True
+    rank_agent = PrefillRankAgent
     servicer: PrefillServicer
 
     def make_servicer(self) -> PrefillServicer:
-        self.streamer = LayerStreamer(
-            self.core.pool.kv_caches, self.layout, asyncio.get_running_loop()
+        self.streamer = LayerStreamer(  # (this rank's heads: the manager's layout)
+            self.core.pool.kv_caches, self.manager.layout, asyncio.get_running_loop()
         )
         self.core.on_layer_done = self.streamer.on_layer_done
         return PrefillServicer(self, self.streamer)

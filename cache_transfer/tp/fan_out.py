@@ -62,6 +62,7 @@ class FanOutSender:
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
         self.group = SessionGroup(ticket.transfer_id, group_timeout_s)
         self.remote: list[RemotePart] = []
+        self.plan: list[Route] = [route for route, _ in routes]  # every rank's (create)
         self._own = own
         self._rank_layout = layout.with_heads(own.kv_head_end - own.kv_head_start)
         self._first_route_sends: set[asyncio.Task[None]] = set()
@@ -100,6 +101,7 @@ class FanOutSender:
             senders.append((route, sender))
         group_timeout_s = (start_timeout_s or 0.0) + timeout_s + GROUP_MARGIN_S
         fan_out = cls(ticket, senders, own, layout, group_timeout_s)
+        fan_out.plan = routes
         if own.rank != 0:
             fan_out.seal()  # rank 0 seals once the other ranks' shares joined
         return fan_out
@@ -178,6 +180,11 @@ class FanOutSender:
                 send.add_done_callback(self._first_route_sends.discard)
             sends.append(send)
         await asyncio.gather(*sends)
+
+    async def send_written_layers(
+        self, layer_ids: Sequence[int], token_end: int | None = None
+    ) -> None:
+        raise ValueError(f"transfer {self.transfer_id}: a TP hand-off is never written in place")
 
     async def send_first_token(
         self,

@@ -7,6 +7,8 @@ import os
 import sys
 import types
 
+import pytest
+
 from pdserve import local_cluster
 from pdserve.local_cluster import LocalCluster, node_devices
 
@@ -51,7 +53,16 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
     monkeypatch.setattr(local_cluster.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(local_cluster.sys, "stderr", open(os.devnull, "w"))  # noqa: SIM115
     args = types.SimpleNamespace(
-        device="auto", prefill=1, decode=1, registry=None, port=0, metrics_port=0, model="m"
+        device="auto",
+        prefill=1,
+        decode=1,
+        registry=None,
+        port=0,
+        metrics_port=0,
+        model="m",
+        prefill_tp=None,
+        decode_tp=None,
+        tensor_parallel_size=1,
     )
     cluster = LocalCluster(args, ["--model", "m"], [])
     cluster.start()
@@ -62,3 +73,15 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
         assert cmd[-2:] == ["--device", device]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert sys.executable in by_module["router.cli"][0]
+
+
+def test_tensor_parallel_nodes_take_consecutive_gpus() -> None:
+    """A TP 2 prefill node beside a TP 1 decode node on 2 GPUs: the prefill node's ranks on
+    cuda:0 and cuda:1 (its --devices), the decode node back on cuda:0 (2 ranks share it)."""
+    devices, share = node_devices("auto", 1, 1, 2, prefill_tp=2, decode_tp=1)
+    assert devices == {"prefill": ["cuda:0,cuda:1"], "decode": ["cuda:0"]}
+    assert share == 2
+    devices, share = node_devices("cuda", 1, 1, 4, prefill_tp=2, decode_tp=2)
+    assert devices == {"prefill": ["cuda:0,cuda:1"], "decode": ["cuda:2,cuda:3"]} and share == 1
+    with pytest.raises(ValueError, match="tensor-parallel size 4 needs 4 GPUs; 2 visible"):
+        node_devices("auto", 0, 1, 2, decode_tp=4)
