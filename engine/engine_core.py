@@ -168,19 +168,16 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> Request:
-        """Build a validated request carrying this model's EOS ids. Reads only the engine's
-        fixed configuration (model, context length, pool size), so any thread may call it (the
-        nodes do, from their event loop, without waiting for the engine thread's step)."""
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, cache_salt: str = "") -> Request:  # fmt: skip
+        """Build a validated request carrying this model's EOS ids (and its prefix-cache
+        namespace, `cache_salt`). Reads only the engine's fixed configuration (model, context
+        length, pool size), so any thread may call it (the nodes do, from their event loop,
+        without waiting for the engine thread's step)."""
         self.validate(prompt_token_ids, params)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.arch.eos_token_ids,
-        )
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
+                       cache_salt=cache_salt)  # fmt: skip
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) == 0:
