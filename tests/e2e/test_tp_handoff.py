@@ -2,12 +2,14 @@
 prefill TP 2 -> decode TP 1, TP 1 -> TP 2 and TP 2 -> TP 2 give exactly the greedy tokens of a
 colocated TP 1 node (TP 1 -> TP 1, today's hand-off, too), every request's KV came from the
 prefill node (no fallback), and afterwards every node's pool is whole and no rank of any node
-holds a hand-off (the leak check on every rank)."""
+holds a hand-off (the leak check on every rank); stopped (SIGTERM), every node exits 0 and no
+process of any rank is left."""
 
 from __future__ import annotations
 
 import asyncio
 
+import psutil
 import pytest
 
 from cache_transfer.transports import ucx_available
@@ -71,3 +73,12 @@ def test_every_pair_of_sizes_equals_colocated_tp1(tp_nodes):
     for name, node in stats.items():  # every rank: nothing held
         assert node.num_free_kv_blocks == node.num_kv_blocks, (name, node)
         assert node.num_pending_transfers == 0, (name, node)
+
+
+def test_stopped_nodes_leave_no_rank_behind(tp_nodes):
+    processes = [p for name in NODES for p in tp_nodes.ranks(name)]
+    assert len(processes) == sum(tp for _, tp in NODES.values())
+    codes = tp_nodes.stop()
+    assert codes == dict.fromkeys(NODES, 0), codes
+    psutil.wait_procs(processes, timeout=30)
+    assert not [p.pid for p in processes if p.is_running() and p.status() != "zombie"]

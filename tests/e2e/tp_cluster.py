@@ -49,6 +49,20 @@ class TPNodes:
     def __enter__(self) -> TPNodes:
         return self
 
+    def stop(self, timeout_s: float = 60.0) -> dict[str, int | None]:
+        """SIGTERM every node; each one's exit code (None: still running after `timeout_s`)."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        codes: dict[str, int | None] = {}
+        deadline = time.monotonic() + timeout_s
+        for name, process in self.processes.items():
+            try:
+                codes[name] = process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
     def __exit__(self, *exc_info: object) -> None:
         for process in self.processes.values():
             if process.poll() is None:
