@@ -1,27 +1,32 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
-    (started at creation unless given start_timeout_s: a prefill node starts it, and the
-    transfer's deadline, when the engine starts the prefill)
+    created from the ticket ── handshake (at once: queued or computing) ──► BOOTSTRAPPING
+        ── ack ──► WAITING
+    beat(n) while the prefill node's engine makes progress (queued behind other prompts, or
+    computing this one): a Progress message when nothing else went out for beat_interval_s
+    start() when the engine starts this prefill (marks elapsed_s)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
-    refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
+    refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
+    cancel(), or a failed result ──► FAILED
 
 Layers wait for the handshake's ack before they are packed (a refused layout costs no
-bandwidth; `LayerSpans` turns them into manifests). Writes in place: a receiver on our own GPU
-that grants it gets each layer written into its blocks by us, then a manifest without payload
+bandwidth; `LayerSpans` makes their manifests). Writes in place: a receiver on our GPU that
+grants it gets each layer written into its blocks by us, then a manifest without payload
 (`InPlaceWrites`). The node releases the request's blocks once `wait()` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.finished_receivers import ALREADY_ENDED
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
@@ -30,12 +35,15 @@ from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
+from cache_transfer.route_slice import RouteSlice
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
 from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
+
+MAX_BEAT_INTERVAL_S = 5.0  # a sender whose node progresses says so at least this often
 
 
 class KVSender(TransferSession):
@@ -49,26 +57,24 @@ class KVSender(TransferSession):
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
         auth: ClusterAuth | None = None,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
-        heads: HeadSlice | None = None,
-        sends_first_token: bool = True,
+        log_id: str = "",
+        route: RouteSlice | None = None,
     ) -> None:
-        """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
-        `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
-        With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The handshake goes out at the start (TransferSession). `heads`: the kv heads it carries
-        and from which rank (a route of a tensor-parallel hand-off, cache_transfer/tp/;
-        default every head of `layout`, TP 1); `sends_first_token` False: such a route, which
-        ends once its layers landed (the first token goes on another)."""
-        super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
+        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
+        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
+        into a receiver on `kv_device` (our cache's, as tickets name it), mapping its pool on
+        `device`. With `auth`, a ticket whose signature does not verify fails the session at
+        once, nobody contacted (its dst_address may be anyone's). `route`: one route of a TP
+        hand-off (cache_transfer/tp/): the heads it carries, maybe no first token."""
+        super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
         self._auth = auth
         self._ticket = ticket
-        self.heads = heads or HeadSlice.whole(layout.num_kv_heads)
-        self.sends_first_token = sends_first_token
+        self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
+        self.sends_first_token = route is None or route.first_token  # else done with its layers
         self.layout = layout
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
@@ -78,9 +84,11 @@ class KVSender(TransferSession):
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
-        # layer sends whose messages the transport has not numbered yet (send_first_token
-        # goes right behind them: the transport keeps that order, so it need not wait for them
-        # to complete)
+        self._last_sent_s = self._loop.time()
+        # silent at most this long while the node progresses (receivers time out at timeout_s)
+        self.beat_interval_s = min(timeout_s / 4, MAX_BEAT_INTERVAL_S)
+        # layer sends the transport has not numbered yet (send_first_token goes right behind
+        # them: the transport keeps that order, so it need not wait for them to complete)
         self._unsubmitted: set[asyncio.Future[None]] = set()
         self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
@@ -90,7 +98,7 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        elif self.started:
+        else:
             self.spawn(self._handshake())
 
     @property
@@ -110,12 +118,31 @@ class KVSender(TransferSession):
 
     @property
     def in_place_writer(self) -> InPlaceWriter | None:
-        """Granted writes in place and mapped: what writes a layer into the receiver's blocks
-        (any thread); report such layers with `send_written_layers`."""
+        """Granted and mapped: writes a layer into the receiver's blocks (any thread)."""
         return self._in_place.writer
 
-    def _on_start(self) -> None:
-        self.spawn(self._handshake())
+    def beat(self, num_computed_tokens: int) -> None:
+        """This node's engine made progress (`num_computed_tokens` of this prompt are
+        computed; 0: it is still queued): tell the receiver, unless a message went out within
+        `beat_interval_s`. A no-op until acked, and from the first token on."""
+        if (
+            self.finished
+            or self.state < TransferState.WAITING
+            or self._first_token_sent
+            or self._loop.time() - self._last_sent_s < self.beat_interval_s
+        ):
+            return
+        self._last_sent_s = self._loop.time()  # (one beat in flight at a time)
+        self.spawn(self._send_progress(num_computed_tokens))
+
+    async def _send_progress(self, num_computed_tokens: int) -> None:
+        if not self.finished and not self._first_token_sent:  # numbered before the token
+            progress = transfer_pb2.Progress(num_computed_tokens=num_computed_tokens)
+            await self._send(progress=progress)
+
+    def _on_sending(self) -> None:
+        self._last_sent_s = self._loop.time()
+        self.touch()
 
     async def send_layer(
         self,
@@ -134,9 +161,8 @@ class KVSender(TransferSession):
         self, layers: CacheLayers, src_block_ids: Sequence[int], token_end: int | None = None
     ) -> None:
         """`send_layer` for several `(layer_idx, k_cache, v_cache)` (distinct layers, caches on
-        one device) as one message: packed into staging and sent, or, written in place, copied
-        block to block into the receiver's blocks (nothing packed) and announced in one
-        header. ValueError, nothing sent, when any is wrong."""
+        one device) as one message: packed into staging and sent, or, in place, copied block to
+        block into the receiver's blocks, one header. ValueError, nothing sent, if any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
         manifests, sources = self._spans.from_caches(layers, src_block_ids, token_end)
         await self._send_layers(manifests, sources, layers[0][1].device)
@@ -146,9 +172,9 @@ class KVSender(TransferSession):
     ) -> None:
         """Send layer `layer_idx`'s KV packed already (by `pack_layer`): the request's blocks
         not yet sent for this layer up to `ceil(token_end / block_size)`, in order, as flat
-        uint8. Sent in place when it lives where the transport sends from
-        (`buffer_device`), else copied once into staging; leave it unchanged until this
-        returns. A CUDA payload must be written on the current stream. No-op once finished."""
+        uint8. Sent as is when it lives where the transport sends from (`buffer_device`), else
+        copied into staging; leave it unchanged until this returns. A CUDA payload must be
+        written on the current stream. No-op once finished."""
         await self.send_packed_layers([(layer_idx, payload)], token_end)
 
     async def send_packed_layers(
@@ -180,11 +206,8 @@ class KVSender(TransferSession):
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
     ) -> None:
-        """Send the sampled first token, after every layer's KV: once every layer's message is
-        handed to the transport (which delivers in that order), not once it is sent. A no-op
-        once finished."""
-        if not self.sends_first_token:
-            raise ValueError(f"transfer {self.transfer_id}: this route sends no first token")
+        """Send the sampled first token once every layer's message is handed to the transport
+        (which delivers in that order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -200,30 +223,28 @@ class KVSender(TransferSession):
             await self._send(first_token=first_token)
 
     def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A header-only message from the receiver: the handshake's ack or the result (the
-        manager refuses payloads for senders before they land)."""
+        """The receiver's ack or result (header only: the manager refuses payloads to senders)."""
         reason = self._check_envelope(msg)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
             self._on_ack(msg.handshake_ack)
-        elif not msg.result.ok:
-            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
+        elif not msg.result.ok:  # (the receiver logged why)
+            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False,
+                      level=logging.INFO)  # fmt: skip
         elif self.sends_first_token and not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
-        elif not self.sends_first_token and not self._spans.is_complete():
+        elif not self._spans.is_complete():  # (a route that ends with its layers)
             self.fail("refused a success result before every layer was sent")
         else:
             self._succeed()
 
-    def fail(self, reason: str, *, notify_peer: bool = True, quiet: bool = False) -> None:
+    def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
         """As any session; granted writes in place, the receiver hears only once every write
         this sender launched is done (writes_drained), whoever ended the transfer."""
-        if self.finished or not self._in_place.granted:
-            super().fail(reason, notify_peer=notify_peer, quiet=quiet)
-            return
-        super().fail(reason, notify_peer=False, quiet=quiet)
-        if self._peer_address is not None:
+        draining = not self.finished and self._in_place.granted
+        super().fail(reason, notify_peer=notify_peer and not draining, level=level)
+        if draining and self._peer_address is not None:
             self.spawn(self._drain_then_notify(reason))
 
     async def _drain_then_notify(self, reason: str) -> None:
@@ -238,8 +259,7 @@ class KVSender(TransferSession):
         sources: Sequence[LayerSource] | None,
         device: torch.device,
     ) -> None:
-        """Once acked, hand layers of a cache on `device` over as one message: written in
-        place (`sources` None: by the caller already), or sent."""
+        """Once acked, hand layers over as one message: written in place (maybe already), or sent."""
         if self.finished:
             return
         submitted = self._loop.create_future()
@@ -285,9 +305,8 @@ class KVSender(TransferSession):
         sources: Sequence[LayerSource] | None,
         submitted: asyncio.Future[None],
     ) -> None:
-        """Land the layers in the receiver's blocks ourselves (`sources` None: the caller did,
-        through `in_place_writer`, and saw the write complete); once written, tell the
-        receiver in one message (header only: a manifest per token span, naming its layers)."""
+        """Land the layers in the receiver's blocks (`sources` None: the caller did, through
+        `in_place_writer`), then tell the receiver: one header, a manifest per token span."""
         self._advance(TransferState.TRANSFERRING)
         if sources is not None:
             error = await self._in_place.write(manifests, sources, self.remaining_s)
@@ -301,7 +320,7 @@ class KVSender(TransferSession):
     async def _handshake(self) -> None:
         handshake = handshake_for(
             self._ticket, self.layout, self._transport.address, self._auth,
-            self._in_place.kv_device, self.may_write_in_place, self.timeout_s, self.heads,
+            self._in_place.kv_device, self.may_write_in_place, self.remaining_s, self.heads,
         )  # fmt: skip
         await self._send(handshake=handshake)
 
@@ -317,12 +336,15 @@ class KVSender(TransferSession):
     def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
         if self._handshake_resolved.is_set():
             self.fail("refused a second handshake ack")
-        elif not ack.accepted:
-            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
+        elif not ack.accepted:  # (a receiver that ended already logged why: INFO here)
+            level = logging.INFO if ack.reason.startswith(ALREADY_ENDED) else logging.WARNING
+            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False,
+                      level=level)  # fmt: skip
         else:
             refused = self._in_place.take_grant(ack.pool) if ack.HasField("pool") else None
             if refused is not None:
                 self.fail(refused)
                 return
+            self.touch()
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()

@@ -1,7 +1,8 @@
 """`HandOffs`: the decode node's KV hand-offs, opened over every tensor-parallel rank.
 
 ```
-open(block_ids, num_tokens, timeout_s) -> TPReceiver     (the blocks reserved on rank 0)
+open(block_ids, num_tokens, (timeout_s, max_ceiling_s), request_id) -> TPReceiver
+    (the blocks reserved on rank 0; the timeouts: a KVReceiver's)
     TP 1: today's KVReceiver (its ticket), and a fan-in for a prefill node of TP > 1
     TP b: a ticket listing every rank (address, kv heads); rank 0's fan-in; each other rank's
           share (RemotePart) joined, then that rank told to open its fan-in (OpenFanIn, a call:
@@ -34,7 +35,13 @@ class HandOffs:
         self._kv_device = kv_device_id(node.core.pool.buffer.device)
         self._open: dict[str, TPReceiver] = {}
 
-    async def open(self, block_ids: Sequence[int], num_tokens: int, timeout_s: float) -> TPReceiver:
+    async def open(
+        self,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        timeouts_s: tuple[float, float | None],
+        request_id: str = "",
+    ) -> TPReceiver:
         """A hand-off into `block_ids` on every rank (see the module doc)."""
         tp_ranks = self._node.tp_ranks
         address = self._manager.address
@@ -44,23 +51,29 @@ class HandOffs:
         )  # fmt: skip
         receiver = TPReceiver(
             self._manager, self._layout, ranks, self._node.core.pool.kv_caches, block_ids,
-            num_tokens, (timeout_s, timeout_s),
+            num_tokens, timeouts_s, request_id,
         )  # fmt: skip
         self._open[receiver.transfer_id] = receiver
         receiver.add_finish_callback(lambda r: self._open.pop(r.transfer_id, None))
         if tp_ranks is not None:
-            await self._open_ranks(tp_ranks, receiver, timeout_s)
+            await self._open_ranks(tp_ranks, receiver, timeouts_s, request_id)
         return receiver
 
     def find(self, transfer_id: str) -> TPReceiver | None:
         return self._open.get(transfer_id)
 
-    async def _open_ranks(self, tp_ranks: TPRanks, receiver: TPReceiver, timeout_s: float) -> None:
+    async def _open_ranks(
+        self,
+        tp_ranks: TPRanks,
+        receiver: TPReceiver,
+        timeouts_s: tuple[float, float | None],
+        request_id: str,
+    ) -> None:
         transfer_id = receiver.transfer_id
         for worker in tp_ranks.workers:
             receiver.add_remote(tp_ranks.remote_part(transfer_id, worker.heads.rank))
         receiver.seal()
-        opening = OpenFanIn(receiver.ticket().SerializeToString(), timeout_s, timeout_s)
+        opening = OpenFanIn(receiver.ticket().SerializeToString(), *timeouts_s, request_id)
         calls = [tp_ranks.call(w.heads.rank, opening) for w in tp_ranks.workers]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, (LinkClosed, RuntimeError)):

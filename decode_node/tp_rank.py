@@ -77,7 +77,7 @@ class DecodeRankAgent:
             raise ValueError(f"transfer {ticket.transfer_id} is already open on this rank")
         fan_in = FanIn(
             self._manager, ticket, own, self._core.pool.kv_caches, self._layout,
-            (message.timeout_s, message.start_timeout_s),
+            (message.timeout_s, message.max_ceiling_s), log_id=message.request_id,
         )  # fmt: skip
         self._fan_ins[ticket.transfer_id] = fan_in
         fan_in.group.add_finish_callback(lambda _: self._spawn(self._done(fan_in)))

@@ -7,7 +7,8 @@ engine hook (this rank's)   a LayerStreamer over this rank's pool, opening every
                             it has the ticket): each layer packed as it is computed, kept
 SendKV(request, ticket)     the routes leaving this rank (FanOutSender: the ticket checked
                             here too) take the request's layers, those packed and those to
-                            come, straight to the decode ranks
+                            come, straight to the decode ranks; ProgressBeats tell them
+                            while this rank's engine progresses (as on rank 0)
 the routes end ──► Done(ok | why, bytes) to rank 0
 Abort(transfer_id)          the routes fail (their receivers told); Done follows
 CloseRequest(request)       rank 0's call ended: the request's layers are dropped
@@ -18,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from cache_transfer import KVLayout, KVTransferManager, TransferState
 from cache_transfer.tp import FanOutSender, RankHeads, TicketRefused
 from engine.distributed import partition_model
 from engine.engine_core import EngineCore
+from engine.outputs import PrefillLayerChunk
 from node_common.tp.rank_messages import Abort, CloseRequest, Done, RankReport, SendKV
 from pdserve.v1 import node_pb2
 from prefill_node.layer_streamer import LayerStreamer
+from prefill_node.progress_beats import ProgressBeats
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,13 @@ class PrefillRankAgent:
         rank_layout = layout.with_heads(heads.kv_head_end - heads.kv_head_start)
         loop = asyncio.get_running_loop()
         self.streamer = LayerStreamer(core.pool.kv_caches, rank_layout, loop, auto_open=True)
-        core.on_layer_done = self.streamer.on_layer_done  # (before the engine is ready)
+        beats = ProgressBeats(loop, self.streamer.progress)  # (this rank's routes)
+
+        def on_layer_done(layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:
+            self.streamer.on_layer_done(layer_idx, chunks)
+            beats.on_layer_done(layer_idx, chunks)
+
+        core.on_layer_done = on_layer_done  # (before the engine is ready)
         self._fan_outs: dict[str, FanOutSender] = {}
 
     async def handle(self, message: Any) -> Any:
@@ -86,7 +95,7 @@ class PrefillRankAgent:
         try:
             fan_out = FanOutSender.create(
                 self._manager, ticket, self._layout, self._heads, self._prefill_ranks,
-                message.timeout_s, message.start_timeout_s,
+                message.timeout_s, message.ceiling_s, message.request_id,
             )  # fmt: skip
         except TicketRefused as error:
             self._report(Done(transfer_id, False, str(error), 0))

@@ -10,7 +10,10 @@ FanIn(manager, ticket, own rank, caches, layout, blocks, tokens, timeouts)
     only into the ticket's blocks, on the route's own ticket (route_tickets.py: its proof)
 every route SUCCESS and their heads tile this rank's ──► SUCCESS (rank 0: the route from
     prefill rank 0 brought the first token); any route FAILED ──► every route aborted
-    (their senders told); nothing within start_timeout_s + timeout_s ──► FAILED
+    (their senders told); not every route within timeout_s (from the start, or with
+    `wait_first` from the first route: a TP 1 decode node's fan-in beside its receiver)
+    ──► FAILED; each route then as any receiver (no progress for timeout_s; its sender's
+    ceiling, at most max_ceiling_s)
 ```
 
 The prefill node's plan decides the routes; a decode rank needs no knowledge of the prefill
@@ -44,13 +47,15 @@ class FanIn:
         own: DecodeRank,
         kv_caches: KVCaches,
         layout: KVLayout,
-        timeouts_s: tuple[float, float | None],  # (timeout_s, start_timeout_s)
+        timeouts_s: tuple[float, float | None],  # (timeout_s, max_ceiling_s)
         may_accept: Callable[[], bool] = lambda: True,
         on_first_route: Callable[[], None] | None = None,
+        log_id: str = "",
     ) -> None:
         """`kv_caches`: this rank's pool (its heads); `layout`: the model's (every kv head);
         `may_accept`: whether a route may still start (False: the hand-off went another way);
-        `on_first_route`: called when the first route is taken."""
+        `on_first_route`: called when the first route is taken (the routes' deadline starts
+        then; without it, now); `log_id`: the request's id."""
         self.transfer_id = ticket.transfer_id
         self.own = own
         self.receivers: list[tuple[Route, KVReceiver]] = []
@@ -58,13 +63,16 @@ class FanIn:
         self._ticket = ticket
         self._kv_caches = kv_caches
         self._layout = layout
-        self._timeout_s, self._start_timeout_s = timeouts_s
+        self._timeout_s, self._max_ceiling_s = timeouts_s
+        self._log_id = log_id
         self._may_accept = may_accept
         self._on_first_route = on_first_route
         self._layer_callbacks: list[LayerCallback] = []
         self._tried: set[str] = set()  # route sessions made (a late message makes none again)
-        group_timeout_s = (self._start_timeout_s or 0.0) + self._timeout_s
-        self.group = SessionGroup(ticket.transfer_id, group_timeout_s)
+        ceiling_s = self._timeout_s if self._max_ceiling_s is None else self._max_ceiling_s
+        self.group = SessionGroup(ticket.transfer_id, self._timeout_s + ceiling_s)
+        if on_first_route is None:
+            self.group.seal_by(self._timeout_s)
         self.group.add_finish_callback(lambda _: manager.accept_routes(self.transfer_id, None))
         manager.accept_routes(self.transfer_id, self.accept)
 
@@ -96,6 +104,7 @@ class FanIn:
         self._tried.add(msg.transfer_id)
         if not self.receivers and self._on_first_route is not None:
             self._on_first_route()
+            self.group.seal_by(self._timeout_s)
         receiver = self._receiver(msg.transfer_id, parsed[1])
         self.receivers.append((parsed[1], receiver))
         for callback in self._layer_callbacks:
@@ -131,7 +140,8 @@ class FanIn:
         slice_ = RouteSlice(layout, route.heads, route.first_token, views, ticket)
         return self._manager.create_receiver(
             self._ticket.dst_block_ids, self._ticket.num_tokens, self._timeout_s,
-            transfer_id=session_id, start_timeout_s=self._start_timeout_s, route=slice_,
+            transfer_id=session_id, max_ceiling_s=self._max_ceiling_s, log_id=self._log_id,
+            route=slice_,
         )  # fmt: skip
 
     def _tiled(self) -> bool:

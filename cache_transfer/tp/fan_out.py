@@ -2,18 +2,21 @@
 driven as one sender (the prefill node's `LayerStreamer` drives it as it drives a `KVSender`).
 
 ```
-FanOutSender.create(manager, ticket, layout, own rank, prefill ranks, timeouts)
+FanOutSender.create(manager, ticket, layout, own rank, prefill ranks, timeout_s, ceiling_s)
     with a cluster secret: the ticket's signature (nobody contacted otherwise); its layout;
     plan_routes(prefill ranks, the ticket's decode ranks) ─► the routes leaving this rank
     (ValueError naming both sizes: a plan that cannot be made); per route a KVSender on its
-    own ticket (route_tickets.py) over the route's head slice, never written in place
-start()                       every route's handshake (the prefill started)
+    own ticket (route_tickets.py) over the route's head slice, never written in place; each
+    handshakes at once, fails after timeout_s without progress or at ceiling_s
+beat(n)                       every route may tell its receiver this node progresses
+start()                       the prefill started (marks elapsed_s)
 send_packed_layers(layers)    each route sends the layers as packed (all of this rank's heads)
                               or its head slice of them (slice_packed)
 send_first_token(...)         on the route to decode rank 0 (rank 0 only), once that route's
                               layer sends completed; the other routes end with their layers
 add_remote(part), seal()      rank 0: the other ranks' shares (their reports), so `state`,
                               `wait()` and the result are the whole hand-off's
+abort() / cancel()            every route (cancel: nobody needs it, DEBUG) and every share
 ```
 
 Any route failing fails the others (their receivers told); the node tells the other ranks.
@@ -54,9 +57,11 @@ class FanOutSender:
         own: RankHeads,
         layout: KVLayout,
         group_timeout_s: float,
+        log_id: str = "",
     ) -> None:
         """Use `create`. `layout`: the model's (every kv head)."""
         self.transfer_id = ticket.transfer_id
+        self.log_id = log_id
         self.routes = routes
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
@@ -78,10 +83,12 @@ class FanOutSender:
         own: RankHeads,
         prefill_ranks: Sequence[RankHeads],
         timeout_s: float,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
+        log_id: str = "",
     ) -> FanOutSender:
-        """This rank's routes of the hand-off `ticket` asks for. TicketRefused when the ticket
-        does not verify or fit, or no plan matches the two nodes' ranks."""
+        """This rank's routes of the hand-off `ticket` asks for, each a KVSender with
+        `timeout_s`, `ceiling_s`, `log_id`. TicketRefused when the ticket does not verify or
+        fit, or no plan matches the two nodes' ranks."""
         auth = manager.auth
         forged = check_ticket(auth, ticket) if auth is not None else None
         misfit = forged or ticket_misfit(layout, ticket)
@@ -97,10 +104,10 @@ class FanOutSender:
             route_layout = layout.with_heads(route.num_kv_heads)
             route_t = route_ticket(auth, ticket, route, dst[route.dst_rank], route_layout)
             slice_ = RouteSlice(route_layout, route.heads, route.first_token)
-            sender = manager.create_sender(route_t, timeout_s, start_timeout_s, route=slice_)
+            sender = manager.create_sender(route_t, timeout_s, ceiling_s, log_id, route=slice_)
             senders.append((route, sender))
-        group_timeout_s = (start_timeout_s or 0.0) + timeout_s + GROUP_MARGIN_S
-        fan_out = cls(ticket, senders, own, layout, group_timeout_s)
+        group_timeout_s = (timeout_s if ceiling_s is None else ceiling_s) + GROUP_MARGIN_S
+        fan_out = cls(ticket, senders, own, layout, group_timeout_s, log_id)
         fan_out.plan = routes
         if own.rank != 0:
             fan_out.seal()  # rank 0 seals once the other ranks' shares joined
@@ -154,8 +161,15 @@ class FanOutSender:
         for _, sender in self.routes:
             sender.start()
 
+    def beat(self, num_computed_tokens: int) -> None:
+        for _, sender in self.routes:
+            sender.beat(num_computed_tokens)
+
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
+
+    def cancel(self, reason: str) -> None:
+        self.group.cancel(reason)
 
     def add_finish_callback(self, callback: Callable[[FanOutSender], None]) -> None:
         self.group.add_finish_callback(lambda _: callback(self))

@@ -7,8 +7,10 @@ share, which that rank reports on (the node carries the report: node_common/tp/)
 add(part) ... seal()          parts join (a decode rank's routes arrive one by one); sealed: no
                               more will, so the group may succeed
 any part FAILED ──► FAILED: every other part aborted (its peer told), the same reason
+abort() / cancel() (nobody needs it: the parts cancelled, DEBUG) ──► FAILED
 every part SUCCESS, sealed ──► SUCCESS
 the deadline (timeout_s, from creation) ──► FAILED     a part that never comes or never ends
+seal_by(t): not sealed within t ──► FAILED             a route that never comes
 writes_settled: set once finished and every part settled (no write of any can land any more:
                 a receiver's writes_settled, a remote rank's report)
 ```
@@ -39,6 +41,7 @@ class Part(Protocol):
     def finished(self) -> bool: ...
     def add_finish_callback(self, callback: Callable[[Part], None]) -> None: ...
     def abort(self, reason: str) -> None: ...
+    def cancel(self, reason: str) -> None: ...
 
 
 class RemotePart:
@@ -73,6 +76,9 @@ class RemotePart:
             self._on_abort(reason)
             self._end(TransferState.FAILED, f"aborted: {reason}")
 
+    def cancel(self, reason: str) -> None:
+        self.abort(reason)  # (the rank cancels its own sessions: Abort says which)
+
     def _end(self, state: TransferState, error: str | None) -> None:
         if self.finished:
             return
@@ -95,6 +101,7 @@ class SessionGroup:
         self._loop = asyncio.get_running_loop()
         self._start_s = self._loop.time()
         self._timer = self._loop.call_later(timeout_s, self._on_deadline, timeout_s)
+        self._seal_timer: asyncio.TimerHandle | None = None
 
     @property
     def state(self) -> TransferState:
@@ -140,14 +147,27 @@ class SessionGroup:
     def abort(self, reason: str) -> None:
         self.fail(f"aborted: {reason}")
 
-    def fail(self, reason: str) -> None:
-        """FAILED, every part aborted (their peers told)."""
+    def cancel(self, reason: str) -> None:
+        """`abort`, for a hand-off nobody needs any more: the parts cancelled (DEBUG)."""
+        self.fail(f"cancelled: {reason}", cancel=True)
+
+    def fail(self, reason: str, cancel: bool = False) -> None:
+        """FAILED, every part aborted (`cancel`: cancelled), their peers told."""
         if self.finished:
             return
         self.error = reason
         self._end(TransferState.FAILED)
         for part in list(self.parts):
-            part.abort(reason)
+            (part.cancel if cancel else part.abort)(reason)
+
+    def seal_by(self, timeout_s: float) -> None:
+        """FAILED unless sealed within `timeout_s` (the parts that must come did not)."""
+
+        def check() -> None:
+            if not self._sealed:
+                self.fail(f"not every route of the hand-off came within {timeout_s:.3g}s")
+
+        self._seal_timer = self._loop.call_later(timeout_s, check)
 
     def _on_part(self, part: Part) -> None:
         if part not in self.parts:
@@ -164,6 +184,8 @@ class SessionGroup:
     def _end(self, state: TransferState) -> None:
         self._state = state
         self._timer.cancel()
+        if self._seal_timer is not None:
+            self._seal_timer.cancel()
         self._done.set()
         for callback in self._callbacks:
             callback(self)

@@ -42,17 +42,19 @@ class TPReceiver:
         kv_caches: KVCaches,
         dst_block_ids: Sequence[int],
         num_tokens: int,
-        timeouts_s: tuple[float, float | None],  # (timeout_s, start_timeout_s)
+        timeouts_s: tuple[float, float | None],  # (timeout_s, max_ceiling_s)
+        log_id: str = "",
     ) -> None:
         """`layout`: the model's (every kv head); `ranks`: this node's (one at TP 1);
-        `kv_caches`: rank 0's pool."""
-        timeout_s, start_timeout_s = timeouts_s
+        `kv_caches`: rank 0's pool; `timeouts_s`: as a KVReceiver's (no progress, at most
+        this ceiling); `log_id`: the request's id."""
+        timeout_s, max_ceiling_s = timeouts_s
         self.dst_block_ids = list(dst_block_ids)
         self.direct: KVReceiver | None = None
         self._manager = manager
         if len(ranks) == 1:
             self.direct = manager.create_receiver(
-                dst_block_ids, num_tokens, timeout_s, start_timeout_s=start_timeout_s
+                dst_block_ids, num_tokens, timeout_s, max_ceiling_s=max_ceiling_s, log_id=log_id
             )
             self._ticket = self.direct.ticket()
         else:
@@ -64,10 +66,11 @@ class TPReceiver:
         rank0 = DecodeRank(ranks[0].heads, self._ticket.dst_address, self._ticket.kv_device)
         self.fan_in = FanIn(
             manager, self._ticket, rank0, kv_caches, layout, timeouts_s,
-            may_accept=self._direct_unused, on_first_route=self._take_routes,
+            may_accept=self._direct_unused, log_id=log_id,
+            on_first_route=self._take_routes if self.direct is not None else None,
         )  # fmt: skip
-        group_timeout_s = (start_timeout_s or 0.0) + timeout_s
-        self.group = SessionGroup(self.transfer_id, group_timeout_s)
+        ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
+        self.group = SessionGroup(self.transfer_id, timeout_s + ceiling_s)
         self.group.add(self.direct if self.direct is not None else self.fan_in.group)
         self.remote: list[RemotePart] = []
         if self.direct is not None:
@@ -132,6 +135,11 @@ class TPReceiver:
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
         self.fan_in.group.abort(reason)  # (the routes it may still take: none)
+
+    def cancel(self, reason: str) -> None:
+        """`abort`, for a hand-off nobody needs any more (logged at DEBUG)."""
+        self.group.cancel(reason)
+        self.fan_in.group.cancel(reason)
 
     async def wait(self) -> TransferState:
         return await self.group.wait()

@@ -22,16 +22,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class OpenFanIn:
     ticket: bytes  # the decode node's signed TransferTicket, serialized
-    timeout_s: float
-    start_timeout_s: float | None
+    timeout_s: float  # no progress
+    max_ceiling_s: float | None  # the senders' ceiling, at most
+    request_id: str = ""  # (log lines)
 
 
 @dataclass(frozen=True)
 class SendKV:
     request_id: str
     ticket: bytes  # serialized TransferTicket (the rank checks its signature itself)
-    timeout_s: float
-    start_timeout_s: float | None
+    timeout_s: float  # no progress
+    ceiling_s: float | None  # from now (the prompts queued ahead counted on rank 0)
 
 
 @dataclass(frozen=True)

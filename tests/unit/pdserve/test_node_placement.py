@@ -63,6 +63,8 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
         prefill_tp=None,
         decode_tp=None,
         tensor_parallel_size=1,
+        host="127.0.0.1",
+        http_port=0,
     )
     cluster = LocalCluster(args, ["--model", "m"], [])
     cluster.start()
