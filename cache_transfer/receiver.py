@@ -77,9 +77,8 @@ class KVReceiver(TransferSession):
         sender's (its handshake's timeout_s), at most `max_ceiling_s` (default `timeout_s`)
         from the handshake. `pool_export`: grant writes in place to a sender on `kv_device`
         (default: the caches', kv_device_id). With `auth` the ticket is signed and only a
-        handshake proving the secret is heard. `route`: one session of a tensor-parallel
-        hand-off (cache_transfer/tp/: `layout` and `kv_caches` are then the route's head
-        slice), on the ticket the decode node issued for the whole."""
+        handshake proving the secret is heard. `route`: a TP hand-off's route (tp/: `layout`,
+        `kv_caches` are its head slice's; its ticket derives from the decode node's)."""
         check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
         super().__init__(transport, transfer_id, timeout_s, self.max_ceiling_s, log_id)
@@ -94,14 +93,11 @@ class KVReceiver(TransferSession):
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
         self._kv_caches = kv_caches
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
-        self._staging = staging
+        self._staging, self._auth = staging, auth
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
-        self._auth = auth
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
-        # what the sender's handshake must say it carries, and whether a first token follows
-        self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
-        self.expects_first_token = route.first_token if route else True
+        self.route = route
         self._ticket = route.ticket if route else issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
             layout.layout_hash(), num_tokens, kv_device,
@@ -110,6 +106,16 @@ class KVReceiver(TransferSession):
         # set once no write of the sender can land any more: the blocks may be reused
         self.writes_settled = self._in_place.writes_settled
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))
+
+    @property
+    def heads(self) -> HeadSlice:
+        """What the sender's handshake must say it carries."""
+        return self.route.heads if self.route else HeadSlice.whole(self.layout.num_kv_heads)
+
+    @property
+    def expects_first_token(self) -> bool:
+        """False: a TP route that ends with its layers (the first token comes on another)."""
+        return self.route is None or self.route.first_token
 
     @property
     def in_place(self) -> bool:

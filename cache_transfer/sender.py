@@ -71,8 +71,7 @@ class KVSender(TransferSession):
         once, nobody contacted (its dst_address may be anyone's). `route`: one route of a TP
         hand-off (cache_transfer/tp/): the heads it carries, maybe no first token."""
         super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
-        self._auth = auth
-        self._ticket = ticket
+        self._auth, self._ticket = auth, ticket
         self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
         self.sends_first_token = route is None or route.first_token  # else done with its layers
         self.layout = layout

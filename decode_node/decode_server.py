@@ -24,7 +24,7 @@ class DecodeServer(NodeBase):
     role = node_pb2.NODE_ROLE_DECODE
     role_service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     prefill_only = False
-    rank_agent = DecodeRankAgent
+    rank_agent = staticmethod(DecodeRankAgent)
     servicer: DecodeServicer
 
     def make_servicer(self) -> DecodeServicer:

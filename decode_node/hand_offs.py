@@ -54,13 +54,16 @@ class HandOffs:
             num_tokens, timeouts_s, request_id,
         )  # fmt: skip
         self._open[receiver.transfer_id] = receiver
-        receiver.add_finish_callback(lambda r: self._open.pop(r.transfer_id, None))
+        receiver.add_finish_callback(lambda r: self._forget(r.transfer_id))
         if tp_ranks is not None:
             await self._open_ranks(tp_ranks, receiver, timeouts_s, request_id)
         return receiver
 
     def find(self, transfer_id: str) -> TPReceiver | None:
         return self._open.get(transfer_id)
+
+    def _forget(self, transfer_id: str) -> None:
+        self._open.pop(transfer_id, None)
 
     async def _open_ranks(
         self,

@@ -37,7 +37,7 @@ from node_common.grpc_node_server import GrpcNodeServer
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
-from node_common.tp.rank_worker import AgentFactory, node_layout, rank_heads
+from node_common.tp.rank_worker import RankAgent, node_layout, rank_heads
 from node_common.tp.tp_ranks import TPRanks
 from pdserve.config import NodeConfig
 from pdserve.sampling_defaults import defaults_to_proto
@@ -54,8 +54,9 @@ class NodeBase(abc.ABC):
     role: ClassVar[node_pb2.NodeRole]  # node_pb2.NODE_ROLE_*
     role_service: ClassVar[str]  # the full name of the role's gRPC service
     prefill_only: ClassVar[bool]  # the role's EngineCore runs in prefill-only mode
-    # what the role runs on a tensor-parallel node's other ranks (node_common/tp/rank_worker.py)
-    rank_agent: ClassVar[AgentFactory]
+    # what the role runs on a tensor-parallel node's other ranks (node_common/tp/rank_worker.py):
+    # the agent's class, held as a staticmethod (an AgentFactory, not a method of the node)
+    rank_agent: ClassVar[staticmethod[..., RankAgent]]
 
     def __init__(self, core: EngineCore, config: NodeConfig) -> None:
         if core.config.scheduler.prefill_only != self.prefill_only:

@@ -33,7 +33,7 @@ class PrefillServer(NodeBase):
     role = node_pb2.NODE_ROLE_PREFILL
     role_service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     prefill_only = True
-    rank_agent = PrefillRankAgent
+    rank_agent = staticmethod(PrefillRankAgent)
     servicer: PrefillServicer
 
     def make_servicer(self) -> PrefillServicer:

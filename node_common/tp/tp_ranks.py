@@ -16,6 +16,7 @@ shutdown()      (the node stops) each rank ends its hand-offs and closes its tra
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,8 +63,8 @@ class TPRanks:
         for worker in self.workers:
             rank = worker.heads.rank
             link = await connect_link(
-                worker.link_path, worker.link_key,
-                lambda message, rank=rank: self._handle(rank, message), f"rank {rank} link",
+                worker.link_path, worker.link_key, functools.partial(self._handle, rank),
+                f"rank {rank} link",
             )  # fmt: skip
             self._links[rank] = link
             watcher = asyncio.get_running_loop().create_task(self._watch(rank, link))

@@ -10,7 +10,8 @@ import types
 import pytest
 
 from pdserve import local_cluster
-from pdserve.local_cluster import LocalCluster, node_devices
+from pdserve.local_cluster import LocalCluster
+from pdserve.node_placement import node_devices
 
 
 def test_one_p_one_d_on_two_gpus_prefill_on_0_decode_on_1() -> None:
