@@ -91,9 +91,8 @@ class KVReceiver(TransferSession):
         self.num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
-        self._kv_caches = kv_caches
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
-        self._staging, self._auth = staging, auth
+        self._kv_caches, self._staging, self._auth = kv_caches, staging, auth
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
