@@ -98,17 +98,24 @@ class NodeBase(abc.ABC):
     def _make_manager(self) -> KVTransferManager:
         """The KV transport (where peers reach this node) and its transfer manager."""
         config = self.config
+        kv_device = self.core.pool.buffer.device
+        if config.kv_encrypt and self.auth is None:
+            raise ValueError("--kv-encrypt needs --cluster-secret-file (its keys come from it)")
+        if config.kv_encrypt and kv_device.type != "cpu" and config.kv_transport != "tcp":
+            raise ValueError(
+                f"--kv-encrypt encrypts host payloads, and the {config.kv_transport} transport "
+                f"sends this node's KV from {kv_device} memory: use --kv-transport tcp"
+            )
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        kv_device = self.core.pool.buffer.device
         in_place = config.kv_write_in_place and kv_device.type == "cuda" and self.tp_ranks is None
         sharing = CudaIpcSharing() if in_place else None  # (TP hand-offs send: routes)
         heads = rank_heads(self.core)
         rank_layout = self.layout.with_heads(heads.kv_head_end - heads.kv_head_start)
         return KVTransferManager(
             transport, rank_layout, self.receive_into(), auth=self.auth, sharing=sharing,
-            kv_device=kv_device,
+            kv_device=kv_device, encrypt=config.kv_encrypt,
         )  # fmt: skip
 
     # ---- what a role provides -------------------------------------------------------------
