@@ -6,7 +6,8 @@ Decode(LOCAL_PREFILL) ──► grammar ──► AsyncEngine.generate ──►
     0 with prompt logprobs if asked; a migration's from len(output_token_ids), matcher rebuilt)
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool, unless
     it proved the cluster secret: the router's requests wait for free blocks alone)
-    ──► reserve ceil((prompt + 1) / block) blocks (while the grammar compiles) ──► KVReceiver
+    ──► reserve ceil((prompt + 1) / block) blocks (while the grammar compiles) ──► HandOffs.open:
+        a TPReceiver (a KVReceiver; with tensor parallelism every rank's routes)
     ──► TransferTicket ──► the grammar (refused: the reservation freed)
     ──► await the receiver (every layer + the first token, or FAILED):
         it fails after transfer_timeout_s without progress (the prefill node handshakes once
@@ -32,8 +33,10 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import KVReceiver, TransferState
+from cache_transfer import TransferState
+from cache_transfer.tp import TPReceiver
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
+from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
@@ -63,7 +66,7 @@ class _DecodeJob:
 
     request_id: str
     trace: DecodeTrace
-    receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    receiver: TPReceiver | None = None  # DISAGGREGATED, while the KV is awaited
     hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason
@@ -78,6 +81,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             node.engine, node.manager, config.transfer_timeout_s, node.metrics, DecodeCounters()
         )
         self._traces = traces
+        self._hand_offs = HandOffs(node, node.manager)
         self._jobs: dict[str, _DecodeJob] = {}
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
@@ -129,8 +133,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
     async def CancelTransfer(
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
-        reason = request.reason or "no reason given"
-        found = self._manager.cancel(request.transfer_id, f"by the router ({reason})")
+        reason = f"by the router ({request.reason or 'no reason given'})"
+        hand_off = self._hand_offs.find(request.transfer_id)
+        if hand_off is not None:
+            hand_off.cancel(reason)
+            return node_pb2.CancelTransferResponse(found=True)
+        found = self._manager.cancel(request.transfer_id, reason)
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
@@ -178,8 +186,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job: _DecodeJob,
         request: node_pb2.DecodeRequest,
         context: grpc.aio.ServicerContext,
-    ) -> KVReceiver:
-        """Blocks for the prompt's KV and the first token's, and their receiver."""
+    ) -> TPReceiver:
+        """Blocks for the prompt's KV and the first token's, and a receiver for them."""
         request_id, prompt_len = job.request_id, len(request.prompt_token_ids)
         num_tokens = prompt_len + 1
         timeout_s = self.caps.timeout_s(request.transfer_timeout_s, self._transfer_timeout_s)
@@ -197,10 +205,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
-        receiver = self._manager.create_receiver(
-            block_ids, prompt_len, timeout_s, max_ceiling_s=self._max_handoff_s,
-            log_id=request_id,
-        )  # fmt: skip
+        receiver = await self._hand_offs.open(
+            block_ids, prompt_len, (timeout_s, self._max_handoff_s), request_id
+        )
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
             receiver.cancel("the request was aborted")
@@ -210,7 +217,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return receiver
 
     async def _after_transfer(
-        self, job: _DecodeJob, request: Request, receiver: KVReceiver
+        self, job: _DecodeJob, request: Request, receiver: TPReceiver
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
@@ -329,10 +336,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 
-    def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
+    def _release_reservation(self, request_id: str, receiver: TPReceiver | None) -> None:
         """Free the request's reserved blocks (or abort it, past its reservation): those of a
         transfer written in place only once its sender cannot write any more (its drained
-        notice, or its deadline: KVReceiver.writes_settled)."""
+        notice, or its deadline: TPReceiver.writes_settled)."""
         self.admission.release(request_id, receiver.writes_settled if receiver else None)
 
 

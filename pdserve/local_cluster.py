@@ -3,6 +3,7 @@
     pd-serve                      router on 127.0.0.1:50051 + 1 prefill + 1 decode node
     pd-serve --prefill 2 --decode 2
     pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
+    pd-serve --prefill-tp 2 --decode-tp 1    prefill nodes of 2 ranks (GPUs), decode of 1
     pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
 
 First it holds every fixed port it will use (the router's --port and --http-port, the nodes'
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from pdserve import envs
 from pdserve.cli import (
     NODE,
     ROUTER,
@@ -45,6 +44,7 @@ from pdserve.cli import (
     setup_logging,
 )
 from pdserve.config import CacheConfig
+from pdserve.node_placement import node_devices, num_gpus
 from pdserve.port_reservations import PortReservations, PortTaken
 
 _LISTENING = re.compile(r"listening on (\S+)")
@@ -105,43 +105,6 @@ def _router_argv(
         for addr in decode_addrs:
             argv += ["--decode", addr]
     return argv
-
-
-def _num_gpus() -> int:
-    visible = envs.cuda_visible_devices()
-    if visible is not None:
-        return len(visible)
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
-
-
-def node_devices(
-    device: str, num_prefill: int, num_decode: int, num_gpus: int
-) -> tuple[dict[str, list[str]] | None, int]:
-    """Where each node runs, and how many nodes share a GPU (each gets that share of
-    --gpu-memory-utilization). With `--device auto|cuda` and GPUs visible the nodes are spread
-    over the visible GPUs by index, prefill nodes first (1P1D on 2 GPUs: prefill on cuda:0,
-    decode on cuda:1), each told its `--device cuda:N`; CUDA_VISIBLE_DEVICES is left as the
-    user set it, so every node sees every listed GPU (UCX's cuda_ipc maps a peer's memory only
-    when its GPU is visible). `None`: nodes keep the given --device (cpu, or one cuda:N)."""
-    num_nodes = num_prefill + num_decode
-    if device not in ("auto", "cuda") or num_gpus == 0:
-        shared = device.startswith("cuda")
-        return None, (num_nodes if shared else 1)
-    order = [("prefill", i) for i in range(num_prefill)] + [
-        ("decode", i) for i in range(num_decode)
-    ]
-    devices: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for slot, (role, _) in enumerate(order):
-        devices[role].append(f"cuda:{slot % num_gpus}")
-    return devices, -(-num_nodes // num_gpus)
 
 
 def _client_command() -> str:
@@ -244,15 +207,20 @@ class LocalCluster:
         roles = [("decode", i) for i in range(args.decode)] + [
             ("prefill", i) for i in range(args.prefill)
         ]
-        devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
+        tp = {"prefill": args.prefill_tp or args.tensor_parallel_size,
+              "decode": args.decode_tp or args.tensor_parallel_size}  # fmt: skip
+        devices, share = node_devices(args.device, args.prefill, args.decode, num_gpus(),
+                                      tp["prefill"], tp["decode"])  # fmt: skip
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
         if args.metrics_port:  # the nodes bind them now
             self.ports.release(args.metrics_port + slot for slot in range(len(roles)))
         for slot, (role, index) in enumerate(roles):  # decode first: tickets come from them
             metrics_port = args.metrics_port + slot if args.metrics_port else 0
             argv = _node_argv(self.node_argv, share, metrics_port)
+            argv += ["--tensor-parallel-size", str(tp[role])]  # (the last one given wins)
             if devices is not None:  # every listed GPU stays visible (cuda_ipc maps peers)
-                argv += ["--device", devices[role][index]]
+                flag = "--device" if tp[role] == 1 else "--devices"
+                argv += [flag, devices[role][index]]
             child = self._spawn(f"{role}-{index}", f"{role}_node.cli", argv)
             started[role].append(child)
         print(
@@ -298,6 +266,12 @@ def build_serve_parser() -> ArgumentParser:
         "--prefill", type=int, default=1, help="prefill nodes (0: colocated) (default: 1)"
     )
     group.add_argument("--decode", type=int, default=1, help="decode nodes (>= 1) (default: 1)")
+    group.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="tensor-parallel size of each prefill node (default: "
+                       "--tensor-parallel-size)")  # fmt: skip
+    group.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="tensor-parallel size of each decode node (default: "
+                       "--tensor-parallel-size)")  # fmt: skip
     return parser
 
 
@@ -308,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args, "serve")
     if args.decode < 1 or args.prefill < 0:
         print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if min(args.prefill_tp or 1, args.decode_tp or 1) < 1:
+        print("pd-serve: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
         return 2
     cluster = LocalCluster(
         args, forwarded_argv(parser, argv, NODE), forwarded_argv(parser, argv, ROUTER)
@@ -337,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0
-    except (RuntimeError, PortTaken) as exc:
+    except (RuntimeError, ValueError, PortTaken) as exc:  # a node that did not start; no room
         print(f"pd-serve: {exc}", file=sys.stderr)
         code = 1
     finally:

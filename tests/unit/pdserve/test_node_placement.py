@@ -11,7 +11,8 @@ import types
 import pytest
 
 from pdserve import local_cluster
-from pdserve.local_cluster import LocalCluster, node_devices
+from pdserve.local_cluster import LocalCluster
+from pdserve.node_placement import node_devices
 
 
 def test_one_p_one_d_on_two_gpus_prefill_on_0_decode_on_1() -> None:
@@ -62,6 +63,9 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
         port=0,
         metrics_port=0,
         model="m",
+        prefill_tp=None,
+        decode_tp=None,
+        tensor_parallel_size=1,
         host="127.0.0.1",
         http_port=0,
     )
@@ -91,7 +95,7 @@ def test_the_model_is_prepared_once_before_the_nodes_start(monkeypatch, model, p
     only read the cache); a model it cannot read stops it there, with no node started."""
     runs: list = []
     monkeypatch.setattr(local_cluster.subprocess, "run", _prepared_ok(runs))
-    args = types.SimpleNamespace(model=model)
+    args = types.SimpleNamespace(model=model, host="127.0.0.1")
     LocalCluster(args, [], [])._prepare_model()
     assert [cmd[1:] for cmd, _ in runs] == (
         [["-m", "engine.model.prepare", model]] if prepared else []
@@ -105,6 +109,18 @@ def test_the_model_is_prepared_once_before_the_nodes_start(monkeypatch, model, p
 
     monkeypatch.setattr(local_cluster.subprocess, "run", fails)
     monkeypatch.setattr(local_cluster.subprocess, "Popen", no_node)
-    args = types.SimpleNamespace(model="nope", device="cpu", prefill=1, decode=1)
+    args = types.SimpleNamespace(model="nope", device="cpu", prefill=1, decode=1, host="127.0.0.1")
     with pytest.raises(RuntimeError, match="cannot load the model 'nope'"):
         LocalCluster(args, [], []).start()
+
+
+def test_tensor_parallel_nodes_take_consecutive_gpus() -> None:
+    """A TP 2 prefill node beside a TP 1 decode node on 2 GPUs: the prefill node's ranks on
+    cuda:0 and cuda:1 (its --devices), the decode node back on cuda:0 (2 ranks share it)."""
+    devices, share = node_devices("auto", 1, 1, 2, prefill_tp=2, decode_tp=1)
+    assert devices == {"prefill": ["cuda:0,cuda:1"], "decode": ["cuda:0"]}
+    assert share == 2
+    devices, share = node_devices("cuda", 1, 1, 4, prefill_tp=2, decode_tp=2)
+    assert devices == {"prefill": ["cuda:0,cuda:1"], "decode": ["cuda:2,cuda:3"]} and share == 1
+    with pytest.raises(ValueError, match="tensor-parallel size 4 needs 4 GPUs; 2 visible"):
+        node_devices("auto", 0, 1, 2, decode_tp=4)
