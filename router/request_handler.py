@@ -5,6 +5,8 @@ HTTP routes), so the same request gives the same tokens whichever API carried it
 process(GenerateRequest)      InputProcessor: validate + tokenize -> ProcessedRequest, with
                               its cache salt (router.tenancy: tenant + client's cache_salt)
                               (InvalidRequestError; UNAVAILABLE before any node is ready)
+process_soon(...)             the same, on a worker thread unless the request is small
+                              (token ids or a short text prompt: on the event loop)
 stream(processed, api, ...)   request id on every log line of this task (pdserve.logs)
   Dispatcher.run              NodeTokens from P and D (route noted in the RequestRecord)
     OutputProcessor.process   GenerateResponse per chunk (timed: TTFT, ITL)
@@ -15,6 +17,7 @@ rejected(...)                 a request that failed validation, counted and logg
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -27,7 +30,7 @@ from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2
 from router.dispatcher import Dispatcher
 from router.errors import RouterError
-from router.input_processor import InputProcessor, ProcessedRequest
+from router.input_processor import InputProcessor, ProcessedRequest, processes_inline
 from router.node_registry import NodeRegistry
 from router.output_processor import OutputProcessor
 from router.request_record import RequestRecord
@@ -80,6 +83,15 @@ class RequestHandler:
             )
         salt = self._salts.salt(authorization, request.cache_salt)
         return self._input_processor.process(request, salt)
+
+    async def process_soon(
+        self, request: generation_pb2.GenerateRequest, authorization: str | None = None
+    ) -> ProcessedRequest:
+        """`process`: on the event loop for a small request, else on a worker thread (a long
+        prompt's tokenizing, a chat template, must not stall the other requests)."""
+        if processes_inline(request):
+            return self.process(request, authorization)
+        return await asyncio.to_thread(self.process, request, authorization)
 
     def rejected(
         self, api: str, request_id: str, status: str, message: str, start_s: float

@@ -11,7 +11,6 @@ GetTokenizer                    the first ready node's tokenizer files, for clie
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -41,7 +40,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
             authorization = _metadata(context, AUTHORIZATION)  # the tenant (API key), if any
-            processed = await asyncio.to_thread(self._handler.process, request, authorization)
+            processed = await self._handler.process_soon(request, authorization)
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(
