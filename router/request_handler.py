@@ -33,7 +33,7 @@ from router.errors import RouterError
 from router.input_processor import InputProcessor, ProcessedRequest, processes_inline
 from router.node_registry import NodeRegistry
 from router.output_processor import OutputProcessor
-from router.request_record import RequestRecord
+from router.request_record import Marks, RequestRecord
 from router.stats import RouterStats
 from router.tenancy import MAX_CLIENT_SALT_CHARS, CacheSalts
 
@@ -114,12 +114,15 @@ class RequestHandler:
         api: str,
         timeout_s: float | None = None,
         start_s: float | None = None,
+        marks: Marks = None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The request's responses, the last one with finish_reason and usage. Raises
         RouterError (counted, logged). Run it in a task of its own: it sets the task's
-        request id for logging."""
+        request id for logging. `marks`: a traced request's milestones (filled in)."""
         set_request_id(processed.request_id)
-        record = RequestRecord(processed.request_id, api, prompt_tokens=processed.prompt_len)
+        record = RequestRecord(
+            processed.request_id, api, prompt_tokens=processed.prompt_len, marks=marks
+        )
         if start_s is not None:
             record.start_s = start_s
         self.stats.request_started()

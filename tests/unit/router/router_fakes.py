@@ -139,6 +139,7 @@ class FakeNode(
         self.ticket_gate = asyncio.Event()  # D: the ticket waits for it
         self.ticket_gate.set()
         self.attach_fail_code: grpc.StatusCode | None = None  # P: AttachTicket fails with it
+        self.first_before_ticket = False  # P: the first token goes out before its ticket is in
         self.hold_at = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -191,13 +192,8 @@ class FakeNode(
         try:
             if self.fail_code is not None:
                 await context.abort(self.fail_code, "scripted prefill failure")
-            ticket = request.ticket
-            if not request.HasField("ticket"):  # the router attaches it
-                ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
-            if not self.transfer_error:
-                self.model.deliver(ticket.transfer_id, first_token)
             first = node_pb2.PrefillFirstToken(
                 token_id=first_token,
                 finish_reason=finish_reason,
@@ -205,7 +201,15 @@ class FakeNode(
             )
             if request.sampling.HasField("logprobs"):
                 first.logprob.CopyFrom(_logprob(first_token, 0))
-            await context.write(node_pb2.PrefillResponse(first_token=first))
+            if self.first_before_ticket:  # the forward ended before D's ticket came
+                await context.write(node_pb2.PrefillResponse(first_token=first))
+            ticket = request.ticket
+            if not request.HasField("ticket"):  # the router attaches it
+                ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
+            if not self.transfer_error:
+                self.model.deliver(ticket.transfer_id, first_token)
+            if not self.first_before_ticket:
+                await context.write(node_pb2.PrefillResponse(first_token=first))
             await self.gate.wait()
             result = node_pb2.PrefillTransferResult(
                 ok=not self.transfer_error, error=self.transfer_error, num_bytes=1024
