@@ -6,10 +6,11 @@ stream()
   PrefillLeg.start(P)           ─ P.Prefill(request) at once, beside D.Decode: P computes while
                                   D reserves; its reader emits P's first token the moment it
                                   comes (router/prefill_leg.py: retry, CancelTransfer)
-  _read_decode task:  DISAGGREGATED: D's first message, the TransferTicket (ticket_timeout_s)
+  _pump_decode task:  DISAGGREGATED: D's first message, the TransferTicket (ticket_timeout_s)
                       -> PrefillLeg.attach(ticket) (P.AttachTicket); then
                       TokenChunk -> NodeTokens(output_index) ... until finish_reason
   both readers -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
+  (LOCAL_PREFILL: D's stream alone, read by stream() itself: no reader task, no queue)
   D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
   D UNAVAILABLE after:  DecodeLostError (the dispatcher migrates the request)
 A migrated request (output_token_ids: its tokens already streamed) runs LOCAL_PREFILL on D,
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -69,7 +70,10 @@ class RequestCalls:
         self._timeout_s = timeout_s
         self._marks = marks
         self._events: asyncio.Queue[NodeTokens | RouterError] = asyncio.Queue()
-        self._decode_task: asyncio.Task[None] | None = None
+        self._decode_task: asyncio.Task[None] | None = None  # disaggregated: D's reader
+        self._tokens: AsyncGenerator[NodeTokens, None] | None = (
+            None  # else: D's stream, read inline
+        )
         self._decode_call: grpc.aio.UnaryStreamCall | None = None
         self._decode_ended = False  # D's stream delivered its finish or failed
         self._num_yielded = 0
@@ -101,29 +105,41 @@ class RequestCalls:
             timeout=self._timeout_s,
         )
         mark(self._marks, "decode_sent")
+        get: Callable[[], Awaitable[NodeTokens | RouterError]]
         if self._leg is not None and self._prefill is not None:
             self._leg.start(self._prefill)  # close() cancels it if D sends no ticket
-        self._decode_task = asyncio.create_task(self._read_decode(decode_call))
-        events = self._events
+            self._decode_task = asyncio.create_task(self._pump_decode(decode_call))
+            get = self._events.get
+        else:  # D's stream alone: read here, no reader task
+            self._tokens = self._decode_tokens(decode_call)
+            get = self._tokens.__anext__
         while True:
-            if events.empty():
-                try:  # asyncio.timeout: a client's cancel stays a cancel (RedisNodeSource.watch)
-                    async with asyncio.timeout(self._config.token_timeout_s):
-                        event = await events.get()
-                except TimeoutError:
-                    raise RouterError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"request {self._request.request_id}: no tokens from decode node "
-                        f"{self._decode.address} for {self._config.token_timeout_s} s",
-                    ) from None
-            else:
-                event = events.get_nowait()
+            try:
+                event = await self._next_event(get)
+            except RouterError as error:
+                raise self._decode_failure(error) from None
             if isinstance(event, RouterError):
                 raise self._decode_failure(event)
             self._num_yielded += 1
             yield event
             if event.finish_reason:
                 return
+
+    async def _next_event(
+        self, get: Callable[[], Awaitable[NodeTokens | RouterError]]
+    ) -> NodeTokens | RouterError:
+        """The next tokens (or failure), waiting at most token_timeout_s."""
+        if not self._events.empty():
+            return self._events.get_nowait()
+        try:  # asyncio.timeout: a client's cancel stays a cancel (see RedisNodeSource.watch)
+            async with asyncio.timeout(self._config.token_timeout_s):
+                return await get()
+        except TimeoutError:
+            raise RouterError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {self._request.request_id}: no tokens from decode node "
+                f"{self._decode.address} for {self._config.token_timeout_s} s",
+            ) from None
 
     async def close(self) -> None:
         """Aborts D's request if it is still running (in the background when the client
@@ -148,6 +164,8 @@ class RequestCalls:
             pending = [task for task in tasks if task is not None and not task.done()]
             if pending:  # cancelled reader tasks end at their next await
                 await asyncio.wait(pending, timeout=_TASK_EXIT_TIMEOUT_S)
+            if self._tokens is not None:
+                await self._tokens.aclose()
             self._decode_work.done()
 
     def _decode_failure(self, error: RouterError) -> RouterError:
@@ -180,8 +198,20 @@ class RequestCalls:
         ticket: node_pb2.TransferTicket = message.ticket
         return ticket
 
-    async def _read_decode(self, decode_call: grpc.aio.UnaryStreamCall) -> None:
-        """D's ticket (to P), then its TokenChunks, into the queue; a failure too."""
+    async def _pump_decode(self, decode_call: grpc.aio.UnaryStreamCall) -> None:
+        """The reader task of a disaggregated route: D's tokens, or its failure, into the
+        queue P's first token also goes to."""
+        try:
+            async for tokens in self._decode_tokens(decode_call):
+                self._events.put_nowait(tokens)
+        except RouterError as error:
+            self._events.put_nowait(error)
+
+    async def _decode_tokens(
+        self, decode_call: grpc.aio.UnaryStreamCall
+    ) -> AsyncGenerator[NodeTokens, None]:
+        """D's ticket (handed to P) when disaggregated, then its TokenChunks until the finish;
+        raises RouterError (D failed, no ticket in time, a protocol error)."""
         address = self._decode.address
         try:
             if self._leg is not None:
@@ -190,27 +220,22 @@ class RequestCalls:
                 message = await decode_call.read()
                 if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
                     self._decode_ended = True
-                    self._events.put_nowait(self._protocol_error(address, message))
-                    return
+                    raise self._protocol_error(address, message)
                 chunk = message.tokens
                 mark(self._marks, "decode_first_token")
-                self._events.put_nowait(
-                    NodeTokens(
-                        output_index=chunk.output_index,
-                        token_ids=chunk.token_ids,
-                        logprobs=chunk.logprobs,
-                        finish_reason=chunk.finish_reason,
-                        num_cached_tokens=chunk.num_cached_tokens,
-                    )
+                self._decode_ended = bool(chunk.finish_reason)
+                yield NodeTokens(
+                    output_index=chunk.output_index,
+                    token_ids=chunk.token_ids,
+                    logprobs=chunk.logprobs,
+                    finish_reason=chunk.finish_reason,
+                    num_cached_tokens=chunk.num_cached_tokens,
                 )
                 if chunk.finish_reason:
-                    self._decode_ended = True
                     return
-        except RouterError as error:  # no ticket in time, or not a ticket: D still runs
-            self._events.put_nowait(error)
         except grpc.aio.AioRpcError as error:
             self._decode_ended = True
-            self._events.put_nowait(node_error("decode", address, error))
+            raise node_error("decode", address, error) from None
 
     def _protocol_error(self, address: str, message: object) -> RouterError:
         what = "ended its stream" if message is grpc.aio.EOF else "sent a non-token message"

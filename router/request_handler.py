@@ -155,7 +155,5 @@ class RequestHandler:
     def _sent(self, record: RequestRecord, num_tokens: int) -> None:
         now = time.monotonic()
         if num_tokens and record.last_token_s is not None:
-            gap_s = (now - record.last_token_s) / num_tokens
-            for _ in range(num_tokens):
-                self.stats.metrics.itl.observe(gap_s)
+            self.stats.metrics.observe_itl((now - record.last_token_s) / num_tokens, num_tokens)
         record.tokens_sent(num_tokens, now)
