@@ -3,6 +3,7 @@
     pd-bench router [--mode pd colocated] [--api grpc http] [--idle-requests 600]
                     [--rates 250 500 1000 1500 2000] [--duration-s 4] [--prompt-tokens 16]
                     [--output-tokens 16] [--chunk-tokens 16] [--router-arg=--flag ...]
+                    [--baseline DIR] [--repeat N] [--router-profile PATH]
 
 Starts instant nodes (benchmarks/router/fake_nodes.py: the real node gRPC protocol, every
 answer at once, the P -> D hand-off a loopback datagram) and a pd-router on them, each in its
@@ -18,7 +19,10 @@ own process, and measures from this process:
   highest rate sustained below the first one that is not.
 
 Everything shares this machine's cores (router, nodes and this client): the load average is
-printed with the numbers. Torch-free.
+printed with the numbers. `--baseline DIR` runs a router from another source tree (e.g.
+`git archive main | tar -x -C DIR`) in turn with this checkout's, `--repeat` times: before and
+after under the same load. `--router-profile PATH` runs the router under cProfile
+(profiled_router.py) and prints where its event loop's CPU went. Torch-free.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from benchmarks.router.load import (
 )
 from benchmarks.router.procs import InstantCluster
 
-WARMUP_REQUESTS = 200
 ROUNDS = 6  # idle requests are split in rounds alternating the paths (drift hits all alike)
 
 
@@ -187,19 +190,21 @@ def node_times(cluster: InstantCluster) -> str:
     return "; ".join(parts)
 
 
-async def run_mode(mode: str, args: argparse.Namespace) -> None:
+async def run_mode(
+    mode: str, args: argparse.Namespace, label: str, router_cmd: list[str] | None
+) -> None:
     disaggregated = mode == "pd"
     what = "1 instant prefill + 1 instant decode node" if disaggregated else "1 instant decode node"
-    print(f"\n== mode {mode}: {what}, router args {args.router_arg or '(defaults)'}")
+    print(f"\n== mode {mode}: {what}; router: {label}, args {args.router_arg or '(defaults)'}")
     print(f"load average at start: {load_avg()}")
     profile = f"{args.router_profile}.{mode}" if args.router_profile else None
     with InstantCluster(
-        disaggregated, args.chunk_tokens, args.router_arg, args.uvloop_nodes, profile
+        disaggregated, args.chunk_tokens, args.router_arg, args.uvloop_nodes, profile, router_cmd
     ) as c:
         targets = await make_targets(c, args)
         try:
             for target in targets.values():
-                await one_at_a_time(target, WARMUP_REQUESTS, 0)
+                await one_at_a_time(target, args.warmup, 0)
             idle = await idle_latency(c, targets, args.idle_requests)
             print(f"idle latency, ms ({args.idle_requests} requests a path, {ROUNDS} "
                   f"alternating rounds; load average {load_avg()}):")  # fmt: skip
@@ -230,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--chunk-tokens", type=int, default=16, help="tokens per decode node message")
     p.add_argument("--uvloop-nodes", action="store_true", help="the fake nodes on uvloop")
+    p.add_argument("--warmup", type=int, default=200, help="unmeasured requests a path")
+    p.add_argument("--repeat", type=int, default=1, help="each mode this many times")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also a router from this source tree (e.g. git archive of main), "
+                   "alternating with this checkout's")  # fmt: skip
     p.add_argument("--router-profile", metavar="PATH",
                    help="run the router under cProfile; stats to PATH.MODE, top lines printed")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[],
@@ -240,15 +250,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if min(args.prompt_tokens, args.output_tokens, args.chunk_tokens, args.idle_requests) < 1:
-        parser.error("--prompt-tokens, --output-tokens, --chunk-tokens, --idle-requests >= 1")
+    if min(args.prompt_tokens, args.output_tokens, args.chunk_tokens, args.idle_requests,
+           args.repeat) < 1 or args.warmup < 0:  # fmt: skip
+        parser.error("--prompt-tokens, --output-tokens, --chunk-tokens, --idle-requests, "
+                     "--repeat >= 1; --warmup >= 0")  # fmt: skip
     print(
         f"pd-bench router: {args.prompt_tokens} prompt tokens, {args.output_tokens} output "
         f"tokens in chunks of {args.chunk_tokens}; {os.cpu_count()} CPUs; router, nodes and "
         "client each in its own process"
     )
+    variants: list[tuple[str, list[str] | None]] = [("this checkout", None)]
+    if args.baseline:  # before / after, alternating (a loaded machine drifts)
+        env = ["env", f"PYTHONPATH={os.path.abspath(args.baseline)}"]
+        variants.insert(
+            0, (f"baseline {args.baseline}", [*env, sys.executable, "-m", "router.cli"])
+        )
     for mode in args.mode:
-        asyncio.run(run_mode(mode, args))
+        for _ in range(args.repeat):
+            for label, router_cmd in variants:
+                asyncio.run(run_mode(mode, args, label, router_cmd))
     return 0
 
 

@@ -48,7 +48,7 @@ MAX_TIMES_KEPT = 200_000  # handler times kept per node (memory bound for long r
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
-def node_info(role: int) -> node_pb2.NodeInfo:
+def node_info(role: node_pb2.NodeRole) -> node_pb2.NodeInfo:
     """What both fake roles report: the router pairs them (same model, layout, transport)."""
     return node_pb2.NodeInfo(
         role=role, model_name="synthetic:instant", layout_hash="instant-layout",
@@ -74,7 +74,7 @@ class FakeNode(
 ):
     """One instant node of either role (the role decides which services are added)."""
 
-    def __init__(self, role: int, chunk_tokens: int) -> None:
+    def __init__(self, role: node_pb2.NodeRole, chunk_tokens: int) -> None:
         self.info = node_info(role)
         self.chunk_tokens = chunk_tokens
         self.handler_s: list[float] = []  # per request, waits excluded
@@ -201,7 +201,7 @@ class FakeNode(
         return {"handler_s": self.handler_s, "handoff_timeouts": self.num_handoff_timeouts}
 
 
-async def serve(role: int, port: int, chunk_tokens: int) -> None:
+async def serve(role: node_pb2.NodeRole, port: int, chunk_tokens: int) -> None:
     node = FakeNode(role, chunk_tokens)
     await node.open_kv()
     server = grpc.aio.server(options=SERVER_OPTIONS)
