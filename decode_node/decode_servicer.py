@@ -4,8 +4,9 @@ Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (o
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
     ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
-        the prefill node's handshake within transfer_timeout_s (it handshakes when its
-        prefill starts), then transfer_timeout_s from the handshake
+        it fails after transfer_timeout_s without progress (the prefill node handshakes once
+        it has the ticket, then reports progress while it computes this prompt or those
+        queued ahead of it), or at the prefill node's ceiling (at most --max-handoff-s)
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
                     (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
@@ -76,6 +77,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             config.max_queued_requests, config.queue_timeout_s,
         )  # fmt: skip
         self._block_size = node.layout.block_size
+        self._max_handoff_s = config.max_handoff_s
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
@@ -120,7 +122,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
         reason = request.reason or "no reason given"
-        found = self._manager.abort(request.transfer_id, f"cancelled by the router ({reason})")
+        found = self._manager.cancel(request.transfer_id, f"by the router ({reason})")
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
@@ -132,7 +134,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             return await self._engine.abort(request_id)
         job.aborted = True
         if job.receiver is not None:
-            job.receiver.abort("the request was aborted")
+            job.receiver.cancel("the request was aborted")
         self._engine.abort_nowait(request_id)  # frees a reservation too
         return True
 
@@ -184,11 +186,12 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         receiver = self._manager.create_receiver(
-            block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
-        )
+            block_ids, request.prompt_len, timeout_s, max_ceiling_s=self._max_handoff_s,
+            log_id=request_id,
+        )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
-            receiver.abort("the request was aborted")
+            receiver.cancel("the request was aborted")
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
         receiver.add_finish_callback(self._metrics.transfer_finished)
@@ -309,7 +312,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         receiver = job.receiver
         if receiver is not None:
-            receiver.abort("the decode call ended")
+            receiver.cancel("the decode call ended")
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 

@@ -43,6 +43,7 @@ from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from engine.structured import CompiledGrammar
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,17 +83,28 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
+    async def prepare_structured(
+        self, params: SamplingParams, timeout_s: float | None = None
+    ) -> CompiledGrammar | None:
+        """The compiled grammar of `params.structured_output` (None without one), compiled off
+        the engine thread and this loop (cached by digest), waited for at most `timeout_s`
+        (the request's deadline): pass it to `make_request`. InvalidRequestError: refused or
+        too slow; StructuredOutputBusyError: too many compiling, retry later."""
+        return await self.core.structured.prepare(params, timeout_s)
+
     def make_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """A validated Request (InvalidRequestError if not), built on the caller's thread:
         `EngineCore.make_request` reads only fixed configuration, and a trip to the engine
-        thread would wait for its current step."""
-        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt)
+        thread would wait for its current step. A structured output needs `grammar` from
+        `prepare_structured` (or its spec compiled and cached)."""
+        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
 
     @property
     def vocab_size(self) -> int:

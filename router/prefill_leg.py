@@ -10,7 +10,9 @@ reader task      PrefillFirstToken -> emit(NodeTokens(0)); PrefillTransferResult
   P unreachable before its first token (its call or its AttachTicket UNAVAILABLE):
       Prefill on another prefill node (retry_prefill) with the ticket inline, once
   P failed otherwise, or reported a failed transfer: D.CancelTransfer(ticket) (D frees the
-      reservation and prefills locally at once, not at its transfer deadline)
+      reservation and prefills locally at once, not after its no-progress timeout), unless
+      P's first token finished the request (its hand-off is moot: DEBUG)
+tokens_in_flight prompt tokens P has in flight, this one's included
 close()          the reader task and P's call cancelled; P's in-flight accounting ends
 ```
 
@@ -73,6 +75,7 @@ class PrefillLeg:
         self._ticket_sent = False  # the current call has the ticket (inline or attached)
         self._attach_error: grpc.aio.AioRpcError | None = None  # why the current call was cut
         self._sent_first = False  # P's first token was emitted
+        self._finished_request = False  # ... and it finished the request
 
     def start(self, prefill: NodeClient) -> None:
         self._call_prefill(prefill, None)
@@ -107,21 +110,29 @@ class PrefillLeg:
             self._work = None
 
     @property
+    def tokens_in_flight(self) -> int:
+        """Prompt tokens the current prefill node has in flight, this request's included."""
+        assert self._prefill is not None  # (started)
+        return max(self._prefill.load.queued_prefill_tokens, self._request.prompt_len)
+
+    @property
     def task(self) -> asyncio.Task[None] | None:
         return self._task
 
     def _call_prefill(self, prefill: NodeClient, ticket: node_pb2.TransferTicket | None) -> None:
         """P.Prefill on `prefill` (the current prefill node from now), `ticket` inline or (None)
         attached later."""
-        # P starts the prefill within transfer_timeout_s and ends the hand-off within
-        # transfer_timeout_s of that (as D waits): the call outlives neither.
-        timeout_s = 2 * self._config.transfer_timeout_s
-        if self._timeout_s is not None:
-            timeout_s = min(timeout_s, self._timeout_s)
         if self._work is not None:
             self._work.done()
         self._prefill = prefill
         self._work = prefill.load.track(self._request.prompt_len)
+        # P's ceiling (transfer_timeout_s + the prompt tokens it has in flight at
+        # min_prefill_tokens_per_s) and one transfer_timeout_s more: the call outlives neither.
+        config = self._config
+        timeout_s = 2 * config.transfer_timeout_s
+        timeout_s += self.tokens_in_flight / config.min_prefill_tokens_per_s
+        if self._timeout_s is not None:
+            timeout_s = min(timeout_s, self._timeout_s)
         self._call = prefill.prefill_stub.Prefill(
             node_pb2.PrefillRequest(
                 request_id=self._request.request_id,
@@ -148,9 +159,13 @@ class PrefillLeg:
                 self._work = None
         if failure is None:
             return
-        self._stats.prefill_failure()
         prefill, call = self._prefill, self._call
         assert prefill is not None and call is not None
+        if self._finished_request:  # the request is done: its hand-off no longer matters
+            logger.debug("request %s: the hand-off after a finishing first token ended: %s",
+                         self._request.request_id, failure)  # fmt: skip
+            return
+        self._stats.prefill_failure()
         logger.warning(
             "request %s: prefill node %s failed (%s); decode node %s prefills locally",
             self._request.request_id, prefill.address, failure, self._decode.address,
@@ -198,6 +213,7 @@ class PrefillLeg:
             first = message.first_token
             mark(self._marks, "prefill_first_token")
             self._sent_first = True
+            self._finished_request = bool(first.finish_reason)
             self._emit(
                 NodeTokens(
                     output_index=0,
@@ -228,7 +244,7 @@ class PrefillLeg:
         decode = self._decode
         try:
             await decode.cancel_transfer(transfer_id, reason, self._config.node_rpc_timeout_s)
-        except grpc.aio.AioRpcError as error:  # D still falls back at its transfer timeout
+        except grpc.aio.AioRpcError as error:  # D still falls back after its timeout
             logger.warning("CancelTransfer %s on %s failed: %s", transfer_id, decode.address, error)
 
 

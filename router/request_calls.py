@@ -9,7 +9,9 @@ stream()
   _pump_decode task:  DISAGGREGATED: D's first message, the TransferTicket (ticket_timeout_s)
                       -> PrefillLeg.attach(ticket) (P.AttachTicket); then
                       TokenChunk -> NodeTokens(output_index) ... until finish_reason
-  both readers -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
+  both readers -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
+                      first also waits for the prefill: + the prompt tokens its node has in
+                      flight, this one's included, / min_prefill_tokens_per_s)
   (LOCAL_PREFILL: D's stream alone, read by stream() itself: no reader task, no queue)
   D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
   D UNAVAILABLE after:  DecodeLostError (the dispatcher migrates the request)
@@ -113,11 +115,13 @@ class RequestCalls:
         else:  # D's stream alone: read here, no reader task
             self._tokens = self._decode_tokens(decode_call)
             get = self._tokens.__anext__
+        wait_s = self._first_token_wait_s()
         while True:
             try:
-                event = await self._next_event(get)
+                event = await self._next_event(get, wait_s)
             except RouterError as error:
                 raise self._decode_failure(error) from None
+            wait_s = self._config.token_timeout_s
             if isinstance(event, RouterError):
                 raise self._decode_failure(event)
             self._num_yielded += 1
@@ -126,20 +130,29 @@ class RequestCalls:
                 return
 
     async def _next_event(
-        self, get: Callable[[], Awaitable[NodeTokens | RouterError]]
+        self, get: Callable[[], Awaitable[NodeTokens | RouterError]], wait_s: float
     ) -> NodeTokens | RouterError:
-        """The next tokens (or failure), waiting at most token_timeout_s."""
+        """The next tokens (or failure), waiting at most `wait_s`."""
         if not self._events.empty():
             return self._events.get_nowait()
         try:  # asyncio.timeout: a client's cancel stays a cancel (see RedisNodeSource.watch)
-            async with asyncio.timeout(self._config.token_timeout_s):
+            async with asyncio.timeout(wait_s):
                 return await get()
         except TimeoutError:
             raise RouterError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"request {self._request.request_id}: no tokens from decode node "
-                f"{self._decode.address} for {self._config.token_timeout_s} s",
+                f"{self._decode.address} for {wait_s:.0f} s",
             ) from None
+
+    def _first_token_wait_s(self) -> float:
+        """token_timeout_s, and the prefill the first token waits for: the prompt tokens its
+        node has in flight, this one's included (D prefills: prompt + a migration's tokens)."""
+        if self._leg is not None:
+            tokens = self._leg.tokens_in_flight
+        else:
+            tokens = self._request.prompt_len + len(self._output_token_ids)
+        return self._config.token_timeout_s + tokens / self._config.min_prefill_tokens_per_s
 
     async def close(self) -> None:
         """Aborts D's request if it is still running (in the background when the client

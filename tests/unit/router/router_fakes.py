@@ -140,6 +140,7 @@ class FakeNode(
         self.ticket_gate.set()
         self.attach_fail_code: grpc.StatusCode | None = None  # P: AttachTicket fails with it
         self.first_before_ticket = False  # P: the first token goes out before its ticket is in
+        self.first_token_delay_s = 0.0  # P: a prefill this long (a long prompt, a backlog)
         self.hold_at = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -194,6 +195,7 @@ class FakeNode(
                 await context.abort(self.fail_code, "scripted prefill failure")
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
+            await asyncio.sleep(self.first_token_delay_s)
             first = node_pb2.PrefillFirstToken(
                 token_id=first_token,
                 finish_reason=finish_reason,
