@@ -3,7 +3,8 @@
     pd-bench router [--mode pd colocated] [--api grpc http] [--idle-requests 600]
                     [--rates 250 500 1000 1500 2000] [--duration-s 4] [--prompt-tokens 16]
                     [--output-tokens 16] [--chunk-tokens 16] [--router-arg=--flag ...]
-                    [--baseline DIR] [--repeat N] [--router-profile PATH]
+                    [--baseline DIR] [--variant-arg=--flag ...] [--repeat N]
+                    [--router-profile PATH]
 
 Starts instant nodes (benchmarks/router/fake_nodes.py: the real node gRPC protocol, every
 answer at once, the P -> D hand-off a loopback datagram) and a pd-router on them, each in its
@@ -21,7 +22,8 @@ own process, and measures from this process:
 Everything shares this machine's cores (router, nodes and this client): the load average is
 printed with the numbers. `--baseline DIR` runs a router from another source tree (e.g.
 `git archive main | tar -x -C DIR`) in turn with this checkout's, `--repeat` times: before and
-after under the same load. `--router-profile PATH` runs the router under cProfile
+after under the same load; `--variant-arg` runs this checkout's router a second time with
+extra flags, in the same turns (e.g. `--variant-arg=--event-loop=uvloop`). `--router-profile PATH` runs the router under cProfile
 (profiled_router.py) and prints where its event loop's CPU went. Torch-free.
 """
 
@@ -190,16 +192,15 @@ def node_times(cluster: InstantCluster) -> str:
     return "; ".join(parts)
 
 
-async def run_mode(
-    mode: str, args: argparse.Namespace, label: str, router_cmd: list[str] | None
-) -> None:
+async def run_mode(mode: str, args: argparse.Namespace, variant: Variant) -> None:
+    label, router_cmd, router_args = variant
     disaggregated = mode == "pd"
     what = "1 instant prefill + 1 instant decode node" if disaggregated else "1 instant decode node"
-    print(f"\n== mode {mode}: {what}; router: {label}, args {args.router_arg or '(defaults)'}")
+    print(f"\n== mode {mode}: {what}; router: {label}, args {router_args or '(defaults)'}")
     print(f"load average at start: {load_avg()}")
     profile = f"{args.router_profile}.{mode}" if args.router_profile else None
     with InstantCluster(
-        disaggregated, args.chunk_tokens, args.router_arg, args.uvloop_nodes, profile, router_cmd
+        disaggregated, args.chunk_tokens, router_args, args.uvloop_nodes, profile, router_cmd
     ) as c:
         targets = await make_targets(c, args)
         try:
@@ -222,6 +223,22 @@ async def run_mode(
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
+# (label, the router's command (None: this checkout's), its flags)
+Variant = tuple[str, list[str] | None, list[str]]
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """The routers compared: --baseline's, this checkout's, this checkout's with --variant-arg."""
+    result: list[Variant] = [("this checkout", None, args.router_arg)]
+    if args.baseline:
+        env = ["env", f"PYTHONPATH={os.path.abspath(args.baseline)}"]
+        command = [*env, sys.executable, "-m", "router.cli"]
+        result.insert(0, (f"baseline {args.baseline}", command, args.router_arg))
+    if args.variant_arg:
+        result.append(("this checkout", None, [*args.router_arg, *args.variant_arg]))
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-bench router", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", nargs="+", default=["pd", "colocated"], choices=["pd", "colocated"])
@@ -240,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="DIR",
                    help="also a router from this source tree (e.g. git archive of main), "
                    "alternating with this checkout's")  # fmt: skip
+    p.add_argument("--variant-arg", action="append", default=[],
+                   help="also this checkout's router with this extra flag (repeatable), "
+                   "alternating with the others, e.g. --variant-arg=--event-loop=uvloop")  # fmt: skip
     p.add_argument("--router-profile", metavar="PATH",
                    help="run the router under cProfile; stats to PATH.MODE, top lines printed")  # fmt: skip
     p.add_argument("--router-arg", action="append", default=[],
@@ -259,16 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens in chunks of {args.chunk_tokens}; {os.cpu_count()} CPUs; router, nodes and "
         "client each in its own process"
     )
-    variants: list[tuple[str, list[str] | None]] = [("this checkout", None)]
-    if args.baseline:  # before / after, alternating (a loaded machine drifts)
-        env = ["env", f"PYTHONPATH={os.path.abspath(args.baseline)}"]
-        variants.insert(
-            0, (f"baseline {args.baseline}", [*env, sys.executable, "-m", "router.cli"])
-        )
     for mode in args.mode:
         for _ in range(args.repeat):
-            for label, router_cmd in variants:
-                asyncio.run(run_mode(mode, args, label, router_cmd))
+            for variant in variants(args):  # before / after in turn (a loaded machine drifts)
+                asyncio.run(run_mode(mode, args, variant))
     return 0
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from benchmarks.router.bench_router import build_parser, variants
+
 
 @pytest.mark.timeout(300)
 def test_router_bench_runs_every_path_without_errors() -> None:
@@ -29,3 +31,21 @@ def test_router_bench_runs_every_path_without_errors() -> None:
         steps = re.findall(r"^ +20 \| +\d+ \| +(\d+) \|", block, re.M)  # the 20/s step's errors
         assert steps == ["0", "0"], block  # gRPC and HTTP
         assert re.search(r"over \d+ calls, 0 hand-off timeouts", block), block
+
+
+def test_variants_alternate_baseline_checkout_and_extra_flags(tmp_path) -> None:
+    """--baseline runs main's router (its tree first on PYTHONPATH), --variant-arg this
+    checkout's again with the extra flags; every variant keeps --router-arg."""
+    args = build_parser().parse_args(
+        ["--baseline", str(tmp_path), "--router-arg=--log-level=warning",
+         "--variant-arg=--event-loop=uvloop"]
+    )  # fmt: skip
+
+    (base_label, base_cmd, base_args), checkout, extra = variants(args)
+
+    assert base_label == f"baseline {tmp_path}" and base_cmd is not None
+    assert f"PYTHONPATH={tmp_path}" in base_cmd and base_cmd[-2:] == ["-m", "router.cli"]
+    assert base_args == ["--log-level=warning"]
+    assert checkout == ("this checkout", None, ["--log-level=warning"])
+    assert extra == ("this checkout", None, ["--log-level=warning", "--event-loop=uvloop"])
+    assert variants(build_parser().parse_args([])) == [("this checkout", None, [])]
