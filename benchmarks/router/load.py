@@ -28,6 +28,10 @@ MAX_IN_FLIGHT = (
     8192  # open loop: beyond, arrivals are dropped (counted): the router is past saturation
 )
 REQUEST_TIMEOUT_S = 30.0
+# HTTP keep-alive connections the client pools (more requests wait for one): a pool, as clients
+# keep, not a connection per request in flight, whose set-up would be what the open loop
+# measures; under the router's --http-max-requests (512), which answers 503 past it.
+HTTP_CONNECTIONS = 256
 
 
 @dataclass
@@ -91,7 +95,7 @@ class GrpcTarget:
 class HttpTarget:
     def __init__(self, url: str, prompt_tokens: int, output_tokens: int) -> None:
         self._url = f"{url}/v1/completions"
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        connector = aiohttp.TCPConnector(limit=HTTP_CONNECTIONS, force_close=False)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         )
