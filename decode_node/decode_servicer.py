@@ -1,7 +1,8 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
-Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
+Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool, unless
+    it proved the cluster secret: the router's requests wait for free blocks alone)
     ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
         it fails after transfer_timeout_s without progress (the prefill node handshakes once
@@ -178,7 +179,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         queue_timeout_s = self.admission.queue_timeout_s
         deadline = time.monotonic() + queue_timeout_s  # one wait for the cap and the blocks
         try:
-            job.hold = await self.caps.acquire(context.peer(), num_blocks, queue_timeout_s)
+            # with a secret every caller proved it (the guard refuses others): the router
+            job.hold = await self.caps.acquire(
+                context.peer(), num_blocks, queue_timeout_s, trusted=self._kv_authenticated
+            )
             wait_s = max(0.0, deadline - time.monotonic())
             block_ids = await self.admission.reserve(request_id, num_tokens, wait_s)
         except (AdmissionRefused, TransferCapExceeded) as error:
