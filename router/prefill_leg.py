@@ -6,7 +6,9 @@ start(P)         P.Prefill(request) without its ticket, and the reader task, at 
                  it comes (it waits neither for D's ticket nor for AttachTicket)
 attach(ticket)   D's ticket is in (the decode reader hands it over): P.AttachTicket
                  (node_rpc_timeout_s); a failed AttachTicket fails the leg (P's call cancelled)
-reader task      PrefillFirstToken -> emit(NodeTokens(0)); PrefillTransferResult (logged)
+reader task      PrefillFirstToken (with the prompt logprobs asked for) -> emit(NodeTokens(0)),
+                 then first_out is set (also when the reader ends without it: D's index 0
+                 waits for it when prompt logprobs are asked for); PrefillTransferResult
   P unreachable before its first token (its call or its AttachTicket UNAVAILABLE):
       Prefill on another prefill node (retry_prefill) with the ticket inline, once
   P failed otherwise, or reported a failed transfer: D.CancelTransfer(ticket) (D frees the
@@ -76,6 +78,7 @@ class PrefillLeg:
         self._attach_error: grpc.aio.AioRpcError | None = None  # why the current call was cut
         self._sent_first = False  # P's first token was emitted
         self._finished_request = False  # ... and it finished the request
+        self.first_out = asyncio.Event()  # P's first token was emitted, or the reader ended
 
     def start(self, prefill: NodeClient) -> None:
         self._call_prefill(prefill, None)
@@ -154,6 +157,7 @@ class PrefillLeg:
         try:
             failure = await self._read_with_retry()
         finally:
+            self.first_out.set()  # (P failed before it: D's tokens go out as they are)
             if self._work is not None:
                 self._work.done()
                 self._work = None
@@ -214,15 +218,8 @@ class PrefillLeg:
             mark(self._marks, "prefill_first_token")
             self._sent_first = True
             self._finished_request = bool(first.finish_reason)
-            self._emit(
-                NodeTokens(
-                    output_index=0,
-                    token_ids=[first.token_id],
-                    logprobs=[first.logprob] if first.HasField("logprob") else [],
-                    finish_reason=first.finish_reason,
-                    num_cached_tokens=first.num_cached_tokens,
-                )
-            )
+            self._emit(NodeTokens.of_first_token(first))
+            self.first_out.set()
             message = await call.read()
         except asyncio.CancelledError:
             current = asyncio.current_task()

@@ -8,7 +8,8 @@ stream()
                                   comes (router/prefill_leg.py: retry, CancelTransfer)
   _pump_decode task:  DISAGGREGATED: D's first message, the TransferTicket (ticket_timeout_s)
                       -> PrefillLeg.attach(ticket) (P.AttachTicket); then
-                      TokenChunk -> NodeTokens(output_index) ... until finish_reason
+                      TokenChunk -> NodeTokens(output_index) ... until finish_reason (with
+                      prompt_logprobs: after P's first token, which carries them, or P's end)
   both readers -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
                       first also waits for the prefill: + the prompt tokens its node has in
                       flight, this one's included, / min_prefill_tokens_per_s)
@@ -82,7 +83,10 @@ class RequestCalls:
         # The prefill side of a disaggregated route (a migrated request prefills on D).
         self._prefill = route.prefill if not output_token_ids else None
         self._leg: PrefillLeg | None = None
+        # D's index 0 must not overtake P's first token, which carries the prompt logprobs
+        self._wait_prefill_first = False
         if self._prefill is not None:
+            self._wait_prefill_first = request.sampling_params.prompt_logprobs is not None
             self._leg = PrefillLeg(
                 request, config, stats, route.decode, timeout_s, retry_prefill,
                 self._events.put_nowait, marks,
@@ -237,13 +241,9 @@ class RequestCalls:
                 chunk = message.tokens
                 mark(self._marks, "decode_first_token")
                 self._decode_ended = bool(chunk.finish_reason)
-                yield NodeTokens(
-                    output_index=chunk.output_index,
-                    token_ids=chunk.token_ids,
-                    logprobs=chunk.logprobs,
-                    finish_reason=chunk.finish_reason,
-                    num_cached_tokens=chunk.num_cached_tokens,
-                )
+                if self._wait_prefill_first and self._leg is not None:
+                    await self._leg.first_out.wait()
+                yield NodeTokens.of_chunk(chunk)
                 if chunk.finish_reason:
                     return
         except grpc.aio.AioRpcError as error:

@@ -106,3 +106,32 @@ def test_spans_are_milestones_in_time_order_after_arrival() -> None:
 
     assert record.spans() == "received:0.000,processed:1.000,routed:2.000,first_token_out:5.000"
     assert RequestRecord("r", "grpc").access_line().count("spans") == 0
+
+
+def test_the_decode_nodes_index_0_waits_for_the_first_token_carrying_prompt_logprobs(
+    tokenizer_files, output_ids
+) -> None:
+    """With prompt logprobs asked for, D's whole stream is in before P writes its first token
+    (which carries them): the client's first response is still the one with the prompt
+    logprobs, and the output is complete."""
+
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids, chunk_size=3) as h:
+            h.prefill[0].first_token_gate.clear()
+
+            async def release_after_decode() -> None:
+                await wait_until(lambda: 3 in h.decode[0].chunks_sent, TEST_TIMEOUT_S)
+                h.prefill[0].first_token_gate.set()
+
+            release = asyncio.create_task(release_after_decode())
+            request = build_request("hello world", max_tokens=4, prompt_logprobs=1)
+            chunks = [c async for c in h.client.stream(request, TEST_TIMEOUT_S)]
+            await release
+            return chunks, h
+
+    chunks, h = run(body())
+
+    prompt_ids = list(h.decode[0].requests[0].prompt_token_ids)
+    assert [lp.token_id for lp in chunks[0].prompt_logprobs] == prompt_ids[1:]
+    assert all(not c.prompt_logprobs for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == output_ids[:4]
