@@ -12,6 +12,7 @@ against.
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
     pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
     pd-bench kv-offload [...]  the host KV tier's promotion and demotion vs the plain copy rate
+    pd-bench router [...]      what the router adds against instant nodes: latency, CPU, rate
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -33,10 +34,12 @@ COMMANDS = {
     "engine": "benchmarks.engine.bench_engine",
     "profile": "benchmarks.engine.profile_step",
     "kv-offload": "benchmarks.engine.bench_kv_offload",
+    "router": "benchmarks.router.bench_router",
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
     "transfer", "mac", "ttft", "serve", "compare", "dataset", "engine", "profile", "kv-offload",
+    "router",
 )  # fmt: skip
 
 

@@ -107,7 +107,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         set_request_id(request_id)  # this call's log lines carry the request id
         engine_request, trace = await self._open(request, context)
         trace.marks_s["rpc"] = arrived_s
-        handoff = asyncio.create_task(self._attach(request))
+        handoff = asyncio.create_task(self._attach(request, trace))
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
         num_queued = engine_request.prompt_len  # load, reported until the prefill ends
         self.counters.num_queued_prefill_tokens += num_queued
@@ -222,9 +222,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         if problem is not None:
             raise TicketError(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
 
-    async def _attach(self, request: node_pb2.PrefillRequest) -> KVSink:
+    async def _attach(self, request: node_pb2.PrefillRequest, trace: TransferTrace) -> KVSink:
         """The request's sender, attached to the streamer: on its inline ticket, or on the one
-        AttachTicket brings within the transfer timeout. Raises TicketError."""
+        AttachTicket brings within the transfer timeout (marked "ticket"). Raises TicketError."""
         request_id = request.request_id
         timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
         ticket = request.ticket
@@ -238,6 +238,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                     f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
                 ) from None
             self._check_ticket(request, ticket)
+        trace.mark("ticket")
         # the queue ahead of it counts: the engine computes it first (ProgressBeats say so)
         ceiling_s = timeout_s + self.counters.num_queued_prefill_tokens / self._prefill_rate
         try:
