@@ -14,6 +14,7 @@ DEFAULT_MODEL = "smollm2-135m"
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class CacheConfig:
         flag="--no-prefix-caching",
     )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV cache storage (auto: the model's dtype; fp8_e4m3: 1 byte per value, scales per "
+        "layer and KV head; twice the blocks of bf16 in the same memory)",
+        choices=KV_CACHE_DTYPES,
+    )
     kv_offload_memory: int = knob(
         0,
         "host memory for a tier under the prefix cache, e.g. 16GiB (page-locked on CUDA): "
