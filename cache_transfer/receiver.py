@@ -91,7 +91,7 @@ class KVReceiver(TransferSession):
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self._ticket = issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
-            layout.layout_hash(), num_tokens, kv_device,
+            layout.layout_hash(), num_tokens, kv_device, layout.dtype,
         )  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         # set once no write of the sender can land any more: the blocks may be reused

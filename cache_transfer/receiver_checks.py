@@ -29,7 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import KVLayout, dtype_mismatch
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.state import TransferState
 from cache_transfer.tickets import check_handshake
@@ -165,7 +165,8 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
     for field, want in expected.items():
         got = getattr(handshake, field)
         if got != want:
-            return f"{field} is {got!r}, this receiver expects {want!r}"
+            dtypes = dtype_mismatch(handshake.kv_cache_dtype, r.layout.dtype)
+            return dtypes or f"{field} is {got!r}, this receiver expects {want!r}"
     if not handshake.src_address:
         return "no src_address to reply to"
     return None

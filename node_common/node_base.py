@@ -61,7 +61,7 @@ class NodeBase(abc.ABC):
         self.core = core
         self.config = config
         self.layout = KVLayout.from_dtype(
-            core.dtype,
+            core.pool.dtype,  # the cache's storage: the model's, or FP8 (--kv-cache-dtype)
             model=core.loaded.name,
             block_size=core.config.cache.block_size,
             **core.arch.layout_fields(),
