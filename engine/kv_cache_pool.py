@@ -64,7 +64,7 @@ class KVCachePool:
         (None: not FP8)."""
         for layer_idx, layer in enumerate(layers):
             scales = None if self.kv_scales is None else self.kv_scales[layer_idx]
-            layer.self_attn.kv_scales = scales
+            layer.get_submodule("self_attn").kv_scales = scales
 
     @staticmethod
     def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -196,7 +196,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             dtypes = dtype_mismatch(self._layout.dtype, ticket.kv_cache_dtype)
             raise TicketError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"{dtypes}; " * bool(dtypes) + f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
+                f"{dtypes}; "
+                * bool(dtypes)
+                + f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
                 f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
                 "model, dtype and block size",
             )

@@ -28,7 +28,7 @@ import torch
 from benchmarks.serve.datasets import MIN_LEN, _first_exchange, _prompt_ids, iter_sharegpt
 from benchmarks.serve.report import write_json
 from engine.llm import LLM
-from pdserve.config import DTYPES
+from pdserve.config import DTYPES, parse_size
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=128, help="short prompts only")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="each engine's KV pool (default: the engine's)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the result to this JSON file")
     return p.parse_args(argv)
 
@@ -114,7 +116,8 @@ def cache_amax(llm: LLM) -> tuple[float, float]:
 
 
 def measure(args: argparse.Namespace) -> Quality:
-    common = dict(device=args.device, dtype=args.dtype, seed=args.seed)
+    common = dict(device=args.device, dtype=args.dtype, seed=args.seed,
+                  kv_cache_memory=args.kv_cache_memory)  # fmt: skip
     base = LLM(args.model, **common)
     fp8 = LLM(args.model, kv_cache_dtype="fp8_e4m3", **common)
     prompts = load_prompts(base.tokenizer, args, base.engine.arch.vocab_size)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     q = measure(args)
     print(f"FP8 KV (fp8_e4m3, unit scales) vs {args.dtype} KV: {args.model} on {args.device}, "
           f"{q.num_prompts} prompts (<= {args.max_prompt_tokens} tokens), {args.max_tokens} "
-          "greedy tokens each")  # fmt: skip
+          f"greedy tokens each ({q.num_positions} positions)")  # fmt: skip
     print(f"{'metric':<38} {'value':>10}")
     for name, value in (
         ("free-running token agreement", q.free_token_agreement),
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         ("teacher-forced top-1 agreement", q.forced_top1_agreement),
         ("teacher-forced mean KL (nats)", q.mean_kl),
         ("teacher-forced max KL (nats)", q.max_kl),
-        (f"baseline cache max |K| ({q.num_positions} positions)", q.k_amax),
+        ("baseline cache max |K|", q.k_amax),
         ("baseline cache max |V|", q.v_amax),
     ):
         print(f"{name:<38} {value:>10.4f}")

@@ -18,15 +18,13 @@ class AttentionBackend(ABC):
     computes causal attention of every query token over its request's whole context (cached
     prefix + this step's tokens), with grouped-query heads (num_heads % num_kv_heads == 0).
     An FP8 cache (float8_e4m3fn, `kernels.attention.kv_quant`) is written quantized and read
-    dequantized with `kv_scales` (K's and V's per KV head); `supports_fp8_kv` says whether
-    the backend can.
+    dequantized with `kv_scales` (K's and V's per KV head); flash_attn refuses one.
     """
 
     name: ClassVar[str]
     # The longest context a CUDA-graph decode batch may be sized for (None: any). The torch
     # reference gathers the whole capacity per step in a graph, so it is kept short.
     graph_max_context: ClassVar[int | None] = None
-    supports_fp8_kv: ClassVar[bool] = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, block_size: int) -> bool:

@@ -275,9 +275,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens[:num_decodes], scale,
             )  # fmt: skip
         elif plan.decode_groups:
-            out[:num_decodes] = _decode(
-                q[:num_decodes], k_cache, v_cache, plan, scale, kv_scales
-            )
+            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale, kv_scales)
         if plan.prefill is not None:
             out[num_decodes:] = _prefill(
                 q[num_decodes:], k_cache, v_cache, plan.prefill, scale, kv_scales

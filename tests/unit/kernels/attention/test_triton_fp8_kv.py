@@ -5,7 +5,6 @@ the torch quantize; on CPU through the Triton interpreter (tests/gpu runs the co
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
