@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.model.arch_config import ModelArchConfig
+from engine.model.llama import LlamaAttention
 from kernels.attention import kv_quant
 from pdserve.config import CacheConfig
 
@@ -63,8 +64,9 @@ class KVCachePool:
         """Each decoder layer's attention reads and writes its cache with its layer's scales
         (None: not FP8)."""
         for layer_idx, layer in enumerate(layers):
-            scales = None if self.kv_scales is None else self.kv_scales[layer_idx]
-            layer.get_submodule("self_attn").kv_scales = scales
+            attention = layer.get_submodule("self_attn")
+            assert isinstance(attention, LlamaAttention), type(attention)
+            attention.kv_scales = None if self.kv_scales is None else self.kv_scales[layer_idx]
 
     @staticmethod
     def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
