@@ -100,7 +100,7 @@ def _load_kv_tile(
     else:
         tile = tl.load(ptrs)
     if cache_ptr.dtype.element_ty == tl.float8e4nv:  # FP8 KV: exact in fp16 (the scales are
-        tile = tile.to(tl.float16)  # applied around the kernel: triton_backend.forward)
+        return tile.to(tl.float16)  # applied around the kernel: triton_backend.forward)
     return tile
 
 

@@ -142,17 +142,20 @@ def _rotary_kernel(
             v_base = v_ptr + tok * stride_v_tok + kv_head * stride_v_head
             v1 = tl.load(v_base + offs, mask=mask, other=0.0)
             v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
+            k_ptrs = k_cache_ptr + cache_offs
+            v_ptrs = v_cache_ptr + cache_offs
             if FP8:  # x / scale of its head, saturated, rounded to e4m3 (kv_quant.quantize)
                 k_scale = tl.load(scale_ptr + kv_head)
                 v_scale = tl.load(scale_ptr + num_kv_heads + kv_head)
-                o1 = _to_fp8(o1, k_scale, k_cache_ptr)
-                o2 = _to_fp8(o2, k_scale, k_cache_ptr)
-                v1 = _to_fp8(v1, v_scale, k_cache_ptr)
-                v2 = _to_fp8(v2, v_scale, k_cache_ptr)
-            tl.store(k_cache_ptr + cache_offs + offs, o1, mask=mask)
-            tl.store(k_cache_ptr + cache_offs + HALF + offs, o2, mask=mask)
-            tl.store(v_cache_ptr + cache_offs + offs, v1, mask=mask)
-            tl.store(v_cache_ptr + cache_offs + HALF + offs, v2, mask=mask)
+                tl.store(k_ptrs + offs, _to_fp8(o1, k_scale, k_cache_ptr), mask=mask)
+                tl.store(k_ptrs + HALF + offs, _to_fp8(o2, k_scale, k_cache_ptr), mask=mask)
+                tl.store(v_ptrs + offs, _to_fp8(v1, v_scale, k_cache_ptr), mask=mask)
+                tl.store(v_ptrs + HALF + offs, _to_fp8(v2, v_scale, k_cache_ptr), mask=mask)
+            else:
+                tl.store(k_ptrs + offs, o1, mask=mask)
+                tl.store(k_ptrs + HALF + offs, o2, mask=mask)
+                tl.store(v_ptrs + offs, v1, mask=mask)
+                tl.store(v_ptrs + HALF + offs, v2, mask=mask)
 
 
 @triton.jit

@@ -101,3 +101,35 @@ def test_fused_rotary_write_quantizes_like_the_reference() -> None:
         assert differ.float().mean() < 0.1
         power_of_two = values == torch.exp2(torch.log2(values).round())
         assert (power_of_two | (values < 2**-6)).all()
+
+
+COMPILE_SCRIPT = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kernels.attention import triton_paged_attention as t
+
+consts = {"NUM_QUERIES_PER_KV": 4, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
+          "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
+ints = {n: "i32" for n in ("partition_len", "min_partition_len", "stride_q_token",
+        "stride_q_head", "stride_out_token", "stride_out_head", "stride_cache_block",
+        "stride_cache_token", "stride_cache_head", "stride_block_table")}
+sig = {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+       "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+       "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32", **ints}
+compile(ASTSource(fn=t.paged_decode_kernel, signature=sig, constexprs={**consts,
+        "SINGLE_SPLIT": False, "BLOCK_G": 16, "USE_PDL": True}), target=GPUTarget("cuda", 90, 32))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs the compiled kernels")
+def test_the_decode_kernel_compiles_over_fp8_blocks_for_hopper() -> None:
+    """The interpreter runs Python semantics; the compiler is stricter. The decode kernel over
+    FP8 caches compiled to an sm_90 cubin (Triton's bundled ptxas), no GPU needed."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
