@@ -101,7 +101,8 @@ def _load_kv_tile(
         tile = tl.load(ptrs)
     if cache_ptr.dtype.element_ty == tl.float8e4nv:  # FP8 KV: exact in fp16 (the scales are
         return tile.to(tl.float16)  # applied around the kernel: triton_backend.forward)
-    return tile
+    else:  # (an else: a static branch's return does not end the function being compiled)
+        return tile
 
 
 @triton.jit
