@@ -169,6 +169,12 @@ class NodeConfig:
         "turn writes in place off: on one GPU the prefill node then sends the KV instead of "
         "writing it into the decode node's blocks itself over CUDA IPC (default: on)",
     )
+    kv_encrypt: bool = knob(
+        False,
+        "encrypt the KV payloads and first tokens this node sends, and take only encrypted "
+        "hand-offs (AES-256-CTR under a per-transfer key; host payloads: --kv-transport tcp on "
+        "GPU nodes; needs --cluster-secret-file; default: off, they are MACed, not encrypted)",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,

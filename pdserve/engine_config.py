@@ -149,6 +149,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self) -> None:
+        refusal = kv_cache_dtype_tp_refusal(
+            self.cache.kv_cache_dtype, self.parallel.tensor_parallel_size
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Any field of any section by its own name, e.g. `from_kwargs(model="...",
@@ -166,3 +173,16 @@ class EngineConfig:
                 )
             sections[owner[name]][name] = value
         return cls(**{s: ENGINE_SECTIONS[s](**values) for s, values in sections.items()})
+
+
+def kv_cache_dtype_tp_refusal(kv_cache_dtype: str, tensor_parallel_size: int) -> str | None:
+    """Why a KV cache dtype cannot run at a tensor-parallel size, or None: an FP8 cache is
+    not wired for tensor parallelism (each rank's scales, the TP kernels and hand-offs over
+    FP8 blocks are untested), so it is refused at start rather than served unchecked."""
+    if kv_cache_dtype == "auto" or tensor_parallel_size <= 1:
+        return None
+    return (
+        f"--kv-cache-dtype {kv_cache_dtype} with --tensor-parallel-size {tensor_parallel_size}: "
+        "an FP8 KV cache is not supported with tensor parallelism yet; use --kv-cache-dtype "
+        "auto or --tensor-parallel-size 1"
+    )

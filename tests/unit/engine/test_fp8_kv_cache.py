@@ -4,6 +4,7 @@ for byte (the greedy tokens of a cold FP8 run)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.engine_core import EngineCore
@@ -21,6 +22,27 @@ FP8 = torch.float8_e4m3fn
 def test_the_flag_reaches_the_cache_config() -> None:
     args = build_parser("decode").parse_args(["--kv-cache-dtype", "fp8_e4m3"])
     assert engine_config(args).cache.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_fp8_kv_with_tensor_parallelism_is_refused_at_start(capsys) -> None:
+    """FP8 KV is not wired for TP: the engine's config, a node's launcher and pd-serve refuse
+    the pair before any rank or node starts, naming both flags; each alone is accepted."""
+    from decode_node.decode_server import DecodeServer
+    from node_common.launcher import run_node
+    from pdserve.local_cluster import main as pd_serve
+
+    with pytest.raises(ValueError, match="fp8_e4m3 with --tensor-parallel-size 2"):
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2)
+    EngineConfig.from_kwargs(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=1)
+    EngineConfig.from_kwargs(kv_cache_dtype="auto", tensor_parallel_size=2)
+    argv = ["--model", "synthetic:tiny-llama", "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_node(DecodeServer, [*argv, "--tensor-parallel-size", "2", "--port", "0"])
+    assert exit_info.value.code == 2
+    assert "not supported with tensor parallelism" in capsys.readouterr().err
+    assert pd_serve([*argv, "--prefill", "1", "--decode-tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "pd-serve: --kv-cache-dtype fp8_e4m3 with --tensor-parallel-size 2" in err
 
 
 def test_fp8_pool_holds_twice_the_bf16_blocks_in_the_same_memory() -> None:
