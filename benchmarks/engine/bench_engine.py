@@ -45,11 +45,11 @@ from pdserve.config import (
     ASYNC_SCHEDULING,
     ATTENTION_BACKENDS,
     DTYPES,
-    KV_CACHE_DTYPES,
     EngineConfig,
     ParallelConfig,
     parse_size,
 )
+from pdserve.engine_config import KV_CACHE_DTYPES
 from pdserve.sampling_params import SamplingParams
 
 MAX_STEPS_TO_FIRST_TOKEN = 64  # a whole prompt prefills in one step; async adds one more
