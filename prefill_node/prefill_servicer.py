@@ -37,7 +37,7 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import TransferState
+from cache_transfer import TransferState, dtype_mismatch
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
@@ -200,9 +200,12 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
     ) -> None:
         """Raises TicketError if this node cannot send the request's KV on `ticket`."""
         if ticket.layout_hash != self._layout_hash:
+            dtypes = dtype_mismatch(self._layout.dtype, ticket.kv_cache_dtype)
             raise TicketError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
+                f"{dtypes}; "
+                * bool(dtypes)
+                + f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
                 f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
                 "model, dtype and block size",
             )
