@@ -243,8 +243,9 @@ class RequestCalls:
                 chunk = message.tokens
                 mark(self._marks, "decode_first_token")
                 self._decode_ended = bool(chunk.finish_reason)
-                if self._wait_prefill_first and self._leg is not None:
-                    await self._leg.first_out.wait()
+                leg = self._leg  # (one check per chunk once P's first token is out)
+                if self._wait_prefill_first and leg is not None and not leg.first_out.is_set():
+                    await leg.first_out.wait()
                 yield NodeTokens.of_chunk(chunk)
                 if chunk.finish_reason:
                     return
