@@ -243,7 +243,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, job: DecodeJob, request: Request
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         if job.aborted:  # checked right before the engine sees the request
-            yield self._abort_chunk(job, 0)
+            yield self._abort_chunk(job, 0, prefilled_here=True)
             return
         job.trace.prefilled_locally = True
         self.counters.num_local_prefills += 1
@@ -254,13 +254,14 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         try:
             admitted = await self.admission.admit_local(request.num_tokens)
             if job.aborted:  # while it waited for room
-                yield self._abort_chunk(job, next_index)
+                yield self._abort_chunk(job, next_index, prefilled_here=True)
                 return
             outputs = self._engine.generate(request)
             async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
                 num_queued = 0
                 admitted.done()  # its prompt's blocks are the engine's now
+                chunk.prefilled_here = True
                 yield chunk
         except AdmissionRefused as error:
             raise Refused(error) from None
@@ -292,10 +293,14 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 )  # fmt: skip
             yield chunk
 
-    def _abort_chunk(self, job: DecodeJob, output_index: int) -> node_pb2.TokenChunk:
+    def _abort_chunk(
+        self, job: DecodeJob, output_index: int, prefilled_here: bool = False
+    ) -> node_pb2.TokenChunk:
         self._finish(job)
         return node_pb2.TokenChunk(
-            output_index=output_index, finish_reason=FinishReason.ABORT.value
+            output_index=output_index,
+            finish_reason=FinishReason.ABORT.value,
+            prefilled_here=prefilled_here,
         )
 
     def _finish(self, job: DecodeJob) -> None:

@@ -10,7 +10,7 @@ stream()
                       -> PrefillLeg.attach(ticket) (P.AttachTicket); then
                       TokenChunk -> NodeTokens(output_index) ... until finish_reason (after
                       P's first token, which carries the prompt logprobs and P's cache hits,
-                      or P's end)
+                      or P's end; not when D prefilled itself: TokenChunk.prefilled_here)
   both readers -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
                       first also waits for the prefill: + the prompt tokens its node has in
                       flight, this one's included, / min_prefill_tokens_per_s)
@@ -243,6 +243,8 @@ class RequestCalls:
                 chunk = message.tokens
                 mark(self._marks, "decode_first_token")
                 self._decode_ended = bool(chunk.finish_reason)
+                if chunk.prefilled_here:  # D prefilled itself (P's hand-off failed): P's
+                    self._wait_prefill_first = False  # first token may never come
                 leg = self._leg  # (one check per chunk once P's first token is out)
                 if self._wait_prefill_first and leg is not None and not leg.first_out.is_set():
                     await leg.first_out.wait()

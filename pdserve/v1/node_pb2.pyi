@@ -136,20 +136,22 @@ class DecodeResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("output_index", "token_ids", "logprobs", "finish_reason", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("output_index", "token_ids", "logprobs", "finish_reason", "num_cached_tokens", "prompt_logprobs", "prefilled_here")
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_HERE_FIELD_NUMBER: _ClassVar[int]
     output_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     finish_reason: str
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prefilled_here: bool
+    def __init__(self, output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prefilled_here: _Optional[bool] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")
