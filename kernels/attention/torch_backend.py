@@ -4,12 +4,13 @@ One forward handles a whole flat varlen step without a Python loop over requests
 
 ```
 write this step's k/v into the paged cache at slot_mapping
-decodes  (first num_decodes requests): q [rows, 1, H, D], one masked SDPA per length group
+decodes  (first num_decodes requests): q [rows, Q, H, D] (Q = decode_query_len: 1, or K + 1 in
+         a verify batch), one masked SDPA per length group
 prefills (the rest):                   q padded [num_prefills, max_q, H, D] -> one masked SDPA
 each SDPA gathers its rows' context K/V through block_tables into [B, max_ctx, KVH, D]
   (a lone row whose blocks are consecutive, on CPU: a view of the cache, no copy)
-decodes, with cpu_decode_kernel (bf16/fp16 on CPU, what the selector builds there): the C++
-  kernel of cpu_paged_decode.py reads each row's blocks in place, no gather, no length groups
+decodes of one query, with cpu_decode_kernel (bf16/fp16 on CPU, what the selector builds
+  there): the C++ kernel of cpu_paged_decode.py reads each row's blocks in place, no gather
 ```
 
 Query i of a request with context length c (cached tokens before this step) sits at position
@@ -157,8 +158,9 @@ def decode_groups(meta: AttentionMetadata, block_size: int) -> list[AttentionGro
     every decode to the longest context wastes up to half the gathered KV when lengths are
     spread, and the gather is most of decode attention's cost. A static-shape batch is one
     group padded to the block tables' capacity (no host decision on its lengths)."""
-    num_decodes = meta.num_decodes
-    positions = (meta.seq_lens[:num_decodes].long() - 1)[:, None]  # [num_decodes, 1]
+    num_decodes, query_len = meta.num_decodes, meta.decode_query_len
+    offsets = torch.arange(-query_len, 0, device=meta.seq_lens.device)  # [Q]: -Q .. -1
+    positions = meta.seq_lens[:num_decodes].long()[:, None] + offsets  # [num_decodes, Q]
     block_tables = meta.block_tables[:num_decodes]
     if meta.static_shapes:
         return [make_group(block_tables, positions, meta.max_seq_len, block_size)]
@@ -185,7 +187,7 @@ def prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
     prefills' single group."""
     first = meta.num_decodes
     num_prefills = meta.num_reqs - first
-    num_prefill_tokens = meta.num_tokens - first
+    num_prefill_tokens = meta.num_tokens - meta.num_decode_tokens
     device = meta.seq_lens.device
     query_start_loc = meta.query_start_loc[first:].long() - meta.query_start_loc[first]
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_prefills]
@@ -239,19 +241,23 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        kernel = self.cpu_decode_kernel and not meta.static_shapes and meta.num_decodes > 0
+        kernel = (
+            self.cpu_decode_kernel and not meta.static_shapes and meta.num_decodes > 0
+            and meta.decode_query_len == 1
+        )  # fmt: skip
         plan = self._plan(meta, k_cache.shape[1], plan_decodes=not kernel)
         out = torch.empty_like(q)
-        num_decodes = meta.num_decodes
+        num_decodes, num_rows = meta.num_decodes, meta.num_decode_tokens
         if kernel:
             out[:num_decodes] = cpu_paged_decode.paged_decode_attention(
                 q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                 meta.seq_lens[:num_decodes], scale,
             )  # fmt: skip
         elif plan.decode_groups:
-            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale)
+            q_decode = q[:num_rows].view(num_decodes, meta.decode_query_len, *q.shape[1:])
+            out[:num_rows] = _decode(q_decode, k_cache, v_cache, plan, scale).flatten(0, 1)
         if plan.prefill is not None:
-            out[num_decodes:] = _prefill(q[num_decodes:], k_cache, v_cache, plan.prefill, scale)
+            out[num_rows:] = _prefill(q[num_rows:], k_cache, v_cache, plan.prefill, scale)
         return out
 
     def _plan(self, meta: AttentionMetadata, block_size: int, plan_decodes: bool) -> StepPlan:
@@ -266,20 +272,20 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _decode(
-    q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    q: torch.Tensor,  # [num_decodes, Q, num_heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: StepPlan,
     scale: float,
-) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+) -> torch.Tensor:  # [num_decodes, Q, num_heads, head_dim]
     """One padded attention per length group."""
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
-        return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale)[:, 0]
+        return paged_attention(q, k_cache, v_cache, groups[0], scale)
     out = torch.empty_like(q)
     for group in groups:
-        q_group = q.index_select(0, group.rows)[:, None]  # [n, 1, H, D]
-        out_group = paged_attention(q_group, k_cache, v_cache, group, scale)[:, 0]
+        q_group = q.index_select(0, group.rows)  # [n, Q, H, D]
+        out_group = paged_attention(q_group, k_cache, v_cache, group, scale)
         out.index_copy_(0, group.rows, out_group)
     return out
 

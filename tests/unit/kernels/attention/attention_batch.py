@@ -40,12 +40,16 @@ def make_batch(
     device: str | torch.device = "cpu",
     seed: int = 0,
     num_spare_blocks: int = 3,
+    decode_query_len: int = 1,
 ) -> AttentionBatch:
-    """A batch whose request i has context_lens[i] cached tokens and query_lens[i] new ones.
+    """A batch whose request i has context_lens[i] cached tokens and query_lens[i] new ones;
+    the first `num_decodes` have `decode_query_len` each (> 1: a speculative verify batch).
 
     Block ids are a random permutation of the pool (non-contiguous, unsorted); the whole
     cache, spare blocks included, holds random values.
     """
+    if any(n != decode_query_len for n in query_lens[:num_decodes]):
+        raise ValueError(f"the first {num_decodes} query_lens must be {decode_query_len}")
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
@@ -79,6 +83,7 @@ def make_batch(
         num_decodes=num_decodes,
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
+        decode_query_len=decode_query_len,
     )
     return AttentionBatch(
         q=randn(num_tokens, num_heads, head_dim),
