@@ -2,6 +2,7 @@
 
 ```
 EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both node roles, LLM)
+               + SpeculativeConfig                             (speculative decoding, off by default)
 NodeConfig                                                     where a node listens, KV transfer
 RouterConfig                                                   routing, node addresses, timeouts
 RegistryConfig                                                 the Redis registry
@@ -34,6 +35,7 @@ KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram", "draft")  # engine/spec_decode's proposers
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
 
 
@@ -136,10 +138,48 @@ class SchedulerConfig:
     prefill_only: bool = knob(False, "set by the prefill role", cli=False)
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode): a proposer drafts up to K tokens for each
+    decoding request and the model verifies them in one forward. Off unless a method is set."""
+
+    speculative_method: str | None = knob(
+        None, "ngram: prompt lookup; draft: a smaller model (--speculative-model) proposes "
+        "(default: off)", choices=SPECULATIVE_METHODS,
+    )  # fmt: skip
+    num_speculative_tokens: int = knob(4, "draft tokens verified per decoding request and step")
+    speculative_model: str | None = knob(
+        None, "--speculative-method draft: alias, HF folder, .gguf or synthetic:<shape>, with the "
+        "target's vocabulary",
+    )  # fmt: skip
+    ngram_prompt_lookup_min: int = knob(1, "ngram: the shortest suffix n-gram looked up")
+    ngram_prompt_lookup_max: int = knob(4, "ngram: the longest suffix n-gram looked up")
+
+    def __post_init__(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, not {method!r}"
+            )
+        if not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
+        if (method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "--speculative-model goes with --speculative-method draft, and only with it; got "
+                f"method {method!r}, model {self.speculative_model!r}"
+            )
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
+                f"{self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
+            )
+
+
 ENGINE_SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -148,6 +188,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -27,6 +27,7 @@ OPTIONAL_PROTO_FIELDS = (
     "seed",
     "min_tokens",
     "logprobs",
+    "speculative",
 )
 ProtoT = TypeVar("ProtoT", bound=Message)
 _INT_TYPE_RANGES = {
@@ -79,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n alternatives
+    # False: no draft tokens are verified for this request, where the engine speculates
+    # (engine/spec_decode); the output distribution is the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

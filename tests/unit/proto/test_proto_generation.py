@@ -19,6 +19,7 @@ OPTIONAL_SAMPLING_FIELDS = {
     "seed",
     "min_tokens",
     "logprobs",
+    "speculative",  # unset: true
 }
 
 
