@@ -25,7 +25,8 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.request import Request, TokenLogprobs
-from engine.sampler import PendingSample, Sampler
+from engine.sampler import Sampler
+from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
 from engine.step_inputs import FlatBatch, StepInputBuilder
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason, TokenLogprobs
+from engine.request import FinishReason, Request, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,24 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of_request(
+        cls,
+        request: Request,
+        token_id: int | None,
+        logprobs: TokenLogprobs | None = None,
+        prefill_done: bool = False,
+    ) -> StepOutput:
+        """`request`'s output of this step: `token_id` (None: no new token) as it now stands."""
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=[] if token_id is None else [token_id],
+            new_logprobs=None if logprobs is None else [logprobs],
+            finish_reason=request.finish_reason,
+            prefill_done=prefill_done,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
 
 @dataclass

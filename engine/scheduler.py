@@ -18,7 +18,7 @@ host (in launch order). Async scheduling (`schedule_ahead`): while step n runs o
 step n+1 is chosen the same way before n's tokens are known, each such token `PENDING` in its
 decode (read on the device), without preemption (None instead). A request that stops at step n
 wastes its step n+1 slot (the result is dropped), and its blocks are freed only once no
-launched step writes them (`_free`).
+launched step writes them (`InFlightSteps`).
 
 With chunked prefill disabled, a prompt waits until it fits the step's remaining budget whole;
 `max_num_batched_tokens >= max_model_len` is then required (checked at construction), so that
@@ -31,12 +31,13 @@ from collections import deque
 from collections.abc import Mapping
 
 from engine.block_hash import request_token_ids
+from engine.in_flight_steps import InFlightSteps
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.request_checks import check_admissible, check_scheduler_config, stop_status
 from engine.scheduler_output import PENDING, ScheduledChunk, SchedulerOutput
 from pdserve.config import SchedulerConfig
-from pdserve.sampling_params import InvalidRequestError
 
 SampledTokens = Mapping[str, tuple[int, TokenLogprobs | None]]  # request_id -> (token, logprobs)
 
@@ -45,18 +46,7 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int
     ) -> None:
-        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError(
-                "max_num_batched_tokens and max_num_seqs must be >= 1, got "
-                f"{config.max_num_batched_tokens} and {config.max_num_seqs}"
-            )
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
-                f"({max_model_len}) with chunked prefill disabled, so a long prompt could never be "
-                "scheduled: enable chunked prefill, raise max_num_batched_tokens or lower "
-                "max_model_len"
-            )
+        check_scheduler_config(config, max_model_len)
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -66,9 +56,7 @@ class Scheduler:
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
         self._prefilled: dict[str, Request] = {}  # prefill-only: blocks held until release()
         self._pending_outputs: list[StepOutput] = []  # finished outside a step
-        # launched steps not yet landed, oldest first, with their requests
-        self._in_flight: deque[tuple[SchedulerOutput, frozenset[Request]]] = deque()
-        self._free_after_step: list[Request] = []  # stopped while a launched step writes its KV
+        self._in_flight = InFlightSteps(kv_cache_manager)  # frees wait for the steps writing
 
     # ---- queues ---------------------------------------------------------------------------
 
@@ -98,7 +86,7 @@ class Scheduler:
                 f"request {request.request_id!r} must be new (WAITING, no blocks), "
                 f"got status {request.status.name} with {len(request.block_ids)} blocks"
             )
-        self._check_admissible(request)
+        check_admissible(request, self._requests, self.max_model_len, self.kv_cache_manager)
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
@@ -118,13 +106,13 @@ class Scheduler:
                 f"num_tokens - 1 and block_ids covering them; got {request.num_computed_tokens} "
                 f"computed of {request.num_tokens} tokens, {len(request.block_ids)} blocks"
             )
-        self._check_admissible(request)
+        check_admissible(request, self._requests, self.max_model_len, self.kv_cache_manager)
         self._requests[request.request_id] = request
         self.kv_cache_manager.cache_full_blocks(request)
-        status = self._stop_status(request)
+        status = stop_status(request, self.max_model_len)
         if status is not None:
             self._finish(request, status)
-            self._pending_outputs.append(self._step_output(request, None))
+            self._pending_outputs.append(StepOutput.of_request(request, None))
             return
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
@@ -140,7 +128,7 @@ class Scheduler:
             del self._prefilled[request_id]
         else:
             self._waiting.remove(request)
-        self._free(request)
+        self._in_flight.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
 
@@ -155,7 +143,7 @@ class Scheduler:
                 )
             return None
         del self._requests[request_id]
-        self._free(request)
+        self._in_flight.free(request)
         return request
 
     def drain_finished_outputs(self) -> list[StepOutput]:
@@ -196,8 +184,7 @@ class Scheduler:
             chunk.request.num_computed_tokens = chunk.end_pos
             if chunk.sample:
                 chunk.request.num_pending_tokens += 1
-        requests = frozenset(c.request for c in scheduler_output.chunks)
-        self._in_flight.append((scheduler_output, requests))
+        self._in_flight.launched(scheduler_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SampledTokens
@@ -205,9 +192,7 @@ class Scheduler:
         """The oldest launched step's results (`on_launched` first): append its sampled tokens,
         cache the blocks it filled, apply stop checks. `sampled` holds one (token, logprobs)
         per chunk with `sample=True`."""
-        if not self._in_flight or self._in_flight[0][0] is not scheduler_output:
-            raise ValueError("update_from_output takes the oldest step passed to on_launched")
-        self._in_flight.popleft()
+        self._in_flight.land(scheduler_output)
         outputs = self.drain_finished_outputs()
         for chunk in scheduler_output.chunks:
             request = chunk.request
@@ -218,10 +203,7 @@ class Scheduler:
                 token_id, logprobs = sampled[request.request_id]
                 request.num_pending_tokens -= 1
                 outputs.append(self._append_token(request, token_id, logprobs))
-        if self._free_after_step:
-            waiting, self._free_after_step = self._free_after_step, []
-            for request in waiting:
-                self._free(request)
+        self._in_flight.free_deferred()
         return outputs
 
     def _schedule_running(self, output: SchedulerOutput, preempt: bool) -> int | None:
@@ -302,7 +284,7 @@ class Scheduler:
     # ---- request transitions --------------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:
-        self._free(request)
+        self._in_flight.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -315,7 +297,7 @@ class Scheduler:
         request.output_token_ids.append(token_id)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
-        status = self._stop_status(request)
+        status = stop_status(request, self.max_model_len)
         prefill_done = False
         if status is not None:
             self._finish(request, status)
@@ -324,71 +306,10 @@ class Scheduler:
             del self._running[request.request_id]
             self._prefilled[request.request_id] = request
             prefill_done = True
-        return self._step_output(request, token_id, logprobs, prefill_done)
-
-    def _stop_status(self, request: Request) -> RequestStatus | None:
-        """Stop checks on the request's last output token: "stop" wins over "length"."""
-        params = request.sampling_params
-        num_output_tokens = len(request.output_token_ids)
-        if num_output_tokens >= params.min_tokens:
-            last_token_id = request.output_token_ids[-1]
-            if (not params.ignore_eos and last_token_id in request.eos_token_ids) or (
-                last_token_id in params.stop_token_ids
-            ):
-                return RequestStatus.FINISHED_STOPPED
-        if num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return StepOutput.of_request(request, token_id, logprobs, prefill_done)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._running.pop(request.request_id, None)
         del self._requests[request.request_id]
-        self._free(request)
-
-    def _free(self, request: Request) -> None:
-        """Free `request`'s blocks, or, while a launched step still writes its KV, once that
-        step's results are in (a block handed out now could be filled by another stream, a KV
-        transfer, before the step's late write lands)."""
-        if any(request in requests for _, requests in self._in_flight):
-            self._free_after_step.append(request)
-        else:
-            self.kv_cache_manager.free(request)
-
-    def _check_admissible(self, request: Request) -> None:
-        """Refuse a request that could never run, rather than let it wait forever."""
-        request_id = request.request_id
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not 0 < request.prompt_len <= self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: the prompt has {request.prompt_len} tokens; it needs "
-                f"between 1 and max_model_len ({self.max_model_len})"
-            )
-        # The last token is never run, so the KV covers at most num_tokens - 1 tokens.
-        max_kv_len = min(
-            request.prompt_len + request.sampling_params.max_tokens - 1, self.max_model_len
-        )
-        block_size = self.kv_cache_manager.block_size
-        num_total_blocks = self.kv_cache_manager.num_total_blocks
-        if max_kv_len > num_total_blocks * block_size:
-            raise InvalidRequestError(
-                f"request {request_id!r} may need KV for {max_kv_len} tokens but the whole cache "
-                f"holds {num_total_blocks * block_size}; lower max_tokens or enlarge the cache"
-            )
-
-    @staticmethod
-    def _step_output(
-        request: Request,
-        token_id: int | None,
-        logprobs: TokenLogprobs | None = None,
-        prefill_done: bool = False,
-    ) -> StepOutput:
-        return StepOutput(
-            request_id=request.request_id,
-            new_token_ids=[] if token_id is None else [token_id],
-            new_logprobs=None if logprobs is None else [logprobs],
-            finish_reason=request.finish_reason,
-            prefill_done=prefill_done,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        self._in_flight.free(request)

@@ -44,6 +44,19 @@ class FlatBatch:
         return int(self.meta.seq_lens.shape[0])
 
 
+@dataclass(frozen=True)
+class _HostArrays:
+    """A step's inputs on the host (R rows, padded ones included; T tokens)."""
+
+    query_lens: np.ndarray  # [R]
+    seq_lens: np.ndarray  # [R]
+    cu_q: np.ndarray  # [R + 1] query_start_loc
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    input_ids: np.ndarray  # [T] (a PENDING decode's token is filled in on the device)
+    block_tables: np.ndarray  # [R, W]
+
+
 class StepInputBuilder:
     """Builds `FlatBatch`es; reuses one pinned host buffer and one device buffer."""
 
@@ -65,8 +78,41 @@ class StepInputBuilder:
         """The step's inputs; `prev` provides the token of each `PENDING` decode."""
         # Decodes (one query token) first; stable, so the scheduler's order is kept otherwise.
         ordered = sorted(chunks, key=lambda c: c.num_new_tokens != 1)
+        host = self._host_arrays(ordered, max(pad_to or 0, len(ordered)))
+        sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
+        logits_rows = host.cu_q[1:][sampling_rows] - 1
+        pending_dst, pending_src = _pending_rows(ordered, prev)
+        fields = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.cu_q,
+                  logits_rows, host.block_tables, pending_dst, pending_src)  # fmt: skip
+        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
+        if pending_dst.size:
+            ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
+        query_lens, seq_lens = host.query_lens, host.seq_lens
+        num_decodes = int(np.count_nonzero(query_lens == 1)) if query_lens.size else 0
+        meta = AttentionMetadata(
+            query_start_loc=cu_d.int(),
+            seq_lens=seq_d.int(),
+            slot_mapping=slots_d,
+            block_tables=bt_d.view(host.block_tables.shape).int(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+            query_lens_cpu=tuple(query_lens.tolist()),
+            seq_lens_cpu=tuple(seq_lens.tolist()),
+        )
+        return FlatBatch(
+            chunks=ordered,
+            input_ids=ids_d,
+            positions=pos_d,
+            meta=meta,
+            logits_indices=rows_d,
+            sampling_chunks=[ordered[i] for i in sampling_rows],
+            is_decode_only=pad_to is not None and num_decodes == query_lens.size,
+        )
+
+    def _host_arrays(self, ordered: list[ScheduledChunk], num_rows: int) -> _HostArrays:
+        """The step's per-token and per-row numpy arrays; rows past `ordered` are padding."""
         num_real = len(ordered)
-        num_rows = max(pad_to or 0, num_real)
         query_lens = np.ones(num_rows, np.int64)
         query_lens[:num_real] = [c.num_new_tokens for c in ordered]
         start_pos = np.zeros(num_rows, np.int64)
@@ -83,34 +129,8 @@ class StepInputBuilder:
         input_ids = np.zeros(num_tokens, np.int64)
         if num_real:
             input_ids[: cu_q[num_real]] = np.concatenate([c.token_ids for c in ordered])
-        sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
-        logits_rows = cu_q[1:][sampling_rows] - 1
-        pending_dst, pending_src = _pending_rows(ordered, prev)
-        fields = (input_ids, positions, slot_mapping, seq_lens, cu_q, logits_rows, block_tables,
-                  pending_dst, pending_src)  # fmt: skip
-        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
-        if pending_dst.size:
-            ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
-        num_decodes = int(np.count_nonzero(query_lens == 1)) if num_rows else 0
-        meta = AttentionMetadata(
-            query_start_loc=cu_d.int(),
-            seq_lens=seq_d.int(),
-            slot_mapping=slots_d,
-            block_tables=bt_d.view(block_tables.shape).int(),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decodes=num_decodes,
-            query_lens_cpu=tuple(query_lens.tolist()),
-            seq_lens_cpu=tuple(seq_lens.tolist()),
-        )
-        return FlatBatch(
-            chunks=ordered,
-            input_ids=ids_d,
-            positions=pos_d,
-            meta=meta,
-            logits_indices=rows_d,
-            sampling_chunks=[ordered[i] for i in sampling_rows],
-            is_decode_only=pad_to is not None and num_decodes == num_rows,
+        return _HostArrays(
+            query_lens, seq_lens, cu_q, positions, slot_mapping, input_ids, block_tables
         )
 
     def _block_tables(

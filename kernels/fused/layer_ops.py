@@ -113,7 +113,7 @@ def with_skinny_gemm(ops: LayerOps, max_m: int) -> LayerOps:
     """`ops` whose projections of 1..max_m tokens (fp16/bf16) run on the skinny GEMM."""
     if not 1 <= max_m <= MAX_M:
         raise ValueError(f"the skinny GEMM takes steps of 1..{MAX_M} tokens, got max_m={max_m}")
-    skinny = importlib.import_module("kernels.gemm.skinny_gemm")
+    skinny = importlib.import_module("kernels.gemm.skinny_routing")
     return dataclasses.replace(
         ops,
         name=f"{ops.name}+skinny_gemm(M<={max_m})",

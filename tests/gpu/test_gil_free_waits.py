@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
+from engine.host_copy import to_host_list
 from engine.request import Request
-from engine.sampler import Sampler, to_host_list
+from engine.sampler import Sampler
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -100,7 +100,8 @@ def test_gated_down_projection_equals_silu_and_mul_then_the_gemm(m) -> None:
 def test_routed_gated_linear_fuses_only_measured_wins() -> None:
     from kernels.fused.triton_ops import silu_and_mul
     from kernels.gemm.skinny_config import measured_win
-    from kernels.gemm.skinny_gemm import routed_gated_linear, skinny_linear
+    from kernels.gemm.skinny_gemm import skinny_linear
+    from kernels.gemm.skinny_routing import routed_gated_linear
 
     gate_up, w, _ = _inputs(1, 4096, 2 * 14336, torch.bfloat16)
     w = w[:, :14336].contiguous()

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
+from engine.logits_processors import apply_min_tokens, apply_penalties
 from engine.request import Request
-from engine.sampler import Sampler, apply_min_tokens, apply_penalties
+from engine.sampler import Sampler
 from engine.scheduler_output import DeviceTokens
 from pdserve.sampling_params import SamplingParams
 

@@ -1,90 +1,24 @@
 """Scheduler driven by a fake sampler (no model): batching limits, chunked prefill, prefix
-hits, preemption by recompute, stop conditions, abort, prefill-only hold and the decode role."""
+hits, preemption by recompute, stop conditions. (Abort, prefill-only hold, the decode role and
+admission: test_scheduler_lifecycle.py.)"""
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable
-
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.request import FinishReason, RequestStatus
 from engine.scheduler_output import SchedulerOutput
-from pdserve.config import SchedulerConfig
-from pdserve.sampling_params import InvalidRequestError, SamplingParams
-
-BLOCK_SIZE = 4
-EOS = 2
-Sampler = Callable[[str, int], int]  # (request_id, output index) -> token id
-
-
-def fake_token(request_id: str, index: int) -> int:
-    """Deterministic per (request, output index), never EOS, whatever the batch."""
-    return 100 + (sum(map(ord, request_id)) * 7 + index * 13) % 50
-
-
-def make_scheduler(
-    num_blocks: int = 64, max_model_len: int = 256, prefix_caching: bool = True, **config
-) -> Scheduler:
-    kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, prefix_caching)
-    return Scheduler(SchedulerConfig(**config), kv_cache_manager, max_model_len)
-
-
-def make_request(request_id: str, prompt: int | list[int], **params) -> Request:
-    """A request with `prompt` tokens (unique to `request_id`: no accidental prefix hits)."""
-    if isinstance(prompt, int):
-        first_token_id = 1000 + zlib.crc32(request_id.encode()) % 1_000_000 * 1000
-        prompt = list(range(first_token_id, first_token_id + prompt))
-    prompt_token_ids = prompt
-    params.setdefault("max_tokens", 4)
-    return Request(request_id, prompt_token_ids, SamplingParams(**params), eos_token_ids=(EOS,))
-
-
-def fake_sampled(output: SchedulerOutput, sampler: Sampler = fake_token) -> dict:
-    """What a step's sampler would give: a token per sampling chunk, at each request's next
-    output index (pending tokens are landed first, in launch order)."""
-    return {
-        chunk.request.request_id: (
-            sampler(chunk.request.request_id, len(chunk.request.output_token_ids)),
-            None,
-        )
-        for chunk in output.chunks
-        if chunk.sample
-    }
-
-
-def step(
-    scheduler: Scheduler, sampler: Sampler = fake_token
-) -> tuple[SchedulerOutput, list[StepOutput]]:
-    output = scheduler.schedule()
-    scheduler.on_launched(output)
-    return output, scheduler.update_from_output(output, fake_sampled(output, sampler))
-
-
-def run_to_completion(
-    scheduler: Scheduler, sampler: Sampler = fake_token, on_step=None
-) -> dict[str, list[int]]:
-    """Step until drained; every request's streamed tokens. Asserts nothing leaked."""
-    tokens: dict[str, list[int]] = {}
-    for _ in range(1000):
-        if not scheduler.has_unfinished():
-            break
-        output, step_outputs = step(scheduler, sampler)
-        if on_step is not None:
-            on_step(output)
-        for out in step_outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert not scheduler.has_unfinished()
-    scheduler.kv_cache_manager.check_no_leaks()
-    return tokens
-
-
-def spans(output: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
-    return [(c.request.request_id, c.start_pos, c.num_new_tokens, c.sample) for c in output.chunks]
-
+from tests.unit.engine.scheduler_harness import (
+    BLOCK_SIZE,
+    EOS,
+    fake_token,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    spans,
+    step,
+)
 
 # ---- batching limits and chunked prefill -------------------------------------------------
 
@@ -258,138 +192,3 @@ def test_stop_conditions(params, script, expected, reason):
     assert request.output_token_ids == expected
     assert request.finish_reason is reason
     scheduler.kv_cache_manager.check_no_leaks()
-
-
-# ---- abort, prefill-only, decode role ----------------------------------------------------
-
-
-def test_abort_from_every_queue_frees_blocks():
-    scheduler = make_scheduler(prefill_only=True, max_num_batched_tokens=8)
-    kv_cache_manager = scheduler.kv_cache_manager
-    scheduler.add_request(make_request("held", 8))
-    step(scheduler)
-    scheduler.add_request(make_request("chunking", 12))
-    step(scheduler)  # its first 8-token chunk
-    scheduler.add_request(make_request("queued", 4))
-    statuses = {r: scheduler.get_request(r).status for r in ("held", "chunking", "queued")}
-    assert statuses == {
-        "held": RequestStatus.PREFILLED,
-        "chunking": RequestStatus.RUNNING,
-        "queued": RequestStatus.WAITING,
-    }
-    assert kv_cache_manager.num_free_blocks == 64 - 4
-    for request_id in statuses:
-        request = scheduler.abort(request_id)
-        assert request.status is RequestStatus.FINISHED_ABORTED
-        assert request.block_ids == []
-        assert scheduler.get_request(request_id) is None
-    assert scheduler.abort("held") is None
-    assert not scheduler.has_unfinished() and scheduler.num_prefilled_held == 0
-    kv_cache_manager.check_no_leaks()
-
-
-def test_abort_while_the_step_runs_drops_its_result():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 5))
-    scheduler.add_request(make_request("b", 5))
-    output = scheduler.schedule()
-    scheduler.on_launched(output)
-    scheduler.abort("a")
-    step_outputs = scheduler.update_from_output(output, {"a": (7, None), "b": (8, None)})
-    assert [o.request_id for o in step_outputs] == ["b"]
-    run_to_completion(scheduler)
-
-
-def test_prefill_only_holds_blocks_until_release():
-    scheduler = make_scheduler(prefill_only=True)
-    request = make_request("r", 10, max_tokens=5)
-    scheduler.add_request(request)
-    scheduler.add_request(make_request("one", 6, max_tokens=1))  # its first token finishes it
-    _, step_outputs = step(scheduler)
-    held, finished = step_outputs
-    assert held.prefill_done and held.finish_reason is None
-    assert held.new_token_ids == [fake_token("r", 0)]
-    assert not finished.prefill_done and finished.finish_reason is FinishReason.LENGTH
-    assert request.status is RequestStatus.PREFILLED and len(request.block_ids) == 3
-    assert not scheduler.has_unfinished() and scheduler.num_prefilled_held == 1
-    assert scheduler.schedule().is_empty
-    with pytest.raises(AssertionError):
-        scheduler.kv_cache_manager.check_no_leaks()
-    assert scheduler.release("r") is request
-    assert scheduler.release("r") is None
-    scheduler.kv_cache_manager.check_no_leaks()
-
-
-def test_release_refuses_a_request_still_prefilling():
-    scheduler = make_scheduler(prefill_only=True)
-    scheduler.add_request(make_request("r", 4))
-    with pytest.raises(ValueError, match="use abort"):
-        scheduler.release("r")
-    scheduler.abort("r")
-    scheduler.kv_cache_manager.check_no_leaks()
-
-
-def prefilled_request(scheduler: Scheduler, request_id: str, first_token: int, **params):
-    request = make_request(request_id, 9, **params)
-    request.block_ids = scheduler.kv_cache_manager.reserve(request.prompt_len + 1)
-    request.num_computed_tokens = request.prompt_len
-    request.output_token_ids = [first_token]
-    return request
-
-
-def test_reserved_blocks_then_add_prefilled_decodes():
-    scheduler = make_scheduler()
-    request = prefilled_request(scheduler, "r", fake_token("r", 0))
-    reserved = list(request.block_ids)
-    scheduler.add_prefilled(request)
-    output, (first_decode,) = step(scheduler)
-    assert spans(output) == [("r", 9, 1, True)]
-    assert output.chunks[0].token_ids == [fake_token("r", 0)]
-    assert request.block_ids == reserved  # the reservation covers prompt + first token
-    tokens = first_decode.new_token_ids + run_to_completion(scheduler)["r"]
-    assert [fake_token("r", 0)] + tokens == [fake_token("r", i) for i in range(4)]
-    # The transferred prompt's full blocks joined the prefix cache.
-    probe = make_request("x", request.prompt_token_ids)
-    assert scheduler.kv_cache_manager.get_computed_blocks(probe)[1] == 8
-
-
-def test_add_prefilled_finished_by_its_first_token():
-    scheduler = make_scheduler()
-    scheduler.add_prefilled(prefilled_request(scheduler, "r", EOS))
-    assert scheduler.has_unfinished()
-    assert scheduler.schedule().is_empty
-    (out,) = scheduler.drain_finished_outputs()
-    assert (out.request_id, out.new_token_ids, out.finish_reason) == ("r", [], FinishReason.STOP)
-    assert not scheduler.has_unfinished()
-    scheduler.kv_cache_manager.check_no_leaks()
-
-
-def test_add_prefilled_refuses_missing_kv():
-    scheduler = make_scheduler()
-    request = prefilled_request(scheduler, "r", 5)
-    request.num_computed_tokens = 4
-    with pytest.raises(ValueError, match="num_computed_tokens == num_tokens - 1"):
-        scheduler.add_prefilled(request)
-    scheduler.kv_cache_manager.free(request)
-    scheduler.kv_cache_manager.check_no_leaks()
-
-
-# ---- admission checks ------------------------------------------------------------------------
-
-
-def test_admission_refuses_requests_that_could_never_run():
-    scheduler = make_scheduler(num_blocks=4, max_model_len=32)
-    scheduler.add_request(make_request("r", 4))
-    with pytest.raises(InvalidRequestError, match="already in use"):
-        scheduler.add_request(make_request("r", 4))
-    with pytest.raises(InvalidRequestError, match="between 1 and max_model_len"):
-        scheduler.add_request(make_request("long", 33))
-    with pytest.raises(InvalidRequestError, match="between 1 and max_model_len"):
-        scheduler.add_request(make_request("empty", []))
-    with pytest.raises(InvalidRequestError, match="lower max_tokens or enlarge the cache"):
-        scheduler.add_request(make_request("big", 10, max_tokens=8))  # 17 tokens of KV > 16
-    used = make_request("used", 4)
-    used.status = RequestStatus.FINISHED_STOPPED
-    with pytest.raises(ValueError, match="must be new"):
-        scheduler.add_request(used)
-    run_to_completion(scheduler)

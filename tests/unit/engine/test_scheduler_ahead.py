@@ -8,7 +8,7 @@ from engine.outputs import StepOutput
 from engine.request import FinishReason
 from engine.scheduler import Scheduler
 from engine.scheduler_output import PENDING, SchedulerOutput
-from tests.unit.engine.test_scheduler import (
+from tests.unit.engine.scheduler_harness import (
     fake_sampled,
     fake_token,
     make_request,

@@ -155,22 +155,22 @@ def test_bad_config_is_refused(kwargs, message) -> None:
 def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> None:
     """PDSERVE_SKINNY_GEMM_MAX_M's switch: 1..max_m rows of fp16/bf16 run the skinny GEMM (a
     win recorded for every shape here), anything else F.linear; results agree either way."""
-    from kernels.gemm import skinny_gemm
+    from kernels.gemm import skinny_routing
 
     monkeypatch.setattr(
-        skinny_gemm,
+        skinny_routing,
         "measured_win",
-        lambda m, n, k, chained=False: skinny_gemm.skinny_gemm_config(m, n, k),
+        lambda m, n, k, chained=False: skinny_gemm_config(m, n, k),
     )
 
     calls: list[tuple[int, ...]] = []
-    real = skinny_gemm.skinny_linear
+    real = skinny_routing.skinny_linear
 
     def spy(x, weight, bias=None, config=None):
         calls.append(tuple(x.shape))
         return real(x, weight, bias, config)
 
-    monkeypatch.setattr(skinny_gemm, "skinny_linear", spy)
+    monkeypatch.setattr(skinny_routing, "skinny_linear", spy)
     weight, bias = (
         _randn(24, 40, dtype=torch.bfloat16, seed=7),
         _randn(24, dtype=torch.bfloat16, seed=8),
@@ -179,7 +179,7 @@ def test_routed_linear_takes_small_half_precision_steps_only(monkeypatch) -> Non
                              (5, torch.bfloat16, False), (2, torch.float32, False)]:  # fmt: skip
         calls.clear()
         x = _randn(m, 40, dtype=dtype, seed=m)
-        y = skinny_gemm.routed_linear(x, weight.to(dtype), bias.to(dtype), max_m=4)
+        y = skinny_routing.routed_linear(x, weight.to(dtype), bias.to(dtype), max_m=4)
         assert calls == ([(m, 40)] if routed else []), (m, dtype)
         want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(y.float(), want, **_tol(dtype))
@@ -265,18 +265,18 @@ def test_a_split_launch_never_takes_the_norm(monkeypatch) -> None:
     all of K in one program): routed_norm_linear declines (the caller runs the norm, then the
     split GEMM), the gated down projection takes it."""
     from kernels.fused import triton_ops
-    from kernels.gemm import skinny_gemm
+    from kernels.gemm import skinny_routing
 
     split = SPLIT_TILES["dot_split3"]
-    monkeypatch.setattr(skinny_gemm, "fused_config", lambda m, n, k: split)
+    monkeypatch.setattr(skinny_routing, "fused_config", lambda m, n, k: split)
     residual, weight = (
         _randn(2, 64, dtype=torch.bfloat16, seed=14),
         _randn(40, 64, dtype=torch.bfloat16, seed=15),
     )
     norm_w = _randn(64, dtype=torch.bfloat16, seed=16)
-    assert skinny_gemm.routed_norm_linear(None, residual, norm_w, 1e-5, weight, max_m=4) is None
+    assert skinny_routing.routed_norm_linear(None, residual, norm_w, 1e-5, weight, max_m=4) is None
     gate_up = _randn(2, 128, dtype=torch.bfloat16, seed=17)
-    y = skinny_gemm.routed_gated_linear(
+    y = skinny_routing.routed_gated_linear(
         gate_up, weight, max_m=4, silu_and_mul=triton_ops.silu_and_mul
     )
     assert torch.equal(y, skinny_linear(triton_ops.silu_and_mul(gate_up), weight, None, split))

@@ -59,19 +59,41 @@ def make_batch(
     for n in blocks_per_req:
         block_ids.append(perm[start : start + n])
         start += n
-    max_blocks = max(blocks_per_req)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    slots = []
-    for i, ids in enumerate(block_ids):
-        block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        for pos in range(context_lens[i], seq_lens[i]):
-            slots.append(ids[pos // block_size] * block_size + pos % block_size)
     num_tokens = sum(query_lens)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    meta = AttentionMetadata(
+    meta = _metadata(block_ids, query_lens, context_lens, block_size, num_decodes, device)
+    return AttentionBatch(
+        q=randn(num_tokens, num_heads, head_dim),
+        k=randn(num_tokens, num_kv_heads, head_dim),
+        v=randn(num_tokens, num_kv_heads, head_dim),
+        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
+        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
+        meta=meta,
+        scale=head_dim**-0.5,
+        block_ids=block_ids,
+    )
+
+
+def _metadata(
+    block_ids: list[list[int]],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    num_decodes: int,
+    device: str | torch.device,
+) -> AttentionMetadata:
+    """The batch's attention metadata: block tables and slots from each request's blocks."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    block_tables = torch.zeros(len(seq_lens), max(map(len, block_ids)), dtype=torch.int32)
+    slots = []
+    for i, ids in enumerate(block_ids):
+        block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        for pos in range(context_lens[i], seq_lens[i]):
+            slots.append(ids[pos // block_size] * block_size + pos % block_size)
+    return AttentionMetadata(
         query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]).to(
             device=device, dtype=torch.int32
         ),
@@ -84,16 +106,6 @@ def make_batch(
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
         decode_query_len=decode_query_len,
-    )
-    return AttentionBatch(
-        q=randn(num_tokens, num_heads, head_dim),
-        k=randn(num_tokens, num_kv_heads, head_dim),
-        v=randn(num_tokens, num_kv_heads, head_dim),
-        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
-        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
-        meta=meta,
-        scale=head_dim**-0.5,
-        block_ids=block_ids,
     )
 
 
