@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from engine.model.arch_config import ModelArchConfig
 from engine.step_inputs import FlatBatch
 from kernels.attention import AttentionMetadata
 
@@ -36,11 +37,35 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes) | {max_num_seqs})
 
 
-def decode_graph_reserve_bytes(hidden: int, intermediate: int, qkv: int, max_bs: int) -> int:
-    """Memory set aside for the graphs' pool before the KV cache is sized: a decode forward's
-    live activations at the largest batch, with room for the attention kernels' scratch."""
-    per_token = 4 * (6 * hidden + 3 * intermediate + 2 * qkv)  # fp32-wide upper bound
-    return max_bs * per_token * 4 + (64 << 20)
+def decode_graph_reserve_bytes(arch: ModelArchConfig, num_tokens: int) -> int:
+    """Memory set aside for the graphs' pool before the KV cache is sized: a forward's live
+    activations at `num_tokens` (the largest batch x its query length), with room for the
+    attention kernels' scratch."""
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    per_token = 4 * (6 * arch.hidden_size + 3 * arch.intermediate_size + 2 * qkv)  # fp32-wide
+    return num_tokens * per_token * 4 + (64 << 20)
+
+
+def make_decode_graphs(
+    model: torch.nn.Module,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    max_num_seqs: int,
+    max_model_len: int,
+    scratch_block: int,
+    device: torch.device,
+    capture: bool,
+    query_len: int = 1,
+) -> DecodeGraphs:
+    """`model`'s decode forward over `kv_caches` for batches up to max_num_seqs of `query_len`
+    tokens each, captured unless `capture` is False (enforce_eager: same buffers, eager)."""
+    block_size = kv_caches[0][0].shape[1]
+    graphs = DecodeGraphs(
+        model, kv_caches, max_num_seqs, -(-max_model_len // block_size), block_size,
+        scratch_block, device, query_len,
+    )  # fmt: skip
+    if capture:
+        graphs.capture()
+    return graphs
 
 
 class DecodeGraphs:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.cuda_graphs import decode_graph_reserve_bytes, make_decode_graphs
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -31,6 +31,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_decode import SpecDecodeParts, SpecDecodeStats
 from kernels.attention import get_attention_backend
 from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve import envs
@@ -54,6 +55,8 @@ class EngineStats:
     num_free_blocks: int
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    # speculative decoding since start (all 0 when off): engine/spec_decode/stats.py
+    spec_decode: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
 
 
 class EngineCore:
@@ -78,33 +81,49 @@ class EngineCore:
                 f"{self.arch.max_position_embeddings}"
             )
         use_graphs = self._decode_graphs_usable()
+        spec_parts = SpecDecodeParts(
+            config, self.loaded, self.attn_backend, self.device, self.dtype, self.max_model_len
+        )  # (a draft model's weights load before the pool is sized)
+        reserve = decode_graph_reserve_bytes(self.arch, config.scheduler.max_num_seqs)
         self.pool = KVCachePool(
             self.arch, config.cache, self.device, self.dtype,
-            reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
+            reserve_bytes=reserve + spec_parts.reserve_bytes() if use_graphs else 0,
+            extra_bytes_per_block=spec_parts.extra_bytes_per_block(),
         )  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
             config.cache.prefix_cache_salt,
         )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.spec, verify_graphs = spec_parts.build(self.pool, use_graphs)
+        sched = config.scheduler
+        self.scheduler = Scheduler(sched, self.kv_cache_manager, self.max_model_len, self.spec)
+        decode_graphs = make_decode_graphs(
+            self.loaded.model, self.pool.kv_caches, sched.max_num_seqs, self.max_model_len,
+            self.pool.scratch_block, self.device, not config.model.enforce_eager,
+        ) if use_graphs else None  # fmt: skip
         self.runner = ModelRunner(
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
-            self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
+            self.device, self.pool.scratch_block, decode_graphs, verify_graphs,
+            self.spec.observe if self.spec is not None else None,
         )  # fmt: skip
         self._reservations: dict[str, list[int]] = {}
         self.async_scheduling = _async_scheduling(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
-        graphs = self.runner.decode_graphs
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        graphs, spec = self.runner.decode_graphs, self.config.speculative
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
-            "decode=%s async_scheduling=%s",
+            "decode=%s async_scheduling=%s speculative=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
-            self.pool.num_blocks, block_size,
+            self.pool.num_blocks, self.pool.block_size,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
             self.async_scheduling,
+            f"{spec.speculative_method} K={spec.num_speculative_tokens}" if self.spec else "off",
         )  # fmt: skip
 
     def _decode_graphs_usable(self) -> bool:
@@ -112,26 +131,6 @@ class EngineCore:
         graph decode covers this context length."""
         limit = self.attn_backend.graph_max_context
         return self.device.type == "cuda" and (limit is None or self.max_model_len <= limit)
-
-    def _graph_reserve_bytes(self) -> int:
-        arch = self.arch
-        qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        return decode_graph_reserve_bytes(
-            arch.hidden_size, arch.intermediate_size, qkv, self.config.scheduler.max_num_seqs
-        )
-
-    def _make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs | None:
-        if not use_graphs:
-            return None
-        block_size = self.pool.block_size
-        graphs = DecodeGraphs(
-            self.loaded.model, self.pool.kv_caches, self.config.scheduler.max_num_seqs,
-            -(-self.max_model_len // block_size), block_size, self.pool.scratch_block,
-            self.device,
-        )  # fmt: skip
-        if not self.config.model.enforce_eager:
-            graphs.capture()
-        return graphs
 
     def layer_ready(self, layer_idx: int) -> torch.cuda.Event | None:
         """In a prefill step's hook: the CUDA event after layer `layer_idx`'s KV write (wait
@@ -194,9 +193,17 @@ class EngineCore:
         self._reservations[request_id] = block_ids
         return block_ids
 
-    def add_prefilled(self, request: Request, block_ids: Sequence[int], first_token: int) -> None:
+    def add_prefilled(
+        self,
+        request: Request,
+        block_ids: Sequence[int],
+        first_token: int,
+        draft_token_ids: Sequence[int] = (),
+    ) -> None:
         """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
-        the first token sampled elsewhere; it continues decoding from position prompt_len."""
+        the first token sampled elsewhere; it continues decoding from position prompt_len.
+        `draft_token_ids`: drafts proposed after the first token (speculative decoding: the
+        first step verifies them; ignored when this engine does not speculate)."""
         reserved = self._reservations.pop(request.request_id, None)
         if reserved is None or list(block_ids) != reserved:
             if reserved is not None:
@@ -207,6 +214,7 @@ class EngineCore:
         request.block_ids = list(block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
+        request.draft_token_ids = list(draft_token_ids) if self.spec is not None else []
         try:
             self.scheduler.add_prefilled(request)
         except BaseException:
@@ -271,12 +279,15 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
+        if self.spec is not None:  # draft slots -> verify chunks (drafts proposed now)
+            self.spec.fill_drafts(scheduler_output)
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
         self.scheduler.on_launched(scheduler_output)
         return launched
 
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
+        output = launched.wait()
+        return self.scheduler.update_from_output(scheduler_output, output.sampled, output.verified)
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -301,6 +312,7 @@ class EngineCore:
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_query_tokens=prefix.query_tokens,
+            spec_decode=dataclasses.replace(self.spec.stats) if self.spec else SpecDecodeStats(),
         )
 
     def _check_new_id(self, request_id: str) -> None:

@@ -15,7 +15,9 @@ class KVCachePool:
     `[num_blocks, block_size, num_kv_heads, head_dim]` (the flash-attn paged layout), views of
     one allocation `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`.
     Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
-    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget."""
+    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget;
+    `extra_bytes_per_block`: memory another pool takes per block of this one (a speculative
+    draft model's KV, sized to the same block count), so the budget covers both."""
 
     def __init__(
         self,
@@ -24,10 +26,13 @@ class KVCachePool:
         device: torch.device,
         dtype: torch.dtype,
         reserve_bytes: int = 0,
+        extra_bytes_per_block: int = 0,
     ) -> None:
         self.block_size = cache_config.block_size
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
-        self.num_blocks = self._size_pool(cache_config, device, reserve_bytes)
+        self.num_blocks = self._size_pool(
+            cache_config, device, reserve_bytes, self.bytes_per_block + extra_bytes_per_block
+        )
         self.scratch_block = self.num_blocks
         self.buffer = torch.zeros(
             arch.num_layers,
@@ -50,7 +55,11 @@ class KVCachePool:
         return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem_bytes
 
     def _size_pool(
-        self, cache_config: CacheConfig, device: torch.device, reserve_bytes: int
+        self,
+        cache_config: CacheConfig,
+        device: torch.device,
+        reserve_bytes: int,
+        bytes_per_block: int,  # this pool's and any pool sized with it
     ) -> int:
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
@@ -59,14 +68,14 @@ class KVCachePool:
             if budget_bytes is None and device.type == "cuda":
                 free_bytes, _ = torch.cuda.mem_get_info(device)
                 budget_bytes = int(free_bytes * cache_config.gpu_memory_utilization)
-                budget_bytes -= reserve_bytes + self.bytes_per_block  # graphs, scratch block
+                budget_bytes -= reserve_bytes + bytes_per_block  # graphs, scratch block
             if budget_bytes is None:
                 budget_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-            num_blocks = budget_bytes // self.bytes_per_block
+            num_blocks = budget_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget holds no block (one block of {self.block_size} tokens takes "
-                f"{self.bytes_per_block} bytes); raise kv_cache_memory or num_blocks"
+                f"{bytes_per_block} bytes); raise kv_cache_memory or num_blocks"
             )
         return int(num_blocks)
 

@@ -28,7 +28,8 @@ from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
-from engine.step_inputs import FlatBatch, StepInputBuilder
+from engine.spec_decode.verification import sampling_rows
+from engine.step_inputs import FlatBatch, StepInputBuilder, verify_query_len
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -39,6 +40,8 @@ LayerHook = Callable[[int, Sequence[ScheduledChunk]], None]
 class ModelRunnerOutput:
     # request_id -> (sampled token, its logprobs if asked); only chunks with sample=True
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request_id -> a verify chunk's (token, logprobs) at each of its positions, in order
+    verified: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +50,9 @@ class LaunchedStep:
 
     sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
     sample: PendingSample | None = None
+    # requests whose rows are a verify chunk's positions (several rows each; never read as a
+    # PENDING token's source: a speculating request's next step waits for this one)
+    verifying: frozenset[Request] = frozenset()
 
     def device_tokens(self) -> DeviceTokens | None:
         """Where the next step finds each request's token while this one runs."""
@@ -64,7 +70,10 @@ class LaunchedStep:
         for request, token_id, logprobs in zip(
             self.sampling_requests, sampled.token_ids, sampled.logprobs
         ):
-            output.sampled[request.request_id] = (token_id, logprobs)
+            if request in self.verifying:
+                output.verified.setdefault(request.request_id, []).append((token_id, logprobs))
+            else:
+                output.sampled[request.request_id] = (token_id, logprobs)
         return output
 
 
@@ -78,9 +87,13 @@ class ModelRunner:
         device: torch.device,
         scratch_block: int = 0,
         decode_graphs: DecodeGraphs | None = None,
+        verify_graphs: DecodeGraphs | None = None,
+        on_batch: Callable[[FlatBatch], None] | None = None,
     ) -> None:
         """`scratch_block`: a KV block never handed out, where padded rows write;
-        `decode_graphs`: static decode buffers (and graphs, once captured) on CUDA."""
+        `decode_graphs`: static decode buffers (and graphs, once captured) on CUDA;
+        `verify_graphs`: the same for speculative verify steps (K + 1 tokens per request);
+        `on_batch`: called with every step's inputs before its forward (a draft model)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -88,6 +101,8 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputBuilder(block_size, scratch_block, device)
         self.decode_graphs = decode_graphs
+        self.verify_graphs = verify_graphs
+        self.on_batch = on_batch
         self._layer_events: list[torch.cuda.Event] = []
         if device.type == "cuda":
             self._layer_events = [torch.cuda.Event() for _ in kv_caches]
@@ -125,8 +140,11 @@ class ModelRunner:
     def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
         """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
         one eager model call (with the per-layer hook for prefill chunks). Queued, not waited."""
-        if batch.is_decode_only and self.decode_graphs is not None:
-            return self.decode_graphs.run(batch)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        graphs = self.decode_graphs if batch.meta.decode_query_len == 1 else self.verify_graphs
+        if batch.is_decode_only and graphs is not None:
+            return graphs.run(batch)
         return self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta,
             self._layer_hook(batch, on_layer_done),
@@ -147,12 +165,14 @@ class ModelRunner:
         if not batch.sampling_chunks:
             return step
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
-            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed
+            rows = hidden[: len(batch.chunks) * batch.meta.decode_query_len]  # no gather needed
         else:
             rows = hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
-        step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
-        step.sample = self.sampler.launch(logits, requests, prev)
+        logits = self.model.compute_logits(rows)  # [num_sampled_rows, vocab]
+        chunks = batch.sampling_chunks
+        step.sampling_requests = [c.request for c in chunks for _ in range(c.num_sampled_rows)]
+        step.verifying = frozenset(c.request for c in chunks if c.num_draft_tokens)
+        step.sample = self.sampler.launch(logits, sampling_rows(chunks), prev)
         return step
 
     def _build(
@@ -166,6 +186,10 @@ class ModelRunner:
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
+        elif self.verify_graphs is not None and (
+            verify_query_len(chunks) == self.verify_graphs.query_len
+        ):  # a verify step whose every request verifies K drafts
+            pad_to = self.verify_graphs.padded_size(len(chunks))
         return self.inputs.build(chunks, pad_to, prev)
 
     def _layer_hook(

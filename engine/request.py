@@ -65,6 +65,9 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' digests, cached
+    # Draft tokens handed in for its next step (speculative decoding: a peer proposed them
+    # after the first token); the next verify step takes them instead of proposing.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Whether its KV may enter the prefix cache: False for KV received from a peer that proved
     # nothing (an open cluster), so a forged hand-off never serves another request.
     cache_kv: bool = True

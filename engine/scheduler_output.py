@@ -36,6 +36,13 @@ class ScheduledChunk:
     # True when this chunk reaches the end of the request's known tokens, so the step samples
     # its next token. False for a non-final chunk of a chunked prefill.
     sample: bool
+    # Speculative decoding (engine/spec_decode). A decode's draft slots: block space for this
+    # many tokens after token_ids, allocated and counted in the step's budget; the proposer
+    # fills up to that many (`SpecDecoder.fill_drafts`).
+    num_lookahead_tokens: int = 0
+    # A verify chunk: token_ids = [last token, d_1 .. d_k], k = num_draft_tokens drafts; the
+    # step samples each of its k + 1 positions and keeps the accepted prefix.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -48,7 +55,13 @@ class ScheduledChunk:
     @property
     def is_prefill(self) -> bool:
         """Runs prompt tokens (first or later chunk, or a recompute after preemption)."""
-        return self.start_pos < self.request.prompt_len or len(self.token_ids) > 1
+        num_known = len(self.token_ids) - self.num_draft_tokens
+        return self.start_pos < self.request.prompt_len or num_known > 1
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions the step samples: its last token's, and each draft's (0: no sample)."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
 
 @dataclass

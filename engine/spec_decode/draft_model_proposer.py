@@ -29,9 +29,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_copy import to_host_list
 from engine.model import LoadedModel
 from engine.model.arch_config import ModelArchConfig
-from engine.sampler import to_host_list
 from engine.scheduler_output import PENDING, DeviceTokens, ScheduledChunk
 from engine.spec_decode.proposer import Proposer
 from engine.step_inputs import FlatBatch, StepInputBuilder

@@ -17,8 +17,9 @@ Scheduler.update_from_output  land(chunk, targets): the accepted prefix + the ta
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, TokenLogprobs
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.proposer import Proposer
@@ -55,6 +56,28 @@ class SpecDecoder:
             max_model_len - request.num_tokens - request.num_pending_tokens,
         )  # the step emits up to drafts + 1 of them
         return max(0, min(self.num_speculative_tokens, tokens_left - 1))
+
+    def any_speculates(self, running: Mapping[str, Request]) -> bool:
+        """Whether a running request speculates: its next step's inputs wait for this one's."""
+        return any(map(self.speculates, running.values()))
+
+    def allocate_draft_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        budget: int,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> int:
+        """For a running request's next chunk of `num_new_tokens`: if it is a decode of a token
+        known on the host, draft slots after it within `budget`, allocated with it (the chunk's
+        blocks too); 0 (nothing allocated) otherwise or when the pool cannot hold them."""
+        if num_new_tokens != 1 or request.num_pending_tokens or not request.output_token_ids:
+            return 0  # a prompt chunk, a recompute, or a token still on the device
+        num_slots = min(self.num_lookahead(request, max_model_len), budget - 1)
+        if num_slots > 0 and kv_cache_manager.allocate_slots(request, 1 + num_slots):
+            return num_slots
+        return 0
 
     def fill_drafts(self, scheduler_output: SchedulerOutput) -> None:
         """Turn each chunk with draft slots into a verify chunk (in place)."""
