@@ -5,7 +5,8 @@ output) found earlier in them proposes the tokens that followed it there.
 tokens  t_0 ... t_{L-1}          (a per-request numpy copy, appended to as the output grows)
 match   ends j < L - 1 with t_j == t_{L-1}; extended backwards one offset at a time while
         t_{j-m} == t_{L-1-m}, up to max_n: each end's match length, all ends at once (numpy)
-choose  the longest match (>= min_n); among equals the latest (the most recent context)
+choose  the longest match (>= min_n); among equals one followed by k tokens (a repeating
+        tail's latest match is followed by few), the latest of those (the most recent context)
 draft   t_{j+1} ... t_{j+k}      (fewer where the tokens end first)
 ```
 
@@ -43,8 +44,9 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarr
         lengths += alive
     if not ends.size or lengths.max() < min_n:
         return tokens[:0]
-    best = np.flatnonzero(lengths == lengths.max())[-1]  # the latest of the longest
-    start = int(ends[best]) + 1
+    longest = ends[lengths == lengths.max()]
+    available = np.minimum(num_tokens - 1 - longest, k)  # tokens that followed, up to k
+    start = int(longest[available == available.max()][-1]) + 1
     return tokens[start : start + k]
 
 

@@ -1,0 +1,79 @@
+"""The hand-off API phase B builds on: a decode engine admits a request prefilled elsewhere
+with its first token and draft tokens proposed after it (`add_prefilled(..., draft_token_ids)`);
+its first step verifies them. Right or wrong drafts, the tokens are the single engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.engine_core import EngineCore
+from pdserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pdserve.sampling_params import SamplingParams
+from tests.unit.engine.conftest import random_prompts
+
+
+def make_engine(checkpoint, prefill_only: bool = False, **spec) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=ModelConfig(model=str(checkpoint), device="cpu", dtype="float32"),
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(prefill_only=prefill_only),
+            speculative=SpeculativeConfig(**spec),
+        )
+    )
+
+
+def drain(engine: EngineCore) -> list[int]:
+    tokens: list[int] = []
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("drafts", ["right", "wrong"])
+@pytest.mark.parametrize("decode_spec", ["ngram", "draft-self"])
+def test_handed_in_drafts_verify_on_the_first_decode_step(tiny_checkpoints, drafts, decode_spec):
+    checkpoint = tiny_checkpoints["llama"]
+    prompt = random_prompts(1, 512, seed=8, min_len=20, max_len=20)[0] * 3
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single = make_engine(checkpoint)
+    single.add_request(single.make_request("r", prompt, params))
+    expected = drain(single)
+
+    spec = dict(speculative_method="ngram") if decode_spec == "ngram" else dict(
+        speculative_method="draft", speculative_model=str(checkpoint)
+    )  # fmt: skip
+    prefill = make_engine(checkpoint, prefill_only=True, **spec)
+    decode = make_engine(checkpoint, **spec)
+    dst_block_ids = decode.reserve("r", len(prompt) + 1)
+    prefill.add_request(prefill.make_request("r", prompt, params))
+    (first_token,) = drain(prefill)
+    held = prefill.get_request("r")
+    assert held is not None
+    num_blocks = -(-len(prompt) // prefill.pool.block_size)
+    for (src_k, src_v), (dst_k, dst_v) in zip(prefill.pool.kv_caches, decode.pool.kv_caches):
+        dst_k[dst_block_ids[:num_blocks]] = src_k[held.block_ids[:num_blocks]]
+        dst_v[dst_block_ids[:num_blocks]] = src_v[held.block_ids[:num_blocks]]
+    prefill.release("r")
+    prefill.check_no_leaks()
+
+    # right: the tokens that follow (all accepted); wrong: none accepted
+    handed = expected[1:5] if drafts == "right" else [0, 0, 0]
+    request = decode.make_request("r", prompt, params)
+    decode.add_prefilled(request, dst_block_ids, first_token, draft_token_ids=handed)
+    out = decode.step()  # the first step verifies the handed-in drafts
+    stats = decode.stats().spec_decode
+    assert stats.num_draft_tokens == len(handed)
+    assert stats.num_accepted_tokens == (len(handed) if drafts == "right" else 0)
+    rest = [t for o in out for t in o.new_token_ids] + drain(decode)
+    assert [first_token] + rest == expected
+    decode.check_no_leaks()
