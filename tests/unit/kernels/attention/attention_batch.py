@@ -5,6 +5,7 @@ Shared by the CPU unit tests and tests/gpu/test_attention_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ def make_batch(
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     meta = _metadata(block_ids, query_lens, context_lens, block_size, num_decodes, device)
+    meta = dataclasses.replace(meta, decode_query_len=decode_query_len)
     return AttentionBatch(
         q=randn(num_tokens, num_heads, head_dim),
         k=randn(num_tokens, num_kv_heads, head_dim),
@@ -105,7 +107,6 @@ def _metadata(
         num_decodes=num_decodes,
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
-        decode_query_len=decode_query_len,
     )
 
 
