@@ -20,15 +20,15 @@ import importlib
 import sys
 
 COMMANDS = {
-    "transfer": "benchmarks.bench_transfer",
-    "ttft": "benchmarks.bench_ttft",
-    "attention": "benchmarks.bench_attention",
-    "offline": "benchmarks.bench_offline",
-    "serve": "benchmarks.bench_serve",
-    "compare": "benchmarks.bench_compare",
-    "dataset": "benchmarks.bench_dataset",
-    "engine": "benchmarks.bench_engine",
-    "profile": "benchmarks.profile_step",
+    "transfer": "benchmarks.transfer.bench_transfer",
+    "ttft": "benchmarks.serve.bench_ttft",
+    "attention": "benchmarks.kernels.bench_attention",
+    "offline": "benchmarks.engine.bench_offline",
+    "serve": "benchmarks.serve.bench_serve",
+    "compare": "benchmarks.serve.bench_compare",
+    "dataset": "benchmarks.serve.bench_dataset",
+    "engine": "benchmarks.engine.bench_engine",
+    "profile": "benchmarks.engine.profile_step",
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine", "profile")

@@ -202,7 +202,9 @@ class KVCacheManager:
             block_id = self._free.pop()
         else:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._cached[self._block_hashes[block_id]]
+            block_hash = self._block_hashes[block_id]
+            assert block_hash is not None, "an evictable block is a cached (hashed) one"
+            del self._cached[block_hash]
             self._block_hashes[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput, StepOutput
@@ -50,7 +50,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, or lists of token ids) in one continuous batch."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+            prompts = [cast(Prompt, prompts)]  # a single prompt
+        prompts = cast(Sequence[Prompt], prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -74,13 +75,14 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict] | Sequence[list[dict]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         tokenizer = self._require_tokenizer()
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.apply_chat_template(list(m)) for m in conversations]
+        one = bool(messages) and isinstance(messages[0], dict)  # a single conversation
+        conversations = cast(Sequence[list[dict[str, Any]]], [messages] if one else messages)
+        prompts: list[Prompt] = [tokenizer.apply_chat_template(list(m)) for m in conversations]
         return self.generate(prompts, sampling_params)
 
     # ---- internals ------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def apply_penalties(
     row_idx = on_device(rows, device)
     penalized = logits[row_idx]  # [num_rows, vocab]
     output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
-    if counted:  # the pending tokens, still on the device: one more occurrence each
+    if counted and pending is not None:  # the pending tokens, on the device: one more each
         at = on_device([j for j, _ in counted], device)
         token_ids = pending.token_ids[on_device([k for _, k in counted], device)]
         ones = torch.ones(len(counted), dtype=output_counts.dtype, device=device)

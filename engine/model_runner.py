@@ -13,13 +13,14 @@ execute() = launch().wait(); launch() = prepare() -> forward() -> sample on the 
 queue the copy of the ids (no wait), so the caller can schedule and launch the next step
 before this one's tokens are on the host (async scheduling, `EngineCore.step`); the next
 step's `PENDING` decodes read their input from this step's ids on the device. The phases are
-public so that benchmarks/profile_step.py can time each one.
+public so that benchmarks/engine/profile_step.py can time each one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
 from engine.spec_decode.verification import sampling_rows
 from engine.step_inputs import FlatBatch, StepInputBuilder, verify_query_len
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 # Called after layer `layer_idx` wrote its KV, with the prefill chunks of the step. On CUDA the
 # write is queued, not done: `ModelRunner.layer_ready(layer_idx)` is the event to wait on.
@@ -80,7 +84,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,

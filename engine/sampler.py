@@ -135,13 +135,16 @@ class Sampler:
         rows draw their own row from (seed, output index); the rest share one batched draw."""
         device = probs.device
         noise = torch.empty_like(probs)
-        seeded_rows = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+        seeded_rows = [
+            (i, seed)
+            for i, r in enumerate(requests)
+            if (seed := r.sampling_params.seed) is not None
+        ]
         if len(seeded_rows) < len(requests):
             noise.exponential_(generator=self._generator(self._unseeded, device, self._seed))
         generator = self._generator(self._seeded, device, 0)
-        for i in seeded_rows:
-            request = requests[i]
-            seed = seeded_generator_seed(request.sampling_params.seed, request.num_sampled_tokens)
+        for i, row_seed in seeded_rows:
+            seed = seeded_generator_seed(row_seed, requests[i].num_sampled_tokens)
             generator.manual_seed(seed)
             noise[i].exponential_(generator=generator)  # in place: the row is contiguous
         # exponential_ may return exactly 0; keep the division finite.

@@ -47,14 +47,14 @@ def with_logprobs(
     sampled = token_ids[row_idx].unsqueeze(1)  # [num_rows, 1]
     sampled_logprobs = logprobs.gather(1, sampled)  # [num_rows, 1]
     ranks = (logprobs > sampled_logprobs).sum(dim=-1, keepdim=True) + 1  # [num_rows, 1]
-    num_top = min(max(requests[i].sampling_params.logprobs for i in rows), vocab_size)
+    counts = [requests[i].sampling_params.logprobs or 0 for i in rows]  # (all set in `rows`)
+    num_top = min(max(counts), vocab_size)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top]
     # float64 holds the ids, ranks and float32 logprobs exactly: one tensor, one copy.
     packed = torch.cat(
         [token_ids.double(), sampled_logprobs.double().view(-1), ranks.double().view(-1),
          top_ids.double().view(-1), top_logprobs.double().view(-1)]
     )  # fmt: skip
-    counts = [requests[i].sampling_params.logprobs for i in rows]
     return PendingSample(
         token_ids,
         HostCopy(packed),

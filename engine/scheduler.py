@@ -165,9 +165,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks: running requests first, then waiting ones FCFS."""
         output = SchedulerOutput()
-        budget = self._schedule_running(output, preempt=True)
+        budget = self._schedule_running(output, preempt=True)  # (an int when it may preempt)
         # After a preemption the pool is short: admitting more would only preempt again.
-        if not output.preempted_request_ids:
+        if budget is not None and not output.preempted_request_ids:
             self._schedule_waiting(output, budget)
         return output
 

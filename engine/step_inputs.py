@@ -90,7 +90,7 @@ class StepInputBuilder:
         fields = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.cu_q,
                   logits_rows, host.block_tables, pending_dst, pending_src)  # fmt: skip
         ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
-        if pending_dst.size:
+        if pending_dst.size and prev is not None:  # (a PENDING decode has a previous step)
             ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
         query_lens, seq_lens = host.query_lens, host.seq_lens
         num_decodes = int(np.count_nonzero(query_lens == query_len)) if query_lens.size else 0
@@ -206,7 +206,9 @@ def _pending_rows(
     """(token rows of the `PENDING` decodes, their rows in `prev.token_ids`). Decodes lead the
     batch with one token each, so decode row i is token i."""
     pending = [i for i, c in enumerate(ordered) if c.token_ids[0] == PENDING]
-    if pending and prev is None:
+    if not pending:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if prev is None:
         raise ValueError("a PENDING decode needs the previous step's device tokens")
     src = [prev.rows[ordered[i].request] for i in pending]
     return np.array(pending, np.int64), np.array(src, np.int64)

@@ -23,7 +23,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.config import (
     DEFAULT_HOST,
@@ -37,6 +37,11 @@ from pdserve.config import (
 )
 from pdserve.logs import LOG_FORMATS, configure_logging
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ConfigT = TypeVar("ConfigT", bound="DataclassInstance")
+
 ROLES = ("router", "prefill", "decode", "serve")
 ROUTER, NODE = "router", "node"  # forwarding targets of pd-serve's flags
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -45,8 +50,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that remembers, per option, which processes pd-serve forwards it to."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)  # forwarding needs exact names
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)  # forwarding needs exact names
         self.targets: dict[str, set[str]] = {}  # "--flag" -> {"router", "node"}
 
     def add_forwarded(self, group: Any, *flags: str, targets: Iterable[str], **kwargs: Any) -> None:
@@ -158,7 +163,7 @@ def _argparse_type(parse: Any, flag: str) -> Any:
     return convert
 
 
-def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+def config_from_args(cls: type[ConfigT], args: argparse.Namespace, **overrides: Any) -> ConfigT:
     """`cls` from the parsed flags of its knobs (fields without a flag keep their defaults
     unless given in `overrides`). Raises ValueError from the dataclass's own checks."""
     values = {

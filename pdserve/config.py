@@ -9,22 +9,41 @@ RegistryConfig                                                 the Redis registr
 SecurityConfig                                                 cluster secret, TLS (all roles)
 ```
 
-A field's default, help text and flag live in its `knob(...)`: the launchers' flags are generated
-from these dataclasses (`pdserve.cli.add_config_flags`), and the offline `LLM(**kwargs)` accepts
-every `EngineConfig` field (`EngineConfig.from_kwargs`). Torch-free; nothing here reads the
-environment (see `pdserve.envs`).
+The engine's sections live in `pdserve.engine_config`, `knob` in `pdserve.knobs`; this module
+names them all. A field's default, help text and flag live in its `knob(...)`: the launchers'
+flags are generated from these dataclasses (`pdserve.cli.add_config_flags`), and the offline
+`LLM(**kwargs)` accepts every `EngineConfig` field (`EngineConfig.from_kwargs`). Torch-free;
+nothing here reads the environment (see `pdserve.envs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine_config import (
+    ASYNC_SCHEDULING,
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
+    DTYPES,
+    ENGINE_SECTIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pdserve.knobs import knob, parse_size, prefix_cache_salt_knob
 from pdserve.net import redact_url
 
-DEFAULT_MODEL = "smollm2-135m"
+__all__ = [
+    "ASYNC_SCHEDULING", "ATTENTION_BACKENDS", "DEFAULT_HOST", "DEFAULT_HTTP_PORT",
+    "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
+    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES", "CacheConfig",
+    "EngineConfig", "ModelConfig", "NodeConfig", "RegistryConfig", "RouterConfig",
+    "SchedulerConfig", "SecurityConfig", "SpeculativeConfig", "knob", "parse_size",
+]  # fmt: skip
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
@@ -32,181 +51,7 @@ DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 # characters), JSON-escaped, fits; anything larger is not a request this router could serve.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
-ASYNC_SCHEDULING = ("auto", "on", "off")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("ngram", "draft")  # engine/spec_decode's proposers
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1G', '1073741824' -> bytes (ValueError when not a size)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    cleaned = text.strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        if cleaned and cleaned[-1] in units:
-            return int(float(cleaned[:-1]) * units[cleaned[-1]])
-        return int(cleaned)
-    except ValueError:
-        raise ValueError(
-            f"not a size: {text!r} (use bytes or a suffix, e.g. 512MiB, 2GiB)"
-        ) from None
-
-
-def knob(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    parse: Callable[[str], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
-    cli: bool = True,
-) -> Any:
-    """A config field with its command-line flag. `flag`: the flag's name when it is not
-    `--field-name` (a bool that defaults to True gets `--no-...`); `parse`: how the flag's text
-    becomes the value (default: the field's type); `cli=False`: no flag (set by code)."""
-    metadata = {"help": help, "flag": flag, "parse": parse, "choices": choices, "cli": cli}
-    return field(default=default, metadata=metadata)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which weights, in which dtype, on which device."""
-
-    model: str = knob(DEFAULT_MODEL, "alias, Hugging Face folder, .gguf file, or synthetic:<shape>")
-    dtype: str = knob("auto", "weights and KV cache dtype (auto: the checkpoint's)", choices=DTYPES)
-    device: str = knob("auto", "auto | cpu | cuda | cuda:N")
-    max_model_len: int | None = knob(None, "context length (default: the model's)")
-    seed: int = knob(0, "synthetic weights and unseeded sampling")
-    attention_backend: str = knob(
-        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS
-    )
-    enforce_eager: bool = knob(
-        False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
-    )
-
-
-def prefix_cache_salt_knob() -> Any:
-    """The prefix cache's salt (pdserve.block_hash), one knob for the engine and the router."""
-    return knob(
-        None,
-        "salt of the prefix cache's sha256 block hashes: deployments that must not share cached "
-        "prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT); the same on router and nodes",
-    )
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache: block geometry and how much memory the pool takes.
-
-    Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
-    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
-
-    block_size: int = knob(
-        16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
-    )
-    num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
-    kv_cache_memory: int | None = knob(
-        None,
-        "KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
-        parse=parse_size,
-    )
-    gpu_memory_utilization: float = knob(
-        0.85,
-        "on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
-    )
-    enable_prefix_caching: bool = knob(
-        True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
-    )
-    prefix_cache_salt: str | None = prefix_cache_salt_knob()
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous batching limits."""
-
-    max_num_batched_tokens: int = knob(2048, "token budget of one step (prefill chunks + decodes)")
-    max_num_seqs: int = knob(128, "requests running at once")
-    enable_chunked_prefill: bool = knob(
-        True, "split long prompts over several steps", flag="--no-chunked-prefill"
-    )
-    async_scheduling: str = knob("auto", "launch the next decode step before this one's tokens "
-                                 "are on the host (auto: on CUDA, not in the prefill role)",
-                                 choices=ASYNC_SCHEDULING)  # fmt: skip
-    # Prefill-only (the prefill role): a request finishes after its first token and keeps its
-    # blocks until `EngineCore.release` (the KV transfer resolved).
-    prefill_only: bool = knob(False, "set by the prefill role", cli=False)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (engine/spec_decode): a proposer drafts up to K tokens for each
-    decoding request and the model verifies them in one forward. Off unless a method is set."""
-
-    speculative_method: str | None = knob(
-        None, "ngram: prompt lookup; draft: a smaller model (--speculative-model) proposes "
-        "(default: off)", choices=SPECULATIVE_METHODS,
-    )  # fmt: skip
-    num_speculative_tokens: int = knob(4, "draft tokens verified per decoding request and step")
-    speculative_model: str | None = knob(
-        None, "--speculative-method draft: alias, HF folder, .gguf or synthetic:<shape>, with the "
-        "target's vocabulary",
-    )  # fmt: skip
-    ngram_prompt_lookup_min: int = knob(1, "ngram: the shortest suffix n-gram looked up")
-    ngram_prompt_lookup_max: int = knob(4, "ngram: the longest suffix n-gram looked up")
-
-    def __post_init__(self) -> None:
-        method, k = self.speculative_method, self.num_speculative_tokens
-        if method is not None and method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_method must be one of {SPECULATIVE_METHODS}, not {method!r}"
-            )
-        if not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
-        if (method == "draft") != (self.speculative_model is not None):
-            raise ValueError(
-                "--speculative-model goes with --speculative-method draft, and only with it; got "
-                f"method {method!r}, model {self.speculative_model!r}"
-            )
-        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
-            raise ValueError(
-                "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
-                f"{self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
-            )
-
-
-ENGINE_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "speculative": SpeculativeConfig,
-}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Any field of any section by its own name, e.g. `from_kwargs(model="...",
-        block_size=32, max_num_seqs=8)`. TypeError names an unknown keyword."""
-        sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_SECTIONS}
-        owner = {
-            f.name: section
-            for section, section_cls in ENGINE_SECTIONS.items()
-            for f in dataclasses.fields(section_cls)
-        }
-        for name, value in kwargs.items():
-            if name not in owner:
-                raise TypeError(
-                    f"unknown engine setting {name!r}; known: {', '.join(sorted(owner))}"
-                )
-            sections[owner[name]][name] = value
-        return cls(**{s: ENGINE_SECTIONS[s](**values) for s, values in sections.items()})
 
 
 REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")

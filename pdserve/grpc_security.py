@@ -17,7 +17,7 @@ channel_credentials(config) mutual TLS for a client channel (None: no TLS)
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 Check = Callable[[str, dict[str, str]], str | None]  # (method, metadata) -> why refused, or None
 
 
-class RequestGuard(grpc.aio.ServerInterceptor):
+class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc has no types
     def __init__(
         self,
         check: Check | None,
@@ -92,17 +92,17 @@ def _parsing(handler: Any) -> Any:
             )
 
     if handler.response_streaming:
-        behavior = handler.unary_stream
-        if inspect.isasyncgenfunction(behavior):
+        stream_behavior = handler.unary_stream
+        if inspect.isasyncgenfunction(stream_behavior):
 
-            async def stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
-                async for response in behavior(await parse(data, context), context):
+            async def each(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for response in stream_behavior(await parse(data, context), context):
                     yield response
 
-        else:
+            return handler._replace(unary_stream=each, request_deserializer=None)
 
-            async def stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
-                return await behavior(await parse(data, context), context)
+        async def stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await stream_behavior(await parse(data, context), context)
 
         return handler._replace(unary_stream=stream, request_deserializer=None)
     behavior = handler.unary_unary
@@ -131,12 +131,12 @@ class _ProofAdder:
         )  # fmt: skip
 
 
-class _UnaryProofAdder(_ProofAdder, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryProofAdder(_ProofAdder, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # (no types)
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
-class _StreamProofAdder(_ProofAdder, grpc.aio.UnaryStreamClientInterceptor):
+class _StreamProofAdder(_ProofAdder, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]  # (no types)
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
@@ -191,6 +191,9 @@ def open_channel(
 def bind(server: grpc.aio.Server, address: str, config: SecurityConfig) -> int:
     """`server.add_*_port(address)` as the config says; the bound port."""
     credentials = server_credentials(config)
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    port: int = (
+        server.add_insecure_port(address)
+        if credentials is None
+        else server.add_secure_port(address, credentials)
+    )
+    return port

@@ -16,8 +16,8 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ S = TypeVar("S", bound=RunningServer)
 
 
 async def serve_until_signalled(
-    start: Callable[[], Awaitable[S]], ready_line: Callable[[S], str]
+    start: Callable[[], Coroutine[Any, Any, S]], ready_line: Callable[[S], str]
 ) -> None:
     """Start a server, print `ready_line(server)` once it serves, and stop it gracefully on
     SIGINT or SIGTERM (also one that arrives while it is starting)."""
@@ -62,7 +62,9 @@ async def serve_until_signalled(
             loop.remove_signal_handler(signum)
 
 
-def run_server(name: str, start: Callable[[], Awaitable[S]], ready_line: Callable[[S], str]) -> int:
+def run_server(
+    name: str, start: Callable[[], Coroutine[Any, Any, S]], ready_line: Callable[[S], str]
+) -> int:
     """`serve_until_signalled` in a new event loop; the exit code (1, with a message on stderr,
     when the server cannot start: a taken port, a bad model, ...)."""
     try:

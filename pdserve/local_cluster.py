@@ -16,6 +16,7 @@ stops the rest and exits non-zero. Torch-free: the nodes load the model, not thi
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import signal
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 
 from pdserve import envs
 from pdserve.cli import (
@@ -46,7 +48,7 @@ STOP_GRACE_S = 15.0
 @dataclass
 class _Child:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen[str]
     address: str | None = None
     http_url: str | None = None  # the router's HTTP API
     ready: threading.Event = field(default_factory=threading.Event)
@@ -54,6 +56,7 @@ class _Child:
 
 def _pump(child: _Child) -> None:
     """Echo the child's stdout with its name; note its address from the listening line."""
+    assert child.process.stdout is not None  # spawned with stdout=PIPE
     for line in child.process.stdout:
         if child.address is None and (match := _LISTENING.search(line)):
             child.address = match.group(1)
@@ -79,7 +82,10 @@ def _node_argv(forwarded: list[str], gpu_share: int, metrics_port: int = 0) -> l
 
 
 def _router_argv(
-    forwarded: list[str], args, prefill_addrs: list[str], decode_addrs: list[str]
+    forwarded: list[str],
+    args: argparse.Namespace,
+    prefill_addrs: list[str],
+    decode_addrs: list[str],
 ) -> list[str]:
     """With a registry the router finds the nodes there; else it gets their addresses."""
     argv = [*forwarded, "--port", str(args.port)]
@@ -129,7 +135,9 @@ def node_devices(
 
 
 class LocalCluster:
-    def __init__(self, args, node_argv: list[str], router_argv: list[str]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, node_argv: list[str], router_argv: list[str]
+    ) -> None:
         """`node_argv` / `router_argv`: the flags pd-serve forwards to each (as given)."""
         self.args = args
         self.node_argv = node_argv
@@ -153,6 +161,7 @@ class LocalCluster:
         """Waits for each child's listening line, saying every WAIT_REPORT_S what for."""
         start_s = time.monotonic()
         deadline = start_s + NODE_START_TIMEOUT_S
+        addresses: list[str] = []
         for child in children:
             while not child.ready.wait(min(WAIT_REPORT_S, max(0.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
@@ -165,7 +174,8 @@ class LocalCluster:
                 raise RuntimeError(
                     f"{child.name} did not start (exit code {child.process.poll()}); see its log above"
                 )
-        return [child.address for child in children]
+            addresses.append(child.address)
+        return addresses
 
     def start(self) -> str:
         args = self.args
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     stopping = threading.Event()
 
-    def on_signal(signum, _frame) -> None:
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
         stopping.set()
         raise KeyboardInterrupt
 
@@ -252,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
         )
         print(f"pd-serve: router listening on {address} ({mode}, model {args.model})", flush=True)
-        if cluster.router.http_url:
-            print(f"pd-serve: OpenAI-compatible API on {cluster.router.http_url}/v1 "
-                  f"(metrics: {cluster.router.http_url}/metrics)", flush=True)  # fmt: skip
+        if http_url := cluster.router and cluster.router.http_url:
+            print(f"pd-serve: OpenAI-compatible API on {http_url}/v1 "
+                  f"(metrics: {http_url}/metrics)", flush=True)  # fmt: skip
         print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:

@@ -74,7 +74,7 @@ class NodeRecord:
         return node_key(self.node_id)
 
     @property
-    def node_role(self) -> node_pb2.NodeRole.ValueType:
+    def node_role(self) -> node_pb2.NodeRole:
         return next(value for value, name in ROLE_NAMES.items() if name == self.role)
 
     def to_json(self) -> str:
@@ -192,13 +192,13 @@ def _typed_fields(cls: type, fields: Any) -> dict[str, Any]:
     writers may add some)."""
     if not isinstance(fields, dict):
         raise ValueError(f"{cls.__name__}: expected an object, got {type(fields).__name__}")
-    kinds = {"int": int, "float": (int, float), "str": str}
-    out = {}
+    kinds: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+    out: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         if field.name not in fields:
             raise ValueError(f"{cls.__name__}: missing {field.name!r}")
         value = fields[field.name]
-        kind = kinds.get(field.type)
+        kind = kinds.get(str(field.type))  # the annotation's text (postponed annotations)
         if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise ValueError(f"{cls.__name__}.{field.name} must be {field.type}, got {value!r}")
         out[field.name] = value

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+
+from pdserve.v1 import generation_pb2, node_pb2
 
 # proto3 `optional` fields of both SamplingParams messages: unset means "the default".
 OPTIONAL_PROTO_FIELDS = (
@@ -29,7 +31,8 @@ OPTIONAL_PROTO_FIELDS = (
     "logprobs",
     "speculative",
 )
-ProtoT = TypeVar("ProtoT", bound=Message)
+# The two wire forms: the client's (with stop strings) and the one nodes receive.
+ProtoT = TypeVar("ProtoT", generation_pb2.SamplingParams, node_pb2.NodeSamplingParams)
 _INT_TYPE_RANGES = {
     FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
@@ -92,10 +95,12 @@ class SamplingParams:
         self.validate()
 
     @classmethod
-    def from_proto(cls, proto: Message) -> SamplingParams:
+    def from_proto(
+        cls, proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams
+    ) -> SamplingParams:
         """From a `SamplingParams` (client) or `NodeSamplingParams` (nodes) message: the fields
         it sets (unset optional ones keep the defaults). Raises InvalidRequestError."""
-        kwargs: dict[str, object] = {
+        kwargs: dict[str, Any] = {
             name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)
         }
         for name, value in kwargs.items():
@@ -103,7 +108,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"sampling.{name} must be a finite number, got {value}", name
                 )
-        if "stop" in proto.DESCRIPTOR.fields_by_name:
+        if isinstance(proto, generation_pb2.SamplingParams):
             kwargs["stop"] = list(proto.stop)
         return cls(**kwargs, stop_token_ids=list(proto.stop_token_ids), ignore_eos=proto.ignore_eos)
 
@@ -116,7 +121,7 @@ class SamplingParams:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
         )
-        if "stop" in message.DESCRIPTOR.fields_by_name:
+        if isinstance(message, generation_pb2.SamplingParams):
             message.stop.extend(self.stop)
         return message
 

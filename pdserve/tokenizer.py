@@ -40,18 +40,19 @@ def _byte_level_chars() -> dict[str, int]:
 _BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
-def _token_content(value: str | dict | None) -> str | None:
+def _token_content(value: str | dict[str, Any] | None) -> str | None:
     """A special token entry of tokenizer_config.json: a string or {"content": ...}."""
     if isinstance(value, dict):
-        return value.get("content")
+        content = value.get("content")
+        return content if isinstance(content, str) else None
     return value
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _select_chat_template(template: str | list | None, folder: Path) -> str | None:
+def _select_chat_template(template: str | list[dict[str, str]] | None, folder: Path) -> str | None:
     """The config's template (a string, or the one named "default" in a list of named
     templates), else chat_template.jinja beside it."""
     if isinstance(template, list):
@@ -118,8 +119,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id if self.add_bos_token else None
+        if add_special_tokens and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from pdserve.config import DEFAULT_HOST, DEFAULT_ROUTER_PORT
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.node_client import MAX_RECEIVE_MESSAGE_BYTES, tokenizer_from_files
@@ -80,7 +80,7 @@ def build_request(
     elif prompt_token_ids is not None:
         request.prompt_token_ids.SetInParent()  # selects the input even when empty
         request.prompt_token_ids.ids.extend(prompt_token_ids)
-    else:
+    elif messages is not None:
         request.messages.SetInParent()
         for message in messages:
             request.messages.messages.add(role=message["role"], content=message["content"])
@@ -139,9 +139,10 @@ class GenerationClient:
         return result
 
     async def model_info(self, timeout_s: float | None = None) -> generation_pb2.ModelInfo:
-        return await self._stub.GetModelInfo(
+        info: generation_pb2.ModelInfo = await self._stub.GetModelInfo(
             generation_pb2.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata
         )
+        return info
 
     async def tokenizer(self, timeout_s: float | None = None) -> Tokenizer | None:
         """The served model's tokenizer (None: the model has none and takes token ids)."""

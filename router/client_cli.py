@@ -14,17 +14,19 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from pdserve import envs
-from pdserve.cli import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from pdserve.config import DEFAULT_HOST, DEFAULT_ROUTER_PORT
 from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
 from router.client import GenerationClient, GenerationResult
 
 
-def _int_within(low: int, high: int):
+def _int_within(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an integer the flag's protobuf field can hold (the router checks what
     it means: a usage error here, not a traceback, for what could never be sent)."""
 
@@ -41,7 +43,7 @@ def _int_within(low: int, high: int):
     return parse
 
 
-def _field(name: str):
+def _field(name: str) -> Callable[[str], int]:
     """The argparse type of a SamplingParams integer field: what its protobuf type holds."""
     return _int_within(*int_field_range(generation_pb2.SamplingParams, name))
 
@@ -132,7 +134,7 @@ def _main(argv: list[str] | None) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> GenerationResult:
-    inputs: dict = {"prompt": args.prompt}
+    inputs: dict[str, Any] = {"prompt": args.prompt}
     if args.chat:
         messages = [{"role": "system", "content": text} for text in args.system]
         inputs = {"messages": [*messages, {"role": "user", "content": args.prompt}]}
@@ -150,7 +152,7 @@ async def _generate(args: argparse.Namespace) -> GenerationResult:
     return result
 
 
-def _logprob_dict(logprob) -> dict:
+def _logprob_dict(logprob: generation_pb2.TokenLogprob) -> dict[str, Any]:
     return {
         "token_id": logprob.token_id,
         "logprob": logprob.logprob,

@@ -24,7 +24,7 @@ reason, `num_retries`, `num_migrations`.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
@@ -62,7 +62,7 @@ class Dispatcher:
         request: ProcessedRequest,
         timeout_s: float | None = None,
         record: RequestRecord | None = None,
-    ) -> AsyncIterator[NodeTokens]:
+    ) -> AsyncGenerator[NodeTokens, None]:
         """Yields the request's tokens from both streams, ending after one with a finish_reason.
         `timeout_s` (the client's deadline) bounds the node calls. Use it inside
         `contextlib.aclosing` so that stopping early aborts the request on its nodes at once.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 # Node statuses the client gets as they are; any other node failure is INTERNAL.
@@ -22,6 +24,13 @@ class RouterError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """`context.abort(code, message)`: ends the call by raising (what grpc.aio does; said here
+    because grpc ships no types)."""
+    await context.abort(code, message)
+    raise AssertionError("grpc.aio's ServicerContext.abort returned instead of raising")
 
 
 def node_error(role: str, address: str, error: grpc.aio.AioRpcError) -> RouterError:

@@ -55,7 +55,7 @@ class NodeClient:
         self.node_stub = node_pb2_grpc.NodeStub(self._channel)
         self.prefill_stub = node_pb2_grpc.PrefillNodeStub(self._channel)
         self.decode_stub = node_pb2_grpc.DecodeNodeStub(self._channel)
-        self.info: node_pb2.NodeInfo | None = None
+        self._info: node_pb2.NodeInfo | None = None  # set by `connect`
         self.record: NodeRecord | None = None  # the registry's, for a registered node
         self.load = NodeLoad()
         self.unreachable_until_s = 0.0  # monotonic; policies skip the node until then
@@ -64,6 +64,13 @@ class NodeClient:
     def __repr__(self) -> str:
         return f"NodeClient({self.address})"
 
+    @property
+    def info(self) -> node_pb2.NodeInfo:
+        """What the node reported to `connect` (a client is admitted only after it)."""
+        if self._info is None:
+            raise RuntimeError(f"node {self.address} has not answered GetNodeInfo yet")
+        return self._info
+
     async def connect(self, deadline_s: float, rpc_timeout_s: float) -> node_pb2.NodeInfo:
         """GetNodeInfo, retried while the node is unreachable, until `deadline_s`
         (`time.monotonic()` seconds). Raises TimeoutError when the deadline passes."""
@@ -71,12 +78,13 @@ class NodeClient:
         last_error = "never reached"
         while (remaining_s := deadline_s - time.monotonic()) > 0:
             try:
-                self.info = await self.node_stub.GetNodeInfo(
+                info: node_pb2.NodeInfo = await self.node_stub.GetNodeInfo(
                     node_pb2.GetNodeInfoRequest(),
                     timeout=min(rpc_timeout_s, remaining_s),
                     wait_for_ready=True,
                 )
-                return self.info
+                self._info = info
+                return info
             except grpc.aio.AioRpcError as error:
                 if error.code() not in _RETRIED_CODES:
                     raise
@@ -89,7 +97,7 @@ class NodeClient:
         """The node's tokenizer, built off the event loop (a large tokenizer.json takes a while);
         None when the model has none (a synthetic model: the router then takes token ids)."""
         files = await self.node_stub.GetTokenizer(node_pb2.GetTokenizerRequest(), timeout=timeout_s)
-        name = self.info.model_name if self.info is not None else self.address
+        name = self._info.model_name if self._info is not None else self.address
         if not files.tokenizer_json:
             logger.warning("model %s has no tokenizer: the router serves token ids only", name)
             return None
@@ -98,7 +106,9 @@ class NodeClient:
     async def cancel_transfer(self, transfer_id: str, reason: str, timeout_s: float) -> bool:
         """Tells a decode node the KV of `transfer_id` will not come; True if it was pending."""
         request = node_pb2.CancelTransferRequest(transfer_id=transfer_id, reason=reason)
-        response = await self.decode_stub.CancelTransfer(request, timeout=timeout_s)
+        response: node_pb2.CancelTransferResponse = await self.decode_stub.CancelTransfer(
+            request, timeout=timeout_s
+        )
         return response.found
 
     async def attach_ticket(
@@ -111,7 +121,7 @@ class NodeClient:
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         """Ends the request on the node; True if the node held it."""
         request = node_pb2.AbortRequest(request_id=request_id)
-        response = await self.node_stub.Abort(request, timeout=timeout_s)
+        response: node_pb2.AbortResponse = await self.node_stub.Abort(request, timeout=timeout_s)
         return response.found
 
     def up(self) -> bool:

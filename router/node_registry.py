@@ -59,9 +59,9 @@ class NodeRegistry:
         self._ready: dict[str, NodeClient] = {}  # by address, in admission order
         self._admit_lock = asyncio.Lock()
         self._registered: dict[str, NodeAddress] = {}  # the last sync's nodes, by address
-        self._joining: dict[str, asyncio.Task] = {}  # by address
+        self._joining: dict[str, asyncio.Task[None]] = {}  # by address
         self._refused: dict[str, set[str]] = {}  # address -> node ids refused (logged once)
-        self._leaving: set[asyncio.Task] = set()
+        self._leaving: set[asyncio.Task[None]] = set()
         self.model_info: node_pb2.NodeInfo | None = None  # the first admitted node's
         self.tokenizer: Tokenizer | None = None  # None with a model info: token ids only
 
@@ -105,7 +105,7 @@ class NodeRegistry:
         """Follows a dynamic source (`sync` at each of its updates) until cancelled."""
         await source.watch(self.sync)
 
-    async def sync(self, nodes: list[NodeAddress]) -> list[asyncio.Task]:
+    async def sync(self, nodes: list[NodeAddress]) -> list[asyncio.Task[None]]:
         """Makes the registered nodes `nodes`: joins new ones (in the background; the tasks are
         returned), updates the load of known ones, removes those gone."""
         ids: dict[str, set[str]] = {}
@@ -176,7 +176,7 @@ class NodeRegistry:
         clients, self._ready = list(self._ready.values()), {}
         await asyncio.gather(*(client.close() for client in clients))
 
-    def _routable(self, role: node_pb2.NodeRole.ValueType) -> list[NodeClient]:
+    def _routable(self, role: node_pb2.NodeRole) -> list[NodeClient]:
         """The ready nodes of `role`, less those in their unreachable cool-down (all of them
         when every one is: better to try than to refuse)."""
         nodes = [n for n in self._ready.values() if n.info.role == role]

@@ -14,7 +14,7 @@ from pdserve.v1 import node_pb2
 @dataclass(frozen=True)
 class NodeAddress:
     address: str  # HOST:PORT of the node's gRPC server
-    role: node_pb2.NodeRole.ValueType  # the role the node is expected to report
+    role: node_pb2.NodeRole  # the role the node is expected to report
     record: NodeRecord | None = None  # its registry record (identity, capacity, load)
 
     @property
@@ -26,7 +26,7 @@ class NodeAddress:
         return cls(record.address, record.node_role, record)
 
 
-OnNodes = Callable[[list[NodeAddress]], Awaitable[None]]
+OnNodes = Callable[[list[NodeAddress]], Awaitable[object]]  # its result is not used
 
 
 class NodeSource(ABC):

@@ -23,12 +23,12 @@ import json
 import logging
 import time
 
+from pdserve.config import RegistryConfig
 from pdserve.registry import (
     EVENTS_CHANNEL,
     NODE_KEY_PATTERN,
     REGISTRY_ERRORS,
     NodeRecord,
-    RegistryConfig,
     check_record,
     registry_client,
 )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 
@@ -49,7 +49,7 @@ from router.stats import RouterStats
 logger = logging.getLogger(__name__)
 
 _TASK_EXIT_TIMEOUT_S = 1.0  # cancelled reader tasks end at their next await
-_background_aborts: set[asyncio.Task] = set()  # D.Aborts sent for cancelled requests
+_background_aborts: set[asyncio.Task[None]] = set()  # D.Aborts sent for cancelled requests
 
 # Given the prefill node that was unreachable: another one to run the Prefill on (counted as a
 # retry), or None.
@@ -79,7 +79,7 @@ class RequestCalls:
         self._timeout_s = timeout_s
         self._retry_prefill = retry_prefill
         self._events: asyncio.Queue[NodeTokens | RouterError] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._decode_call: grpc.aio.UnaryStreamCall | None = None
         self._prefill_call: grpc.aio.UnaryStreamCall | None = None
         self._ticket_sent = False  # the current Prefill call has the ticket (inline or attached)
@@ -90,9 +90,10 @@ class RequestCalls:
         self._decode_work = self._decode.load.track(request.prompt_len + max_tokens)
         self._prefill_work: InflightWork | None = None
 
-    async def stream(self) -> AsyncIterator[NodeTokens]:
-        disaggregated = self._prefill is not None
-        self._decode_call = self._decode.decode_stub.Decode(
+    async def stream(self) -> AsyncGenerator[NodeTokens, None]:
+        prefill = self._prefill
+        disaggregated = prefill is not None
+        decode_call = self._decode_call = self._decode.decode_stub.Decode(
             node_pb2.DecodeRequest(
                 request_id=self._request.request_id,
                 prompt_token_ids=self._request.prompt_token_ids,
@@ -105,11 +106,11 @@ class RequestCalls:
             ),
             timeout=self._timeout_s,
         )
-        if disaggregated:
-            self._start_prefill(None)  # close() cancels it if D sends no ticket
-            ticket = await self._read_ticket()
+        if prefill is not None:
+            self._start_prefill(prefill, None)  # close() cancels it if D sends no ticket
+            ticket = await self._read_ticket(decode_call)
             self._tasks.append(asyncio.create_task(self._read_prefill(ticket)))
-        self._tasks.append(asyncio.create_task(self._read_decode()))
+        self._tasks.append(asyncio.create_task(self._read_decode(decode_call)))
         while True:
             try:  # asyncio.timeout: a client's cancel stays a cancel (see RedisNodeSource.watch)
                 async with asyncio.timeout(self._config.token_timeout_s):
@@ -131,7 +132,8 @@ class RequestCalls:
         """Aborts D's request if it is still running (in the background when the client
         cancelled: this task ends now), and cancels every call and reader task."""
         try:
-            if not self._decode_ended and asyncio.current_task().cancelling():
+            current = asyncio.current_task()
+            if not self._decode_ended and current is not None and current.cancelling():
                 task = asyncio.get_running_loop().create_task(self._abort_decode())
                 _background_aborts.add(task)
                 task.add_done_callback(_background_aborts.discard)
@@ -157,11 +159,11 @@ class RequestCalls:
             return NodeUnreachableError(error.message)
         return DecodeLostError(f"{error.message} (mid-stream)", self._num_yielded)
 
-    async def _read_ticket(self) -> node_pb2.TransferTicket:
+    async def _read_ticket(self, decode_call: grpc.aio.UnaryStreamCall) -> node_pb2.TransferTicket:
         decode = self._decode
         try:
             async with asyncio.timeout(self._config.ticket_timeout_s):
-                message = await self._decode_call.read()
+                message = await decode_call.read()
         except TimeoutError:
             raise RouterError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -177,13 +179,14 @@ class RequestCalls:
                 f"decode node {decode.address} did not start request "
                 f"{self._request.request_id} with a transfer ticket",
             )
-        return message.ticket
+        ticket: node_pb2.TransferTicket = message.ticket
+        return ticket
 
-    async def _read_decode(self) -> None:
+    async def _read_decode(self, decode_call: grpc.aio.UnaryStreamCall) -> None:
         address = self._decode.address
         try:
             while True:
-                message = await self._decode_call.read()
+                message = await decode_call.read()
                 if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
                     self._events.put_nowait(self._protocol_error(address, message))
                     return
@@ -212,8 +215,9 @@ class RequestCalls:
             "finish_reason",
         )
 
-    def _start_prefill(self, ticket: node_pb2.TransferTicket | None) -> None:
-        """P.Prefill, with `ticket` inline, or (None) to be attached by _forward_prefill."""
+    def _start_prefill(self, prefill: NodeClient, ticket: node_pb2.TransferTicket | None) -> None:
+        """P.Prefill on `prefill` (the current prefill node from now), with `ticket` inline, or
+        (None) to be attached by _forward_prefill."""
         # P starts the prefill within transfer_timeout_s and ends the hand-off within
         # transfer_timeout_s of that (as D waits): the call outlives neither.
         timeout_s = 2 * self._config.transfer_timeout_s
@@ -221,8 +225,9 @@ class RequestCalls:
             timeout_s = min(timeout_s, self._timeout_s)
         if self._prefill_work is not None:
             self._prefill_work.done()
-        self._prefill_work = self._prefill.load.track(self._request.prompt_len)
-        self._prefill_call = self._prefill.prefill_stub.Prefill(
+        self._prefill = prefill
+        self._prefill_work = prefill.load.track(self._request.prompt_len)
+        self._prefill_call = prefill.prefill_stub.Prefill(
             node_pb2.PrefillRequest(
                 request_id=self._request.request_id,
                 prompt_token_ids=self._request.prompt_token_ids,
@@ -241,39 +246,41 @@ class RequestCalls:
         try:
             failure = await self._forward_prefill_with_retry(ticket)
         finally:
-            self._prefill_work.done()
+            if self._prefill_work is not None:
+                self._prefill_work.done()
         if failure is None:
             return
         self._stats.prefill_failure()
+        prefill, call = self._prefill_leg()
         logger.warning(
             "request %s: prefill node %s failed (%s); decode node %s prefills locally",
             self._request.request_id,
-            self._prefill.address,
+            prefill.address,
             failure,
             self._decode.address,
         )
-        self._prefill_call.cancel()  # (P may still wait for its ticket, holding blocks)
+        call.cancel()  # (P may still wait for its ticket, holding blocks)
         await self._cancel_transfer(ticket.transfer_id, f"prefill node failed: {failure}")
 
     async def _forward_prefill_with_retry(self, ticket: node_pb2.TransferTicket) -> str | None:
         """`_forward_prefill`, once more on another prefill node if the first was unreachable
         before its first token; why the hand-off failed, or None."""
+        prefill, call = self._prefill_leg()
         try:
             return await self._forward_prefill(ticket)
         except grpc.aio.AioRpcError as error:
             failure = _describe(error)
             other = None
             if error.code() == grpc.StatusCode.UNAVAILABLE and not self._prefill_sent_first:
-                other = self._retry_prefill(self._prefill)
+                other = self._retry_prefill(prefill)
             if other is None:
                 return failure
         logger.warning(
             "request %s: prefill node %s unreachable (%s); retrying on %s",
-            self._request.request_id, self._prefill.address, failure, other.address,
+            self._request.request_id, prefill.address, failure, other.address,
         )  # fmt: skip
-        self._prefill_call.cancel()
-        self._prefill = other
-        self._start_prefill(ticket)
+        call.cancel()
+        self._start_prefill(other, ticket)
         try:
             return await self._forward_prefill(ticket)
         except grpc.aio.AioRpcError as error:
@@ -282,12 +289,13 @@ class RequestCalls:
     async def _forward_prefill(self, ticket: node_pb2.TransferTicket) -> str | None:
         """Attaches the ticket if P's call went without it, reads P's two messages; returns
         why the hand-off failed (P's stream, or the transfer P reports failed), or None."""
+        prefill, call = self._prefill_leg()
         if not self._ticket_sent:
             self._ticket_sent = True
-            await self._prefill.attach_ticket(
+            await prefill.attach_ticket(
                 self._request.request_id, ticket, self._config.node_rpc_timeout_s
             )
-        message = await self._prefill_call.read()
+        message = await call.read()
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
             return "its stream did not start with the first token"
         first = message.first_token
@@ -301,13 +309,20 @@ class RequestCalls:
                 num_cached_tokens=first.num_cached_tokens,
             )
         )
-        message = await self._prefill_call.read()
+        message = await call.read()
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_result":
             return "its stream ended without a transfer result"
         result = message.transfer_result
         if not result.ok:  # D is told at once (it may never hear from P: a broken connection)
             return f"its KV transfer failed: {result.error}"
         return None
+
+    def _prefill_leg(self) -> tuple[NodeClient, grpc.aio.UnaryStreamCall]:
+        """The current prefill node and its Prefill call (set by `_start_prefill`, which a
+        disaggregated route runs before any reader of P's stream starts)."""
+        if self._prefill is None or self._prefill_call is None:
+            raise RuntimeError(f"request {self._request.request_id}: no Prefill call started")
+        return self._prefill, self._prefill_call
 
     async def _cancel_transfer(self, transfer_id: str, reason: str) -> None:
         decode = self._decode

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -87,7 +87,7 @@ class RequestHandler:
         api: str,
         timeout_s: float | None = None,
         start_s: float | None = None,
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The request's responses, the last one with finish_reason and usage. Raises
         RouterError (counted, logged). Run it in a task of its own: it sets the task's
         request id for logging."""

@@ -60,8 +60,8 @@ class RouterServer:
         self.registry_source = (
             RedisNodeSource(config.registry, self.auth) if config.registry else None
         )
-        self._watch_task: asyncio.Task | None = None
-        self._health_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._health = health.aio.HealthServicer()
         self._health_status: int | None = None  # last set; None: not yet
         self.api_keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
@@ -173,6 +173,6 @@ class RouterServer:
             await self._update_health()
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("following the registry failed", exc_info=task.exception())

@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
-from router.errors import RouterError
+from router.errors import RouterError, abort
 from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
@@ -46,21 +46,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 error.message,
                 start_s,
             )
-            await context.abort(error.code, error.message)
+            await abort(context, error.code, error.message)
         try:
             stream = self._handler.stream(processed, "grpc", context.time_remaining(), start_s)
             async with contextlib.aclosing(stream):  # a cancel ends the node calls at once
                 async for response in stream:
                     await context.write(response)
         except RouterError as error:
-            await context.abort(error.code, error.message)
+            await abort(context, error.code, error.message)
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
         info = self._handler.registry.model_info
         if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
         return generation_pb2.ModelInfo(
             model_name=info.model_name,
             max_model_len=info.max_model_len,
@@ -75,14 +75,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         registry = self._handler.registry
         nodes = registry.decode_nodes + registry.prefill_nodes
         if registry.model_info is None or not nodes:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
         try:
-            files = await nodes[0].node_stub.GetTokenizer(
+            files: node_pb2.TokenizerFiles = await nodes[0].node_stub.GetTokenizer(
                 node_pb2.GetTokenizerRequest(), timeout=_TOKENIZER_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as error:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
             )
         return generation_pb2.ModelTokenizer(
             tokenizer_json=files.tokenizer_json,

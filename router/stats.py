@@ -92,8 +92,8 @@ class RouterStats:
             self.errors[record.status] += 1
         m.requests.labels(record.api, record.status, record.finish_reason or "").inc()
         m.generation_tokens.inc(record.completion_tokens)
-        if record.first_token_s is not None:
-            m.ttft.observe(record.ttft_s)
+        if (ttft_s := record.ttft_s) is not None:
+            m.ttft.observe(ttft_s)
         if record.status == "OK":
             m.prompt_tokens.inc(record.prompt_tokens)
             m.cached_prompt_tokens.inc(record.cached_tokens)

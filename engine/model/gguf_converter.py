@@ -197,9 +197,10 @@ def _llama3_scaling(freq_factors: np.ndarray, head_dim: int, rope_theta: float) 
     low/high frequency factors 1 and 4 over an 8192-token original context, and the largest
     divisor is the factor. The result is checked against the stored divisors.
     """
+    factor = float(freq_factors.max())
     scaling = {
         "rope_type": "llama3",
-        "factor": float(freq_factors.max()),
+        "factor": factor,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
@@ -207,7 +208,7 @@ def _llama3_scaling(freq_factors: np.ndarray, head_dim: int, rope_theta: float) 
     rope = RopeConfig(
         theta=rope_theta,
         scaling_type="llama3",
-        factor=scaling["factor"],
+        factor=factor,
         original_max_position_embeddings=8192,
     )
     expected = rope_inv_freq(head_dim, RopeConfig(theta=rope_theta)) / rope_inv_freq(head_dim, rope)

@@ -56,6 +56,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """The cos/sin table of every position, looked up per step by the flat batch's positions."""
 
+    cos_sin_cache: torch.Tensor  # a buffer: [max_position, head_dim]
+
     def __init__(self, head_dim: int, rope: RopeConfig, max_position: int) -> None:
         super().__init__()
         if rope.partial_rotary_factor != 1.0:

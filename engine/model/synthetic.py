@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,7 +105,7 @@ def parse_synthetic(model: str) -> ModelArchConfig:
         raise ValueError(
             f"unknown synthetic shape {shape!r} in {model!r}; known: {', '.join(SHAPES)}"
         )
-    changes: dict[str, int] = {}
+    changes: dict[str, Any] = {}  # ModelArchConfig field -> its (int) value
     for item in ",".join(override_groups).split(","):
         if not item:
             continue

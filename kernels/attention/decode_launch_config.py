@@ -21,7 +21,7 @@ max_splits         cdiv(2 * num_sms, num_decodes * num_kv_heads), at most 64: sl
 min_partition_len  64 keys (at least BLOCK_N): no slice shorter
 ```
 
-Measured (`python3 -m benchmarks.attention_split_sweep`, one H200, llama3-8b layer, bf16,
+Measured (`python3 -m benchmarks.kernels.attention_split_sweep`, one H200, llama3-8b layer, bf16,
 benchmarks/results/2026-12-02-h200-attention-split-sweep.txt): the fastest setting at batch 1
 is 16-32 slices of 64-128 keys; at batch 8 4-8 slices; at batch 32 one or two; at batch 128
 no split at all (one program per (request, kv head) already makes 1024 programs: splitting

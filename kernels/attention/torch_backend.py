@@ -284,6 +284,7 @@ def _decode(
         return paged_attention(q, k_cache, v_cache, groups[0], scale)
     out = torch.empty_like(q)
     for group in groups:
+        assert group.rows is not None, "a group of several names its rows"
         q_group = q.index_select(0, group.rows)  # [n, Q, H, D]
         out_group = paged_attention(q_group, k_cache, v_cache, group, scale)
         out.index_copy_(0, group.rows, out_group)

@@ -4,7 +4,7 @@ The cache write, where the layer's fused rotary+KV write (kernels/fused) has not
 k/v, is torch `index_copy_` (one launch each for K and V); decodes run one split-K
 kernel (plus a merge kernel when a context is split), prefills one kernel. Measured through
 `forward` on an H200, llama3-8b layer, bf16, block size 16, CUDA graph replay
-(benchmarks/bench_attention.py, benchmarks/results/2026-11-30-h200-attention.txt): decode batch 64
+(benchmarks/kernels/bench_attention.py, benchmarks/results/2026-11-30-h200-attention.txt): decode batch 64
 context 1K 3.49 TB/s, prefill 303-369 TFLOP/s. flash_attn has no figure yet (not built there).
 """
 

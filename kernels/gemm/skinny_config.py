@@ -14,7 +14,7 @@ Starting guesses from the tile arithmetic, not measured: about 2 programs per SM
 3-4 pipeline stages of 8-32 KiB of W each, shared memory <= ~100 KiB per program so that two
 fit on an SM (the wgmma tiles, BLOCK_N >= 64, take num_stages buffers, the mma.sync ones
 num_stages - 1; compiled offline for sm_90: 34-120 registers, no spills). To be replaced by
-`python -m benchmarks.gemm_sweep`'s fastest setting per (M, shape) measured on the H200: it
+`python -m benchmarks.kernels.gemm_sweep`'s fastest setting per (M, shape) measured on the H200: it
 prints them as rows of this table, sorted so that first-match picks each swept (M, N, K)'s own
 row (and an M between two swept ones the larger one's); keep the catch-all rows (max_n and
 max_k unbounded) last.
@@ -122,7 +122,7 @@ _TABLE: tuple[tuple[int, int, int, SkinnyGemmConfig], ...] = (
 
 # Where the skinny GEMM measured faster than cuBLAS (F.linear) on an H200, both replayed from a
 # CUDA graph, by >= 3% (benchmarks/results/2026-12-02-h200-gemm-sweep.txt: `python -m
-# benchmarks.gemm_sweep --ms 1,8,32,128`, HBM copy 4.11 TB/s in that run), AND in the engine:
+# benchmarks.kernels.gemm_sweep --ms 1,8,32,128`, HBM copy 4.11 TB/s in that run), AND in the engine:
 # (M, N, K) -> the fastest launch swept, with cuBLAS us -> ours. The sweep's wins at 8 and 32
 # tokens (LM head, gate_up) made `pd-bench engine` slower (b8 4.920 -> 5.063 ms, b32 5.818 ->
 # 5.916; one token 4.626 -> 4.568): only the one-token rows are kept. Every other shape and M

@@ -46,14 +46,14 @@ def build_app(
     api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app)
+    _add_open_routes(app, metrics, is_ready)
+    _add_api_routes(app, serving, max_body_bytes, api_keys)
+    return app
 
-    def authorize(request: Request) -> None:
-        """Raises OpenAIError(401) unless the request carries a listed API key (if any is)."""
-        if api_keys is not None and not api_keys.check(request.headers.get("authorization")):
-            raise OpenAIError(
-                "send a valid API key as 'Authorization: Bearer KEY'", status=401,
-                code="invalid_api_key",
-            )  # fmt: skip
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (OpenAIError) and FastAPI's (404, 405, ...)."""
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -65,6 +65,10 @@ def build_app(
                            if error.status_code == 404 else "invalid_request_error").body()  # fmt: skip
         return JSONResponse(body, status_code=error.status_code)
 
+
+def _add_open_routes(app: FastAPI, metrics: RouterMetrics, is_ready: Callable[[], bool]) -> None:
+    """/health and /metrics: open, whatever the API keys."""
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ready = is_ready()
@@ -74,6 +78,20 @@ def build_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_api_routes(
+    app: FastAPI, serving: OpenAIServing, max_body_bytes: int, api_keys: ApiKeys | None
+) -> None:
+    """The /v1/ routes, each behind the API keys (when there are any)."""
+
+    def authorize(request: Request) -> None:
+        """Raises OpenAIError(401) unless the request carries a listed API key (if any is)."""
+        if api_keys is not None and not api_keys.check(request.headers.get("authorization")):
+            raise OpenAIError(
+                "send a valid API key as 'Authorization: Bearer KEY'", status=401,
+                code="invalid_api_key",
+            )  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -89,8 +107,6 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         return await _generate(serving, request, parse_chat, max_body_bytes)
-
-    return app
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -124,8 +140,8 @@ async def _generate(
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        error = OpenAIError(f"the request body is not JSON: {error}")
-        raise serving.reject(error, start_s) from None
+        not_json = OpenAIError(f"the request body is not JSON: {error}")
+        raise serving.reject(not_json, start_s) from None
     try:
         parsed = parse(body)
     except OpenAIError as error:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,8 +29,9 @@ _START_TIMEOUT_S = 10.0
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handling (the launcher owns the signals)."""
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class HttpServer:
@@ -38,10 +40,12 @@ class HttpServer:
         self.port = port
         config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=max(grace_s, 0.1), timeout_keep_alive=5,
+            # seconds, fractions too (uvicorn passes it to asyncio.timeout; it annotates int)
+            timeout_graceful_shutdown=max(grace_s, 0.1),  # type: ignore[arg-type]
+            timeout_keep_alive=5,
         )  # fmt: skip
         self._server = _EmbeddedServer(config)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:

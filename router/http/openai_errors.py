@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from router.errors import RouterError
@@ -35,7 +37,7 @@ class OpenAIError(Exception):
         self.error_type = error_type
         self.code = code
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {
             "error": {
                 "message": self.message,

@@ -46,7 +46,11 @@ _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
 # Accepted only at their no-op value: param -> what that value is.
-_NO_OP = {"echo": (False,), "suffix": (None, ""), "logit_bias": (None, {})}
+_NO_OP: dict[str, tuple[object, ...]] = {
+    "echo": (False,),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+}
 
 
 @dataclass
@@ -113,7 +117,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
 
 
 def _request(
-    body: dict,
+    body: dict[str, Any],
     prompts: list[generation_pb2.GenerateRequest],
     sampling: generation_pb2.SamplingParams,
     n: int,
@@ -153,7 +157,7 @@ def _request(
     )
 
 
-def _check_keys(body: Any, allowed: set[str]) -> dict:
+def _check_keys(body: Any, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     for key, value in body.items():
@@ -188,7 +192,7 @@ def _check_text(value: Any, param: str) -> None:
 
 
 def _sampling(
-    body: dict, max_tokens: int | None, logprobs: int | None
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
 ) -> generation_pb2.SamplingParams:
     sampling = generation_pb2.SamplingParams()
     if max_tokens is not None:
@@ -197,6 +201,7 @@ def _sampling(
         sampling.logprobs = logprobs
     for name, (kind, dest) in _SAMPLING.items():
         if name in body:
+            value: int | float | None
             if kind is int:
                 value = _int(body, name, *int_field_range(generation_pb2.SamplingParams, dest))
             else:
@@ -234,7 +239,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def _token_ids(ids: list) -> list[int]:
+def _token_ids(ids: list[Any]) -> list[int]:
     low, high = int_field_range(generation_pb2.TokenIds, "ids")
     if not all(_is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
@@ -256,7 +261,7 @@ def _messages(messages: Any) -> list[generation_pb2.ChatMessage]:
     return out
 
 
-def _content(i: int, message: dict) -> str:
+def _content(i: int, message: dict[str, Any]) -> str:
     content = message.get("content")
     if content is None:
         return ""
@@ -280,7 +285,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(body: dict, name: str, kind: type) -> int | float:
+def _number(body: dict[str, Any], name: str, kind: type[int] | type[float]) -> int | float:
     value = body[name]
     ok = _is_int(value) if kind is int else (_is_int(value) or isinstance(value, float))
     if not ok:
@@ -288,17 +293,17 @@ def _number(body: dict, name: str, kind: type) -> int | float:
     return kind(value)
 
 
-def _int(body: dict, name: str, low: int, high: int | None) -> int | None:
+def _int(body: dict[str, Any], name: str, low: int, high: int | None) -> int | None:
     if body.get(name) is None:
         return None
-    value = _number(body, name, int)
+    value = int(_number(body, name, int))
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         raise OpenAIError(f"{name} must be {bounds}, got {value}", name)
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if value is None:
         return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2
@@ -59,16 +60,16 @@ class ResponseBuilder:
         self._object = "chat.completion" if parsed.chat else "text_completion"
         self._text_offsets = [0] * len(prompt_lens)  # completions logprobs, per choice
 
-    def _head(self, chunk: bool) -> dict:
+    def _head(self, chunk: bool) -> dict[str, Any]:
         kind = self._object + (".chunk" if chunk and self._parsed.chat else "")
         return {"id": self._id, "object": kind, "created": self._created,
                 "model": self._parsed.model}  # fmt: skip
 
-    def full_response(self, states: Sequence[ChoiceState]) -> dict:
+    def full_response(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         choices = []
         for index, state in enumerate(states):
             text = "".join(state.text)
-            choice: dict = {"index": index}
+            choice: dict[str, Any] = {"index": index}
             if self._parsed.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -78,7 +79,7 @@ class ResponseBuilder:
             choices.append(choice)
         return {**self._head(False), "choices": choices, "usage": self._usage(states)}
 
-    def first_chunks(self) -> list[dict]:
+    def first_chunks(self) -> list[dict[str, Any]]:
         """Chat streams open each choice with its role."""
         if not self._parsed.chat:
             return []
@@ -96,8 +97,8 @@ class ResponseBuilder:
             for i in range(len(self._prompt_lens))
         ]
 
-    def chunk(self, index: int, response: generation_pb2.GenerateResponse) -> dict:
-        choice: dict = {"index": index}
+    def chunk(self, index: int, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self._parsed.chat:
             choice["delta"] = {"content": response.text} if response.text else {}
         else:
@@ -106,16 +107,16 @@ class ResponseBuilder:
         choice["finish_reason"] = response.finish_reason or None
         return self._chunk_body([choice])
 
-    def usage_chunk(self, states: Sequence[ChoiceState]) -> dict:
+    def usage_chunk(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": self._usage(states)}
 
-    def _chunk_body(self, choices: list[dict]) -> dict:
+    def _chunk_body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {**self._head(True), "choices": choices}
         if self._parsed.include_usage:
             body["usage"] = None
         return body
 
-    def _usage(self, states: Sequence[ChoiceState]) -> dict:
+    def _usage(self, states: Sequence[ChoiceState]) -> dict[str, Any]:
         """Each prompt counted once (n choices share it), every choice's output tokens."""
         n = len(states) // max(1, self._parsed.num_prompts)
         prompt_tokens = sum(self._prompt_lens[i] for i in range(0, len(states), max(1, n)))
@@ -128,7 +129,9 @@ class ResponseBuilder:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _logprobs(self, index: int, logprobs: Sequence[generation_pb2.TokenLogprob]) -> dict | None:
+    def _logprobs(
+        self, index: int, logprobs: Sequence[generation_pb2.TokenLogprob]
+    ) -> dict[str, Any] | None:
         if self._parsed.logprobs is None:
             return None
         if self._parsed.chat:
@@ -148,12 +151,12 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def _chat_logprob(self, lp: generation_pb2.TokenLogprob) -> dict:
+    def _chat_logprob(self, lp: generation_pb2.TokenLogprob) -> dict[str, Any]:
         entry = self._token_entry(lp.token_id, lp.logprob)
         entry["top_logprobs"] = [self._token_entry(t.token_id, t.logprob) for t in lp.top]
         return entry
 
-    def _token_entry(self, token_id: int, logprob: float) -> dict:
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token_text(token_id)
         # the token's own bytes: a piece of a multi-byte character is not its U+FFFD text's
         raw = token.encode() if self._tokenizer is None else self._tokenizer.token_bytes(token_id)

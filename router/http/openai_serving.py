@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -55,7 +56,7 @@ class OpenAIServing:
         info = self.handler.registry.model_info
         return info.model_name if info is not None else None
 
-    def models(self) -> dict:
+    def models(self) -> dict[str, Any]:
         info = self.handler.registry.model_info
         data = []
         if info is not None:
@@ -81,8 +82,8 @@ class OpenAIServing:
                 )  # fmt: skip
             processed = await asyncio.to_thread(self._process_choices, parsed, request_id)
         except InvalidRequestError as error:
-            error = OpenAIError(str(error), self._param(parsed, error.param))
-            raise self._rejected(request_id, error, start_s) from None
+            invalid = OpenAIError(str(error), self._param(parsed, error.param))
+            raise self._rejected(request_id, invalid, start_s) from None
         except RouterError as error:
             raise self._rejected(
                 request_id, OpenAIError.from_router_error(error), start_s
@@ -127,7 +128,10 @@ class OpenAIServing:
         # the least it may be (min_tokens, at least 1), then widened: the prompt is tokenized once.
         request.sampling.max_tokens = max(1, request.sampling.min_tokens)
         processed = self.handler.process(request)
-        max_model_len = self.handler.registry.model_info.max_model_len
+        info = self.handler.registry.model_info
+        if info is None:  # every node left since `prepare` looked
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
+        max_model_len = info.max_model_len
         max_tokens = max(request.sampling.max_tokens, max_model_len - processed.prompt_len)
         params = dataclasses.replace(processed.sampling_params, max_tokens=max_tokens)
         return dataclasses.replace(
@@ -136,7 +140,7 @@ class OpenAIServing:
             node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
         )
 
-    async def complete(self, prepared: PreparedRequest) -> dict:
+    async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
         builder = self._builder(prepared)
         states = [ChoiceState() for _ in prepared.processed]
         async for index, response in self._run(prepared):
@@ -168,7 +172,9 @@ class OpenAIServing:
             self.handler.registry.tokenizer,
         )
 
-    async def _run(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, object]]:
+    async def _run(
+        self, prepared: PreparedRequest
+    ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         """(choice index, GenerateResponse) as they come, from one task per choice; a failed
         choice raises OpenAIError; leaving early cancels every choice."""
         queue: asyncio.Queue[_Event] = asyncio.Queue()
@@ -197,7 +203,7 @@ class OpenAIServing:
         index: int,
         processed: ProcessedRequest,
         start_s: float,
-        queue: asyncio.Queue,
+        queue: asyncio.Queue[_Event],
         gate: asyncio.Semaphore,
     ) -> None:
         try:
@@ -212,7 +218,7 @@ class OpenAIServing:
             queue.put_nowait((index, RouterError(grpc.StatusCode.INTERNAL, repr(error))))
 
 
-def _sse(payload: dict) -> str:
+def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 

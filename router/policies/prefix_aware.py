@@ -116,7 +116,8 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
             request.prompt_token_ids, max(nodes[0].info.block_size, 1), self.root_hash
         )
         by_address = {node.address: node for node in nodes}
-        preferred = by_address.get(index.match(hashes, by_address))
+        match = index.match(hashes, by_address)
+        preferred = by_address.get(match) if match is not None else None
         least_load = min(load_of(node) for node in nodes)
         if preferred is not None and not _much_busier(load_of(preferred), least_load):
             chosen = preferred

@@ -1,6 +1,6 @@
 """A real local cluster for end-to-end tests: `pd-serve` as a subprocess on loopback.
 
-The launcher is pd-bench's (`benchmarks.serve_cluster.BenchCluster`: the router's and every
+The launcher is pd-bench's (`benchmarks.serve.cluster.BenchCluster`: the router's and every
 node's address from pd-serve's output, node stats, a stop that reports the processes that
 outlived pd-serve); this adds what only tests ask: a wait until every KV block is free.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.serve_cluster import BenchCluster
+from benchmarks.serve.cluster import BenchCluster
 from pdserve.v1 import node_pb2
 
 START_TIMEOUT_S = 300.0
@@ -21,7 +21,7 @@ class Cluster(BenchCluster):
         super().__init__(None, args, timeout_s=START_TIMEOUT_S)
 
     @property
-    def router(self) -> str | None:
+    def router(self) -> str:
         return self.address
 
     def start(self) -> Cluster:

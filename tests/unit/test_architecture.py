@@ -5,12 +5,14 @@
 - sizes: no hand-written file over 400 lines, no function over 60 lines outside kernels/,
   except the allow-list below (each entry says why);
 - docs: every top-level package has a README.md whose module table names each of its modules
-  (`sub/module.py` for a subpackage's).
+  (`sub/module.py` for a subpackage's), and every README names only files and modules that
+  exist (a moved or deleted one fails).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,11 +42,16 @@ LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], str] = {
 LONG_FILES_ALLOWED: dict[str, str] = {}
 
 
-def _hand_written_python() -> list[Path]:
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+def _listed(*patterns: str) -> list[str]:
+    """The repository's files (tracked, or new and not ignored) matching `patterns`."""
+    return subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", *patterns],
         cwd=REPO_ROOT, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
+
+
+def _hand_written_python() -> list[Path]:
+    listed = _listed("*.py")
     return [REPO_ROOT / p for p in listed if "_pb2" not in p and (REPO_ROOT / p).is_file()]
 
 
@@ -90,3 +97,39 @@ def test_package_readme_lists_every_module(package: str) -> None:
         and f"`{module.relative_to(folder).as_posix()}`" not in table
     ]
     assert not missing, f"{package}/README.md's module table lacks {missing}"
+
+
+# What a README cites: `a/path.ext` or `name.py` in backticks, and `python -m package.module`.
+_CITED_PATH = re.compile(r"`([\w.~-]*(?:/[\w.-]+)+\.\w+)`")
+_CITED_FILE = re.compile(r"`([\w-]+\.py)`")
+_CITED_MODULE = re.compile(r"python3? -m\s+([\w.]+)")
+_OWN_ROOTS = {*PACKAGES, "tests", "proto"}  # `python -m` of anything else is not ours to check
+
+
+def _readme_citations_missing(readme: str, files: list[str]) -> list[str]:
+    """The files and modules `readme` names that do not exist: a `dir/file.ext` relative to the
+    README's folder or the repository root; a bare `name.py` in the README's folder tree or
+    under tests/; a `python -m` module of this project."""
+    folder = Path(readme).parent.as_posix()
+    prefix = "" if folder == "." else folder + "/"
+    text = (REPO_ROOT / readme).read_text(encoding="utf-8")
+    missing = [
+        path
+        for path in _CITED_PATH.findall(text)
+        if not (REPO_ROOT / prefix / path).exists() and not (REPO_ROOT / path).exists()
+    ]
+    names_here = {Path(f).name for f in files if f.startswith(prefix) or f.startswith("tests/")}
+    missing += [name for name in _CITED_FILE.findall(text) if name not in names_here]
+    for module in _CITED_MODULE.findall(text):
+        path = REPO_ROOT / Path(*module.split("."))
+        if module.split(".")[0] in _OWN_ROOTS and not (
+            path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+        ):
+            missing.append(f"python -m {module}")
+    return missing
+
+
+@pytest.mark.parametrize("readme", _listed("README.md", "*/README.md"))
+def test_readme_names_only_files_and_modules_that_exist(readme: str) -> None:
+    missing = _readme_citations_missing(readme, _listed())
+    assert not missing, f"{readme} names what does not exist (moved or deleted?): {missing}"

@@ -38,6 +38,38 @@ async def _raw_call(channel: grpc.aio.Channel, method: str, raw: bytes, stream: 
     return grpc.StatusCode.OK, ""
 
 
+async def _assert_malformed_refused(address: str) -> None:
+    """Every malformed Generate, and a GetModelInfo of bytes that do not parse, is refused
+    INVALID_ARGUMENT (GetModelInfoRequest has no fields: only bytes that do not parse are bad)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        calls = [("/pdserve.v1.Generation/Generate", True, raw) for raw in MALFORMED.values()]
+        calls.append(("/pdserve.v1.Generation/GetModelInfo", False, MALFORMED["not protobuf"]))
+        for method, stream, raw in calls:
+            code, details = await _raw_call(channel, method, raw, stream)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, raw, code)
+            assert "not a valid protobuf" in details
+
+
+async def _requests_sharing_an_id(address: str) -> list[list[generation_pb2.GenerateResponse]]:
+    """NUM_SHARING requests at once, all with request_id "shared": each one's chunks."""
+    async with GenerationClient(address) as client:
+
+        async def one(i: int) -> list[generation_pb2.GenerateResponse]:
+            return [
+                chunk
+                async for chunk in client.generate(
+                    prompt_token_ids=prompt(9 + i, seed=i),
+                    request_id="shared",
+                    temperature=0.0,
+                    max_tokens=5,
+                    ignore_eos=True,
+                    timeout_s=60,
+                )  # fmt: skip
+            ]
+
+        return await asyncio.gather(*(one(i) for i in range(NUM_SHARING)))
+
+
 def test_malformed_requests_and_a_shared_request_id() -> None:
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
@@ -49,35 +81,8 @@ def test_malformed_requests_and_a_shared_request_id() -> None:
             )  # fmt: skip
             await router.start()
             try:
-                async with grpc.aio.insecure_channel(router.address) as channel:
-                    calls = [
-                        ("/pdserve.v1.Generation/Generate", True, raw) for raw in MALFORMED.values()
-                    ]
-                    # GetModelInfoRequest has no fields: only bytes that do not parse are bad.
-                    calls.append(
-                        ("/pdserve.v1.Generation/GetModelInfo", False, MALFORMED["not protobuf"])
-                    )
-                    for method, stream, raw in calls:
-                        code, details = await _raw_call(channel, method, raw, stream)
-                        assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, raw, code)
-                        assert "not a valid protobuf" in details
-
-                async with GenerationClient(router.address) as client:
-
-                    async def one(i: int) -> list[generation_pb2.GenerateResponse]:
-                        return [
-                            chunk
-                            async for chunk in client.generate(
-                                prompt_token_ids=prompt(9 + i, seed=i),
-                                request_id="shared",
-                                temperature=0.0,
-                                max_tokens=5,
-                                ignore_eos=True,
-                                timeout_s=60,
-                            )  # fmt: skip
-                        ]
-
-                    results = await asyncio.gather(*(one(i) for i in range(NUM_SHARING)))
+                await _assert_malformed_refused(router.address)
+                results = await _requests_sharing_an_id(router.address)
                 for chunks in results:
                     assert sum(len(c.token_ids) for c in chunks) == 5
                     assert chunks[-1].finish_reason == "length"

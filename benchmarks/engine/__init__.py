@@ -1,0 +1,2 @@
+"""pd-bench engine, offline and profile: the engine in one process, against the roofline and
+GEMM."""

@@ -1,0 +1,1 @@
+"""Device scripts (shell) for the lent GPU machines, and the GPU time-slicing probe."""

@@ -1,0 +1,148 @@
+"""The engine's settings: `EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig` +
+`SpeculativeConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
+generated from it. Torch-free; `pdserve.config` lists these beside every other setting."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.knobs import knob, parse_size, prefix_cache_salt_knob
+
+DEFAULT_MODEL = "smollm2-135m"
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ASYNC_SCHEDULING = ("auto", "on", "off")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram", "draft")  # engine/spec_decode's proposers
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, in which dtype, on which device."""
+
+    model: str = knob(DEFAULT_MODEL, "alias, Hugging Face folder, .gguf file, or synthetic:<shape>")
+    dtype: str = knob("auto", "weights and KV cache dtype (auto: the checkpoint's)", choices=DTYPES)
+    device: str = knob("auto", "auto | cpu | cuda | cuda:N")
+    max_model_len: int | None = knob(None, "context length (default: the model's)")
+    seed: int = knob(0, "synthetic weights and unseeded sampling")
+    attention_backend: str = knob(
+        "auto", "attention kernels (auto: triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS
+    )
+    enforce_eager: bool = knob(
+        False, "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry and how much memory the pool takes.
+
+    Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
+    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
+
+    block_size: int = knob(
+        16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
+    )
+    num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
+    kv_cache_memory: int | None = knob(
+        None,
+        "KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
+        parse=parse_size,
+    )
+    gpu_memory_utilization: float = knob(
+        0.85,
+        "on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
+    )
+    enable_prefix_caching: bool = knob(
+        True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
+    )
+    prefix_cache_salt: str | None = prefix_cache_salt_knob()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = knob(2048, "token budget of one step (prefill chunks + decodes)")
+    max_num_seqs: int = knob(128, "requests running at once")
+    enable_chunked_prefill: bool = knob(
+        True, "split long prompts over several steps", flag="--no-chunked-prefill"
+    )
+    async_scheduling: str = knob("auto", "launch the next decode step before this one's tokens "
+                                 "are on the host (auto: on CUDA, not in the prefill role)",
+                                 choices=ASYNC_SCHEDULING)  # fmt: skip
+    # Prefill-only (the prefill role): a request finishes after its first token and keeps its
+    # blocks until `EngineCore.release` (the KV transfer resolved).
+    prefill_only: bool = knob(False, "set by the prefill role", cli=False)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode): a proposer drafts up to K tokens for each
+    decoding request and the model verifies them in one forward. Off unless a method is set."""
+
+    speculative_method: str | None = knob(
+        None, "ngram: prompt lookup; draft: a smaller model (--speculative-model) proposes "
+        "(default: off)", choices=SPECULATIVE_METHODS,
+    )  # fmt: skip
+    num_speculative_tokens: int = knob(4, "draft tokens verified per decoding request and step")
+    speculative_model: str | None = knob(
+        None, "--speculative-method draft: alias, HF folder, .gguf or synthetic:<shape>, with the "
+        "target's vocabulary",
+    )  # fmt: skip
+    ngram_prompt_lookup_min: int = knob(1, "ngram: the shortest suffix n-gram looked up")
+    ngram_prompt_lookup_max: int = knob(4, "ngram: the longest suffix n-gram looked up")
+
+    def __post_init__(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, not {method!r}"
+            )
+        if not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
+        if (method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "--speculative-model goes with --speculative-method draft, and only with it; got "
+                f"method {method!r}, model {self.speculative_model!r}"
+            )
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
+                f"{self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
+            )
+
+
+ENGINE_SECTIONS: dict[str, type[Any]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Any field of any section by its own name, e.g. `from_kwargs(model="...",
+        block_size=32, max_num_seqs=8)`. TypeError names an unknown keyword."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_SECTIONS}
+        owner = {
+            f.name: section
+            for section, section_cls in ENGINE_SECTIONS.items()
+            for f in dataclasses.fields(section_cls)
+        }
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise TypeError(
+                    f"unknown engine setting {name!r}; known: {', '.join(sorted(owner))}"
+                )
+            sections[owner[name]][name] = value
+        return cls(**{s: ENGINE_SECTIONS[s](**values) for s, values in sections.items()})
