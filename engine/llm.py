@@ -133,7 +133,7 @@ class LLM:
         if detokenizer is None:
             return "", len(token_ids), False
         pieces = [[t] for t in token_ids] if matcher is not None and token_ids else [token_ids]
-        texts = []
+        texts: list[str] = []
         for i, piece in enumerate(pieces):
             text = detokenizer.update(piece)
             last = i == len(pieces) - 1
