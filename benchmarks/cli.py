@@ -9,6 +9,7 @@ against.
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
+    pd-bench spec [...]        speculative decoding at batch 1: tokens/s with and without it
     pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
 
 `pd-bench COMMAND --help` lists each command's flags.
@@ -28,10 +29,11 @@ COMMANDS = {
     "compare": "benchmarks.serve.bench_compare",
     "dataset": "benchmarks.serve.bench_dataset",
     "engine": "benchmarks.engine.bench_engine",
+    "spec": "benchmarks.engine.bench_spec",
     "profile": "benchmarks.engine.profile_step",
 }
 # These take main(argv); the others parse sys.argv themselves.
-ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine", "profile")
+ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine", "profile", "spec")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from pdserve.engine_config import (
     DEFAULT_MODEL,
     DTYPES,
     ENGINE_SECTIONS,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -39,7 +40,8 @@ from pdserve.net import redact_url
 __all__ = [
     "ASYNC_SCHEDULING", "ATTENTION_BACKENDS", "DEFAULT_HOST", "DEFAULT_HTTP_PORT",
     "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
-    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES", "CacheConfig",
+    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES",
+    "SPECULATIVE_METHODS", "CacheConfig",
     "EngineConfig", "ModelConfig", "NodeConfig", "RegistryConfig", "RouterConfig",
     "SchedulerConfig", "SecurityConfig", "SpeculativeConfig", "knob", "parse_size",
 ]  # fmt: skip

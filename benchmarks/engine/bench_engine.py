@@ -8,6 +8,7 @@ ceiling measured in the same run.
                     --floor-model synthetic:tiny-llama --batch-sizes 1,4 --contexts 64
                     --prefill-lens 128 --steps 4 --warmup-steps 1 --bandwidth-bytes 64MiB
                     --gemm-size 256
+    speculative: pd-bench engine --num-speculative-tokens 4 (verify steps beside decode steps)
 
 Decode: `batch` requests admitted at `context` tokens through the decode role's path (reserve +
 add_prefilled: KV blocks in place, no prefill run), then `--steps` calls of `EngineCore.step()`
@@ -17,6 +18,9 @@ hides under the device's; `--async-scheduling off` shows the synchronous step). 
 the LM head included, plus each request's KV context) over the copy bandwidth measured here.
 Prefill: one prompt of N tokens in one step (its first token sampled), FLOPs over time, against
 a bf16 (the model dtype's) square GEMM measured here. Floor: `--floor-model` at batch 1.
+Verify (`--num-speculative-tokens K`): a speculative verify step of K + 1 tokens per request at
+each batch and context, beside the plain decode step of the same engine (verify_step.py); a
+verify step is synchronous (async scheduling waits for its accepted tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks.engine import ceilings as ceil
+from benchmarks.engine.verify_step import use_fixed_drafts
 from benchmarks.serve.report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
@@ -120,6 +125,12 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     p.add_argument("--warmup-steps", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--prefill-iters", type=int, default=3, help="timed prefills per length")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="K > 0: also a verify step of K + 1 tokens per request at each batch and context",
+    )
 
 
 def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
@@ -139,17 +150,31 @@ def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: in
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, **_spec_kwargs(args),
     )  # fmt: skip
-    return EngineCore(config)
+    core = EngineCore(config)
+    if core.spec is not None:
+        use_fixed_drafts(core)
+    return core
 
 
-def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup: int) -> float:
+def _spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    k = args.num_speculative_tokens
+    return dict(speculative_method="ngram", num_speculative_tokens=k) if k > 0 else {}
+
+
+def decode_step_s(
+    core: EngineCore, batch: int, context: int, steps: int, warmup: int, num_drafts: int = 0
+) -> float:
     """Host time per decode step of `batch` requests at `context` tokens: `steps` calls of
     `EngineCore.step()` after `warmup`, timed together (with async scheduling a call returns
-    the previous step's tokens while launching the next, so single calls are not steps)."""
+    the previous step's tokens while launching the next, so single calls are not steps).
+    `num_drafts` > 0: verify steps of that many drafts per request (a speculating engine)."""
     ids = itertools.count()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=steps + warmup + 2 + num_drafts, ignore_eos=True,
+        speculative=num_drafts > 0,
+    )  # fmt: skip
     request_ids: list[str] = []
     for _ in range(batch):
         rid = f"decode-{next(ids)}"
@@ -204,6 +229,13 @@ def decode_rows(args, core: EngineCore, bandwidth: float, label: str) -> list[Ro
             f"{roofline * 1e3:.3f} ms ({num_bytes / 1e9:.3g} GB)", f"{step / roofline:.2f}x",
             step, roofline,
         ))  # fmt: skip
+        k = args.num_speculative_tokens
+        if k > 0 and core.spec is not None:
+            verify = decode_step_s(core, batch, context, args.steps, args.warmup_steps, k)
+            rows.append(Row(
+                f"{label} verify K={k} batch {batch} ctx {context}", f"{verify * 1e3:.3f} ms/step",
+                f"decode {step * 1e3:.3f} ms/step", f"{verify / step:.2f}x", verify, step,
+            ))  # fmt: skip
     return rows
 
 
