@@ -91,7 +91,9 @@ class SpeculativeConfig:
         None, "--speculative-method draft: alias, HF folder, .gguf or synthetic:<shape>, with the "
         "target's vocabulary",
     )  # fmt: skip
-    ngram_prompt_lookup_min: int = knob(1, "ngram: the shortest suffix n-gram looked up")
+    ngram_prompt_lookup_min: int = knob(
+        2, "ngram: the shortest suffix n-gram looked up (a 1-token match drafts poorly)"
+    )
     ngram_prompt_lookup_max: int = knob(4, "ngram: the longest suffix n-gram looked up")
 
     def __post_init__(self) -> None:

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-method", default="ngram", choices=SPECULATIVE_METHODS)
     p.add_argument("--speculative-model", default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--ngram-prompt-lookup-min", type=int, default=1)
+    p.add_argument("--ngram-prompt-lookup-min", type=int, default=2)
     p.add_argument("--ngram-prompt-lookup-max", type=int, default=4)
     p.add_argument("--async-scheduling", default="auto", choices=ASYNC_SCHEDULING)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")

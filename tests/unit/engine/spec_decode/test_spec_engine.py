@@ -26,7 +26,9 @@ def make_llm(checkpoint: str, **kwargs) -> LLM:
 
 def proposers(checkpoint: str) -> dict[str, dict]:
     return {
-        "ngram": dict(speculative_method="ngram", num_speculative_tokens=4),
+        "ngram": dict(
+            speculative_method="ngram", num_speculative_tokens=4, ngram_prompt_lookup_min=1
+        ),
         "draft-self": dict(speculative_method="draft", speculative_model=checkpoint),
         "draft-small": dict(
             speculative_method="draft",
