@@ -280,7 +280,7 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
         if self.spec is not None:  # draft slots -> verify chunks (drafts proposed now)
-            self.spec.fill_drafts(scheduler_output)
+            self.spec.fill_drafts(scheduler_output, self.kv_cache_manager)
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
         self.scheduler.on_launched(scheduler_output)
         return launched

@@ -67,10 +67,16 @@ class SpecDecodeParts:
             return 0
         return KVCachePool.block_bytes(self.draft.arch, self.config.cache.block_size, self.dtype)
 
+    @property
+    def verifies(self) -> bool:
+        """Whether this engine runs verify steps (a prefill-only engine never decodes: it
+        needs no verify or draft graphs, only the draft's observe of its prompts)."""
+        return self.enabled and not self.config.scheduler.prefill_only
+
     def reserve_bytes(self) -> int:
         """CUDA graphs' memory beyond the target's decode graphs: its verify graphs, the
         draft's decode and verify graphs."""
-        if not self.enabled:
+        if not self.verifies:
             return 0
         max_bs = self.config.scheduler.max_num_seqs
         total = decode_graph_reserve_bytes(self.target.arch, max_bs * self.query_len)
@@ -86,6 +92,7 @@ class SpecDecodeParts:
         graphs); (None, None) when speculation is off."""
         if not self.enabled:
             return None, None
+        use_graphs = use_graphs and self.verifies
         verify_graphs = self._graphs(self.target, pool.kv_caches, pool, use_graphs, self.query_len)
         proposer = self._proposer(pool, use_graphs)
         spec = SpecDecoder(proposer, self.spec.num_speculative_tokens, verify_graphs is not None)

@@ -79,8 +79,11 @@ class SpecDecoder:
             return num_slots
         return 0
 
-    def fill_drafts(self, scheduler_output: SchedulerOutput) -> None:
-        """Turn each chunk with draft slots into a verify chunk (in place)."""
+    def fill_drafts(
+        self, scheduler_output: SchedulerOutput, kv_cache_manager: KVCacheManager
+    ) -> None:
+        """Turn each chunk with draft slots into a verify chunk (in place); the blocks of
+        slots left without a draft go back at once."""
         chunks = scheduler_output.chunks
         slotted = [i for i, c in enumerate(chunks) if c.num_lookahead_tokens]
         if not slotted:
@@ -98,9 +101,12 @@ class SpecDecoder:
             if pad:
                 fill = found[-1] if found else chunk.token_ids[-1]
                 found = found + [fill] * (chunk.num_lookahead_tokens - len(found))
+            if len(found) < chunk.num_lookahead_tokens:
+                kv_cache_manager.free_tail(chunk.request, chunk.start_pos + 1 + len(found))
             chunks[i] = dataclasses.replace(
-                chunk, token_ids=chunk.token_ids + found, num_draft_tokens=len(found)
-            )
+                chunk, token_ids=chunk.token_ids + found, num_draft_tokens=len(found),
+                block_ids=chunk.request.block_ids,
+            )  # fmt: skip
 
     def observe(self, batch: FlatBatch) -> None:
         self.proposer.observe(batch)

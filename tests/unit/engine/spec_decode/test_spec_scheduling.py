@@ -89,7 +89,7 @@ class SpecDriver:
 
     def schedule(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
-        self.spec.fill_drafts(output)
+        self.spec.fill_drafts(output, self.scheduler.kv_cache_manager)
         self.outputs.append(output)
         return output
 
@@ -254,3 +254,36 @@ def test_handed_in_drafts_are_verified_first() -> None:
     driver.on_launched(output)
     (step_output,) = driver.update_from_output(output, fake_sampled(output))
     assert step_output.new_token_ids == [fake_token("a", j) for j in (1, 2, 3, 4)]
+
+
+class ShortProposer(ScriptedProposer):
+    """The fake target's tokens, at most `num` of them (0: no draft)."""
+
+    def __init__(self, num: int) -> None:
+        super().__init__(None)
+        self.num = num
+
+    def propose(self, chunks: Sequence[ScheduledChunk]) -> list[list[int]]:
+        return [drafts[: self.num] for drafts in super().propose(chunks)]
+
+
+@pytest.mark.parametrize("num", [0, 1])
+def test_slots_left_without_a_draft_give_their_blocks_back_at_once(num: int) -> None:
+    """Slots for 4 drafts, fewer found: the blocks only the empty slots needed are freed before
+    the step runs (no request holds blocks it will not write)."""
+    expected = plain_tokens([(("a", 3), dict(max_tokens=12))])
+    scheduler, spec = make_spec_scheduler(ShortProposer(num), k=4)
+    scheduler.add_request(make_request("a", 3, max_tokens=12))
+    driver = SpecDriver(scheduler, spec)
+    tokens: list[int] = []
+    while scheduler.has_unfinished():
+        output = driver.schedule()
+        for chunk in output.chunks:
+            needed = chunk.start_pos + chunk.num_new_tokens
+            assert len(chunk.request.block_ids) == math.ceil(needed / BLOCK_SIZE)
+            assert chunk.num_draft_tokens == min(num, chunk.num_lookahead_tokens)
+        driver.on_launched(output)
+        for out in driver.update_from_output(output, fake_sampled(output)):
+            tokens += out.new_token_ids
+    assert tokens == expected["a"]
+    scheduler.kv_cache_manager.check_no_leaks()
