@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.serve.report import write_json
 from engine import LLM, SamplingParams
-from pdserve.config import ASYNC_SCHEDULING, DTYPES, SPECULATIVE_METHODS
+from pdserve.config import ASYNC_SCHEDULING, DTYPES, SPECULATIVE_METHODS, parse_size
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DATASETS = {
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngram-prompt-lookup-min", type=int, default=2)
     p.add_argument("--ngram-prompt-lookup-max", type=int, default=4)
     p.add_argument("--async-scheduling", default="auto", choices=ASYNC_SCHEDULING)
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=parse_size("256MiB"),
+        help="each engine's KV cache (batch 1 needs little; default: 256MiB)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -87,7 +93,10 @@ def timed(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, list[int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    common = dict(device=args.device, dtype=args.dtype, async_scheduling=args.async_scheduling)
+    common = dict(
+        device=args.device, dtype=args.dtype, async_scheduling=args.async_scheduling,
+        kv_cache_memory=args.kv_cache_memory,
+    )  # fmt: skip
     plain = LLM(args.model, **common)
     spec = LLM(
         args.model, **common, speculative_method=args.speculative_method,
