@@ -11,6 +11,7 @@ against.
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
     pd-bench spec [...]        speculative decoding at batch 1: tokens/s with and without it
     pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
+    pd-bench kv-offload [...]  the host KV tier's promotion and demotion vs the plain copy rate
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -31,9 +32,12 @@ COMMANDS = {
     "engine": "benchmarks.engine.bench_engine",
     "spec": "benchmarks.engine.bench_spec",
     "profile": "benchmarks.engine.profile_step",
+    "kv-offload": "benchmarks.engine.bench_kv_offload",
 }
 # These take main(argv); the others parse sys.argv themselves.
-ARGV_COMMANDS = ("transfer", "ttft", "serve", "compare", "dataset", "engine", "profile", "spec")
+ARGV_COMMANDS = (
+    "transfer", "ttft", "serve", "compare", "dataset", "engine", "profile", "kv-offload", "spec",
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

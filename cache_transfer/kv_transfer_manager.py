@@ -1,18 +1,19 @@
 """`KVTransferManager`: one per node; one transport, every live KV hand-off keyed by transfer_id.
 
-    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s)
+    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s,
+                                                     max_ceiling_s=...)
                   send receiver.ticket() to the router; await receiver.wait(); free on FAILED
-    prefill node: sender = manager.create_sender(ticket, timeout_s)
-                  await sender.send_layer(...) per layer; await sender.send_first_token(...)
-                  await sender.wait(); release the blocks either way
+    prefill node: sender = manager.create_sender(ticket, timeout_s, ceiling_s=...)
+                  sender.beat(n) while the engine progresses; await sender.send_layer(...)
+                  per layer; await sender.send_first_token(...); await sender.wait();
+                  release the blocks either way
 
 Incoming messages are decoded once and routed to their session by transfer id and kind.
-Headers that do not decode, or name no live session, are refused and logged; no session is
-touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
+Headers that do not decode, or name no live session, are refused and logged (at DEBUG when
+they are late for a session that ended here: a race, not an attack); no session is touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
 finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (only for the last
-`MAX_FINISHED_REMEMBERED` receivers this node issued: a forged id gets no answer; with a
-cluster secret, only a handshake that proves it).
+ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
+manager owns).
 """
 
 from __future__ import annotations
@@ -20,23 +21,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
 
 from cache_transfer import protocol
-from cache_transfer.layout import KVLayout, kv_device_id
-from cache_transfer.packing import check_kv_cache
-from cache_transfer.pool_sharing import PoolSharing
-from cache_transfer.receiver import KVCaches, KVReceiver
+from cache_transfer.finished_receivers import FinishedReceivers
+from cache_transfer.in_place.pool_sharing import PoolSharing
+from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
+from cache_transfer.packing.packed_layer import check_kv_cache
+from cache_transfer.packing.staging_pool import StagingPool
+from cache_transfer.receiver import KVReceiver
 from cache_transfer.sender import KVSender
-from cache_transfer.session import NOTIFY_TIMEOUT_S, TransferSession
-from cache_transfer.staging_pool import StagingPool
+from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
-from cache_transfer.ticket_auth import check_handshake
-from cache_transfer.transports.base import KVTransport, TransportError
+from cache_transfer.transports.base import KVTransport
 from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -44,7 +44,6 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
-MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late handshakes are refused
 
 S = TypeVar("S", KVReceiver, KVSender)
 
@@ -65,17 +64,12 @@ class KVTransferManager:
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
         may omit it. Staging buffers are pooled across transfers, up to
         `max_idle_staging_bytes` kept idle. With `auth` (the cluster secret), tickets are
-        signed and verified and handshakes prove the secret (cache_transfer.ticket_auth).
+        signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
         write into a receiver there."""
         if kv_caches is not None:
-            if len(kv_caches) != layout.num_layers:
-                raise ValueError(
-                    f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}"
-                )
-            for k_cache, v_cache in kv_caches:
-                check_kv_cache(layout, k_cache, v_cache)
+            _check_caches(layout, kv_caches)
         self.layout = layout
         self.auth = auth
         self.num_succeeded = 0
@@ -83,6 +77,7 @@ class KVTransferManager:
         self.num_in_place = 0  # of num_succeeded: written in place
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
+        self.transport_caveat = transport.caveat  # for the node's start-up warning
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
@@ -94,16 +89,9 @@ class KVTransferManager:
         self._sender_kv_device = kv_device_name or (
             kv_device_id(kv_device) if kv_device is not None else ""
         )
-        self._pool_export: transfer_pb2.KVPoolExport | None = None
-        if sharing is not None and kv_caches is not None:
-            try:
-                self._pool_export = sharing.export(kv_caches)
-            except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
-                logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)",
-                               error)  # fmt: skip
+        self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
-        # receiver transfer id -> (why it ended, its ticket)
-        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
+        self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
         self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -132,52 +120,40 @@ class KVTransferManager:
         num_tokens: int,
         timeout_s: float,
         transfer_id: str | None = None,
-        start_timeout_s: float | None = None,
+        max_ceiling_s: float | None = None,
+        log_id: str = "",
     ) -> KVReceiver:
-        """A session receiving `num_tokens` tokens of KV into blocks reserved for it (its
-        deadline from the sender's handshake, given `start_timeout_s`)."""
+        """A session receiving `num_tokens` tokens of KV into blocks reserved for it: it fails
+        after `timeout_s` without progress, or at the sender's ceiling (at most
+        `max_ceiling_s`, default `timeout_s`). `log_id`: the request id its log lines carry."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
         self._check_new(transfer_id)
         receiver = KVReceiver(
-            self._transport,
-            self._staging,
-            self.layout,
-            self._kv_caches,
-            transfer_id,
-            dst_block_ids,
-            num_tokens,
-            timeout_s,
-            auth=self.auth,
-            start_timeout_s=start_timeout_s,
-            pool_export=self._pool_export,
-            kv_device=self._kv_device_name,
-        )
+            self._transport, self._staging, self.layout, self._kv_caches, transfer_id,
+            dst_block_ids, num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
+            pool_export=self._pool_export, kv_device=self._kv_device_name, log_id=log_id,
+        )  # fmt: skip
         return self._register(receiver, self._receivers)
 
     def create_sender(
         self,
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
+        log_id: str = "",
     ) -> KVSender:
         """A session sending to the receiver that issued `ticket` (FAILED at once, and the
-        receiver told, when the ticket does not match this node's layout); given
-        `start_timeout_s`, it handshakes and its deadline runs from `start()`."""
+        receiver told, when the ticket does not match this node's layout); it handshakes at
+        once, fails after `timeout_s` without progress or at `ceiling_s` (default
+        `timeout_s`) from now."""
         self._check_new(ticket.transfer_id)
         sender = KVSender(
-            self._transport,
-            self._staging,
-            self.layout,
-            ticket,
-            timeout_s,
-            auth=self.auth,
-            start_timeout_s=start_timeout_s,
-            sharing=self._sharing,
-            kv_device=self._sender_kv_device,
-            device=self._kv_device,
-        )
+            self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth,
+            ceiling_s=ceiling_s, sharing=self._sharing, kv_device=self._sender_kv_device,
+            device=self._kv_device, log_id=log_id,
+        )  # fmt: skip
         return self._register(sender, self._senders)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
@@ -186,10 +162,16 @@ class KVTransferManager:
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Fail a live transfer and tell its peer; False when none has that id."""
         session = self.get(transfer_id)
-        if session is None:
-            return False
-        session.abort(reason)
-        return True
+        if session is not None:
+            session.abort(reason)
+        return session is not None
+
+    def cancel(self, transfer_id: str, reason: str) -> bool:
+        """`abort`, for a transfer nobody needs any more (logged at DEBUG)."""
+        session = self.get(transfer_id)
+        if session is not None:
+            session.cancel(reason)
+        return session is not None
 
     def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor | None:
         """TransportHandler: where a payload may land (only a receiver's accepted layer)."""
@@ -246,20 +228,26 @@ class KVTransferManager:
         if session is None and kind == "result" and msg.result.writes_drained:
             session = self._quarantined.get(msg.transfer_id)
         if session is None:
-            stray = self.get(msg.transfer_id)
-            if stray is not None:
-                stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
-            elif kind == "handshake" and msg.transfer_id in self._finished:
-                self._refuse_late_handshake(peer_id, msg)
-            else:
-                logger.warning(
-                    "refused a %s message from %s: no live transfer %r",
-                    kind,
-                    peer_id,
-                    msg.transfer_id,
-                )
+            self._refuse_stray(peer_id, msg)
             return None
         return session, msg
+
+    def _refuse_stray(self, peer_id: str, msg: protocol.TransferMessage) -> None:
+        """A message for no live session of its kind: the session it names fails (it came to
+        the wrong side), a late handshake is answered, the rest is dropped (logged)."""
+        kind = protocol.kind_of(msg)
+        stray = self.get(msg.transfer_id)
+        if stray is not None:
+            stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
+        elif kind == "handshake" and msg.transfer_id in self._finished:
+            self._finished.refuse_handshake(peer_id, msg)
+        else:
+            # late for a session that ended here (a race: e.g. the request finished while a
+            # result, an ack or a layer was on its way), or for none at all
+            late = kind in protocol.TO_SENDER_KINDS or msg.transfer_id in self._finished
+            level = logging.DEBUG if late else logging.WARNING
+            logger.log(level, "refused a %s message from %s: no live transfer %r", kind,
+                       peer_id, msg.transfer_id)  # fmt: skip
 
     def _check_new(self, transfer_id: str) -> None:
         if self.get(transfer_id) is not None:
@@ -270,19 +258,17 @@ class KVTransferManager:
             self._count(session)
             return session
         table[session.transfer_id] = session
-        session.add_finish_callback(lambda s: self._on_finish(s, table))
+        session.add_finish_callback(lambda _: self._on_finish(session, table))
         return session
 
-    def _on_finish(self, session: TransferSession, table: dict[str, TransferSession]) -> None:
+    def _on_finish(self, session: S, table: dict[str, S]) -> None:
         table.pop(session.transfer_id, None)
         self._count(session)
         if isinstance(session, KVReceiver):
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished[session.transfer_id] = (why, session.ticket())
-            while len(self._finished) > MAX_FINISHED_REMEMBERED:
-                self._finished.popitem(last=False)
+            self._finished.remember(session.transfer_id, why, session.ticket(), session.log_id)
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""
@@ -296,38 +282,29 @@ class KVTransferManager:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _refuse_late_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
-        """Tell a sender whose receiver finished before its handshake (best effort)."""
-        why, ticket = self._finished[msg.transfer_id]
-        forged = check_handshake(self.auth, ticket, msg.handshake) if self.auth else None
-        if forged is not None:  # with a secret, only a sender that proves it is answered
-            logger.warning("ignored a late handshake from %s for transfer %s: %s",
-                           peer_id, msg.transfer_id, forged)  # fmt: skip
-            return
-        reason = f"the receiver already ended: {why}"
-        logger.warning("refused a handshake from %s for transfer %s: %s",
-                       peer_id, msg.transfer_id, reason)  # fmt: skip
-        address = msg.handshake.src_address
-        if not address:
-            return
-        ack = transfer_pb2.HandshakeAck(
-            accepted=False, reason=reason, protocol_version=protocol.PROTOCOL_VERSION
-        )
-        header = protocol.encode(msg.transfer_id, 0, handshake_ack=ack)
-
-        async def send() -> None:
-            try:
-                await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
-            except (TimeoutError, TransportError) as error:
-                logger.info("could not refuse transfer %s: %s", msg.transfer_id, error)
-
-        task = asyncio.get_running_loop().create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _count(self, session: TransferSession) -> None:
+    def _count(self, session: KVReceiver | KVSender) -> None:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
-            self.num_in_place += bool(getattr(session, "in_place", False))
+            self.num_in_place += session.in_place
         else:
             self.num_failed += 1
+
+
+def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> None:
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers, the layout {layout.num_layers}")
+    for k_cache, v_cache in kv_caches:
+        check_kv_cache(layout, k_cache, v_cache)
+
+
+def _export(
+    sharing: PoolSharing | None, kv_caches: KVCaches | None
+) -> transfer_pb2.KVPoolExport | None:
+    """The caches' export for writes in place (None: off)."""
+    if sharing is None or kv_caches is None:
+        return None
+    try:
+        return sharing.export(kv_caches)
+    except Exception as error:  # noqa: BLE001 - e.g. an allocator that cannot share
+        logger.warning("KV writes in place are off: the KV cache cannot be shared (%r)", error)
+        return None

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

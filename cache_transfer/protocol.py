@@ -13,21 +13,36 @@ from pdserve.v1 import transfer_pb2
 PROTOCOL_VERSION: int = transfer_pb2.PROTOCOL_VERSION_CURRENT
 
 TransferMessage = transfer_pb2.TransferMessage
+# The body of one kind of message (which one: the keyword it is passed by, e.g. `handshake=`).
+MessageBody = (
+    transfer_pb2.TransferHandshake
+    | transfer_pb2.HandshakeAck
+    | transfer_pb2.LayerManifest
+    | transfer_pb2.FirstToken
+    | transfer_pb2.TransferResult
+    | transfer_pb2.Progress
+)
 
 # Which end of a transfer reads each kind ("result" travels both ways).
-TO_RECEIVER_KINDS = frozenset({"handshake", "layer_manifest", "first_token", "result"})
+TO_RECEIVER_KINDS = frozenset({"handshake", "progress", "layer_manifest", "first_token", "result"})
 TO_SENDER_KINDS = frozenset({"handshake_ack", "result"})
+KINDS = TO_RECEIVER_KINDS | TO_SENDER_KINDS
 
 
 class ProtocolError(ValueError):
     """A header that is not a well-formed TransferMessage."""
 
 
-def encode(transfer_id: str, seq: int, **kind: object) -> bytes:
+def encode(transfer_id: str, seq: int, **kind: MessageBody) -> bytes:
     """Serialize an envelope carrying exactly one kind, e.g. `handshake=TransferHandshake(...)`."""
     if len(kind) != 1:
         raise ValueError(f"a TransferMessage carries exactly one kind, got {sorted(kind)}")
-    return TransferMessage(transfer_id=transfer_id, seq=seq, **kind).SerializeToString()
+    ((name, body),) = kind.items()
+    if name not in KINDS:
+        raise ValueError(f"a TransferMessage has no kind {name!r}")
+    msg = TransferMessage(transfer_id=transfer_id, seq=seq)
+    getattr(msg, name).CopyFrom(body)
+    return msg.SerializeToString()
 
 
 def decode(header: bytes) -> TransferMessage:

@@ -1,21 +1,21 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
-    (started at creation unless given start_timeout_s: a prefill node starts it, and the
-    transfer's deadline, when the engine starts the prefill)
-    send_layer(i, ...) as each layer's KV is written (any layer order; chunks in token order),
-    send_layers([(i, k, v), (j, k, v)...]) for several at once (one message),
-    or send_packed(i, payload) for a layer the caller packed itself, or
-    send_packed_layers([(i, payload), (j, payload)...]) for several at once (one message)
+    created from the ticket ── handshake (at once: queued or computing) ──► BOOTSTRAPPING
+        ── ack ──► WAITING
+    beat(n) while the prefill node's engine makes progress (queued behind other prompts, or
+    computing this one): a Progress message when nothing else went out for beat_interval_s
+    start() when the engine starts this prefill (marks elapsed_s)
+    send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
+    layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
+    for layers the caller packed (several layers: one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
-    refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
+    refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
+    cancel(), or a failed result ──► FAILED
 
-Layers wait for the handshake's ack before they are packed, so a refused layout costs no
-bandwidth. The node releases the request's blocks once `wait()` returns.
-
-Writes in place (given `sharing`, `kv_device`): a receiver on our own GPU that grants it gets
-each layer written into its blocks by us (`InPlaceWriter`: copied block to block from our
-cache, or unpacked if the caller packed it), then a manifest without payload; a granted sender that fails says so once its writes drained (cache_transfer/README.md).
+Layers wait for the handshake's ack before they are packed (a refused layout costs no
+bandwidth; `LayerSpans` turns them into manifests). Writes in place: a receiver on our own GPU
+that grants it gets each layer written into its blocks by us, then a manifest without payload
+(`InPlaceWrites`). The node releases the request's blocks once `wait()` returns.
 """
 
 from __future__ import annotations
@@ -26,25 +26,26 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_transfer.checked_caches import derived
-from cache_transfer.in_place_sender import InPlaceSending, Source
-from cache_transfer.in_place_writer import InPlaceWriter
+from cache_transfer.finished_receivers import ALREADY_ENDED
+from cache_transfer.in_place.pool_sharing import PoolSharing
+from cache_transfer.in_place.sender_writes import InPlaceWrites
+from cache_transfer.in_place.writer import InPlaceWriter
+from cache_transfer.layer_spans import CacheLayers, LayerSpans
 from cache_transfer.layout import KVLayout
-from cache_transfer.packing import CheckedIds, LayerBlocks, check_block_ids, check_kv_cache
-from cache_transfer.pool_sharing import PoolSharing
-from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
-from cache_transfer.session import TransferSession
-from cache_transfer.staging_pool import StagingPool
+from cache_transfer.packing.packed_layer import LayerSource
+from cache_transfer.packing.staging_pool import StagedSend, StagingPool
+from cache_transfer.protocol import TransferMessage, kind_of
+from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
-from cache_transfer.ticket_auth import check_ticket, handshake_proof
-from cache_transfer.transports.base import KVTransport, check_payload
+from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
+from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
-logger = logging.getLogger(__name__)
+MAX_BEAT_INTERVAL_S = 5.0  # a sender whose node progresses says so at least this often
 
 
-class KVSender(InPlaceSending, TransferSession):
+class KVSender(TransferSession):
     role = "sender"
 
     def __init__(
@@ -55,17 +56,18 @@ class KVSender(InPlaceSending, TransferSession):
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
         auth: ClusterAuth | None = None,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
+        log_id: str = "",
     ) -> None:
-        """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
-        `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
-        With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The handshake goes out at the start (TransferSession)."""
-        super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
+        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
+        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
+        into a receiver on `kv_device` (our cache's, as tickets name it), mapping its pool on
+        `device`. With `auth`, a ticket whose signature does not verify fails the session at
+        once, nobody contacted (its dst_address may be anyone's)."""
+        super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
         self._auth = auth
         self._ticket = ticket
         self.layout = layout
@@ -73,27 +75,25 @@ class KVSender(InPlaceSending, TransferSession):
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
         self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
-        self._layer_token_end = [0] * layout.num_layers  # tokens of each layer handed to send
+        self._spans = LayerSpans(layout, ticket.num_tokens)
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
-        # layer sends whose messages the transport has not numbered yet (send_first_token
-        # goes right behind them: the transport keeps that order, so it need not wait for them
-        # to complete)
+        self._last_sent_s = self._loop.time()
+        # silent at most this long while the node progresses (receivers time out at timeout_s)
+        self.beat_interval_s = min(timeout_s / 4, MAX_BEAT_INTERVAL_S)
+        # layer sends the transport has not numbered yet (send_first_token goes right behind
+        # them: the transport keeps that order, so it need not wait for them to complete)
         self._unsubmitted: set[asyncio.Future[None]] = set()
         self._staging = staging
-        self._sharing = sharing
-        self._kv_device = kv_device
-        self._device = device
-        self.in_place = False  # the receiver granted writes in place
-        self._writer: InPlaceWriter | None = None  # ... and its pool is mapped here
+        self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
         forged = check_ticket(auth, ticket) if auth is not None else None
-        reason = self._check_ticket(ticket)
+        reason = ticket_misfit(layout, ticket)
         if forged is not None:
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        elif self.started:
+        else:
             self.spawn(self._handshake())
 
     @property
@@ -101,8 +101,44 @@ class KVSender(InPlaceSending, TransferSession):
         """The device the receiver's KV cache lives on, as its ticket names it ("" unknown)."""
         return self._ticket.kv_device
 
-    def _on_start(self) -> None:
-        self.spawn(self._handshake())
+    @property
+    def may_write_in_place(self) -> bool:
+        """Whether the handshake asks to write in place (the receiver is on our GPU)."""
+        return self._in_place.asks
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the receiver granted writes in place."""
+        return self._in_place.granted
+
+    @property
+    def in_place_writer(self) -> InPlaceWriter | None:
+        """Granted writes in place and mapped: what writes a layer into the receiver's blocks
+        (any thread); report such layers with `send_written_layers`."""
+        return self._in_place.writer
+
+    def beat(self, num_computed_tokens: int) -> None:
+        """This node's engine made progress (`num_computed_tokens` of this prompt are
+        computed; 0: it is still queued): tell the receiver, unless a message went out within
+        `beat_interval_s`. A no-op until acked, and from the first token on."""
+        if (
+            self.finished
+            or self.state < TransferState.WAITING
+            or self._first_token_sent
+            or self._loop.time() - self._last_sent_s < self.beat_interval_s
+        ):
+            return
+        self._last_sent_s = self._loop.time()  # (one beat in flight at a time)
+        self.spawn(self._send_progress(num_computed_tokens))
+
+    async def _send_progress(self, num_computed_tokens: int) -> None:
+        if not self.finished and not self._first_token_sent:  # numbered before the token
+            progress = transfer_pb2.Progress(num_computed_tokens=num_computed_tokens)
+            await self._send(progress=progress)
+
+    def _on_sending(self) -> None:
+        self._last_sent_s = self._loop.time()
+        self.touch()
 
     async def send_layer(
         self,
@@ -112,53 +148,21 @@ class KVSender(InPlaceSending, TransferSession):
         src_block_ids: Sequence[int],
         token_end: int | None = None,
     ) -> None:
-        """Send layer `layer_idx`'s KV of the prompt up to `token_end` (default: all of it).
-
-        `src_block_ids` is the request's block table; the blocks not yet sent for this layer
-        go out (a chunked prefill calls this once per chunk). A no-op once finished."""
+        """Send layer `layer_idx`'s KV of the prompt up to `token_end` (default: all of it):
+        the blocks of the request's block table `src_block_ids` not yet sent for this layer
+        (a chunked prefill calls this once per chunk). A no-op once finished."""
         await self.send_layers([(layer_idx, k_cache, v_cache)], src_block_ids, token_end)
 
     async def send_layers(
-        self,
-        layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-        src_block_ids: Sequence[int],
-        token_end: int | None = None,
+        self, layers: CacheLayers, src_block_ids: Sequence[int], token_end: int | None = None
     ) -> None:
         """`send_layer` for several `(layer_idx, k_cache, v_cache)` (distinct layers, caches on
         one device) as one message: packed into staging and sent, or, written in place, copied
         block to block into the receiver's blocks (nothing packed) and announced in one
         header. ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
-        if len({layer_idx for layer_idx, _, _ in layers}) != len(layers) or not layers:
-            raise ValueError(f"send_layers needs distinct layers, got {len(layers)}")
-        manifests, sources = [], []
-        span_ids: dict[tuple, CheckedIds] = {}  # checked once per span and pool, not per layer
-        caches = [cache for _, k_cache, v_cache in layers for cache in (k_cache, v_cache)]
-        if derived(caches, lambda: self._check_caches(layers)) != self.layout:
-            self._check_caches(layers)  # checked against another layout before
-        for layer_idx, k_cache, v_cache in layers:
-            span = self._layer_span(layer_idx, token_end)
-            if len(src_block_ids) < span[1]:
-                raise ValueError(
-                    f"{token_end} tokens span {span[1]} blocks; src_block_ids has "
-                    f"{len(src_block_ids)}"
-                )
-            key = (*span, k_cache.shape[0], k_cache.device)
-            if key not in span_ids:
-                ids = src_block_ids[span[0] : span[1]]
-                span_ids[key] = check_block_ids(ids, k_cache.shape[0], k_cache.device)
-            manifests.append(self._manifest(layer_idx, *span, token_end))
-            sources.append(LayerBlocks(k_cache, v_cache, span_ids[key]))
-        for layer_idx, _, _ in layers:
-            self._layer_token_end[layer_idx] = token_end
+        manifests, sources = self._spans.from_caches(layers, src_block_ids, token_end)
         await self._send_layers(manifests, sources, layers[0][1].device)
-
-    def _check_caches(self, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> KVLayout:
-        """ValueError unless every layer's caches fit our layout (kept per set of caches by
-        `derived`: the same ones every request, so checked once, not 32 times a request)."""
-        for _, k_cache, v_cache in layers:
-            check_kv_cache(self.layout, k_cache, v_cache)
-        return self.layout
 
     async def send_packed(
         self, layer_idx: int, payload: torch.Tensor, token_end: int | None = None
@@ -177,26 +181,21 @@ class KVSender(InPlaceSending, TransferSession):
         message (`KVTransport.send_many`): fewer, larger messages. The receiver lands and
         reports each layer as if sent alone. ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
-        if len({layer_idx for layer_idx, _ in layers}) != len(layers) or not layers:
-            raise ValueError(f"send_packed_layers needs distinct layers, got {len(layers)}")
-        manifests = []
-        for layer_idx, payload in layers:
-            block_offset, block_end = self._layer_span(layer_idx, token_end)
-            num_bytes = self.layout.layer_bytes(block_end - block_offset)
-            if check_payload(payload) != num_bytes:
-                raise ValueError(
-                    f"layer {layer_idx}: a packed payload of {payload.numel()} bytes; blocks "
-                    f"[{block_offset}, {block_end}) of tokens up to {token_end} take {num_bytes}"
-                )
-            manifests.append(self._manifest(layer_idx, block_offset, block_end, token_end))
-        sources: list[Source] = []
-        for layer_idx, payload in layers:
-            self._layer_token_end[layer_idx] = token_end
-            if self._transport.buffer_device(payload.device) == payload.device:
-                sources.append(payload)
-            else:
-                sources.append(lambda out, payload=payload: out.copy_(payload))
+        buffer_device = self._transport.buffer_device
+        manifests, sources = self._spans.from_packed(layers, token_end, buffer_device)
         await self._send_layers(manifests, sources, layers[0][1].device)
+
+    async def send_written_layers(
+        self, layer_ids: Sequence[int], token_end: int | None = None
+    ) -> None:
+        """Layers the caller wrote through `in_place_writer` (their writes complete): tell
+        the receiver, one message. ValueError, nothing sent, when any is wrong."""
+        writer = self._in_place.writer
+        if writer is None:
+            raise ValueError(f"transfer {self.transfer_id}: no writes in place were granted")
+        token_end = self.num_tokens if token_end is None else token_end
+        manifests = self._spans.written(layer_ids, token_end)
+        await self._send_layers(manifests, None, writer.device)
 
     async def send_first_token(
         self,
@@ -204,19 +203,13 @@ class KVSender(InPlaceSending, TransferSession):
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
     ) -> None:
-        """Send the sampled first token, after every layer's KV: once every layer's message is
-        handed to the transport (which delivers in that order), not once it is sent. A no-op
-        once finished."""
+        """Send the sampled first token once every layer's message is handed to the transport
+        (which delivers in that order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
             raise ValueError(f"transfer {self.transfer_id}: the first token was already sent")
-        missing = [i for i, end in enumerate(self._layer_token_end) if end != self.num_tokens]
-        if missing:
-            raise ValueError(
-                f"transfer {self.transfer_id}: send every layer's KV of all {self.num_tokens} "
-                f"tokens before the first token; layers {missing[:8]} are incomplete"
-            )
+        self._spans.check_complete(f"transfer {self.transfer_id}")
         self._first_token_sent = True
         if self._unsubmitted:
             await asyncio.wait(set(self._unsubmitted), timeout=self.remaining_s)
@@ -234,64 +227,38 @@ class KVSender(InPlaceSending, TransferSession):
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
             self._on_ack(msg.handshake_ack)
-        elif not msg.result.ok:
-            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
+        elif not msg.result.ok:  # (the receiver logged why)
+            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False,
+                      level=logging.INFO)  # fmt: skip
         elif not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
         else:
             self._succeed()
 
-    def _check_ticket(self, ticket: node_pb2.TransferTicket) -> str | None:
-        if not ticket.dst_address:
-            return "no dst_address"
-        if ticket.layout_hash != self.layout.layout_hash():
-            return f"layout_hash {ticket.layout_hash!r} differs from this node's {self.layout}"
-        if ticket.num_tokens <= 0:
-            return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
-        if len(ticket.dst_block_ids) < self.num_blocks:
-            return f"{len(ticket.dst_block_ids)} dst blocks for {self.num_blocks} blocks of KV"
-        return None
+    def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
+        """As any session; granted writes in place, the receiver hears only once every write
+        this sender launched is done (writes_drained), whoever ended the transfer."""
+        if self.finished or not self._in_place.granted:
+            super().fail(reason, notify_peer=notify_peer, level=level)
+            return
+        super().fail(reason, notify_peer=False, level=level)
+        if self._peer_address is not None:
+            self.spawn(self._drain_then_notify(reason))
 
-    def _layer_span(self, layer_idx: int, token_end: int) -> tuple[int, int]:
-        """The (first, end) block indices of a layer's tokens [previous end, token_end)."""
-        if not 0 <= layer_idx < self.layout.num_layers:
-            raise ValueError(f"layer_idx {layer_idx} outside [0, {self.layout.num_layers})")
-        prev_end = self._layer_token_end[layer_idx]
-        if not prev_end < token_end <= self.num_tokens:
-            raise ValueError(
-                f"layer {layer_idx}: token_end must be in ({prev_end}, {self.num_tokens}] "
-                f"(tokens already sent, prompt length), got {token_end}"
-            )
-        return prev_end // self.layout.block_size, self.layout.num_blocks_for(token_end)
-
-    def _manifest(
-        self, layer_idx: int, block_offset: int, block_end: int, token_end: int
-    ) -> transfer_pb2.LayerManifest:
-        num_blocks = block_end - block_offset
-        return transfer_pb2.LayerManifest(
-            layer_idx=layer_idx,
-            block_offset=block_offset,
-            num_blocks=num_blocks,
-            num_bytes=self.layout.layer_bytes(num_blocks),
-            token_end=token_end,
-        )
-
-    async def _send_layer(
-        self,
-        manifest: transfer_pb2.LayerManifest,
-        source: Source,
-        device: torch.device,
-    ) -> None:
-        await self._send_layers([manifest], [source], device)
+    async def _drain_then_notify(self, reason: str) -> None:
+        if not await self._in_place.drain():
+            return  # the receiver keeps its blocks until our deadline is past
+        result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
+        await self._notify(result=result)
 
     async def _send_layers(
         self,
         manifests: list[transfer_pb2.LayerManifest],
-        sources: list[Source] | None,
+        sources: Sequence[LayerSource] | None,
         device: torch.device,
     ) -> None:
-        """Once acked, send layers as one message: each source is the payload itself, or
-        fills staging with it (None: written in place already)."""
+        """Once acked, hand layers of a cache on `device` over as one message: written in
+        place (`sources` None: by the caller already), or sent."""
         if self.finished:
             return
         submitted = self._loop.create_future()
@@ -299,29 +266,11 @@ class KVSender(InPlaceSending, TransferSession):
         try:
             if not await self._wait_acked():
                 return
-            if self._writer is not None and device == self._writer.device:
+            if self._in_place.writes_to(device):
                 await self._write_in_place(manifests, sources, submitted)
-                return
-            assert sources is not None
-            staging_device = self._transport.buffer_device(device)
-            staged: list[torch.Tensor] = []
-            sent = False
-            try:
-                payloads = []
-                for manifest, source in zip(manifests, sources, strict=True):
-                    if isinstance(source, torch.Tensor):
-                        payloads.append(source)
-                        continue
-                    staged.append(self._staging.take(manifest.num_bytes, staging_device))
-                    source(staged[-1])
-                    payloads.append(staged[-1])
-                sent = await self._send_payloads(manifests, payloads, submitted)
-            finally:
-                for packed in staged:
-                    if sent:
-                        self._staging.give_back(packed)
-                    else:  # the transport may still be reading it
-                        self._staging.discard(packed)
+            else:
+                assert sources is not None
+                await self._send_payloads(manifests, sources, device, submitted)
         finally:
             self._unsubmitted.discard(submitted)
             if not submitted.done():  # nothing was sent (finished, refused, a failed write)
@@ -330,29 +279,49 @@ class KVSender(InPlaceSending, TransferSession):
     async def _send_payloads(
         self,
         manifests: list[transfer_pb2.LayerManifest],
-        payloads: list[torch.Tensor],
+        sources: Sequence[LayerSource],
+        device: torch.device,
         submitted: asyncio.Future[None],
-    ) -> bool:
+    ) -> None:
+        """Each layer with its payload: the source itself, or staging it fills."""
+        staged = StagedSend(self._staging, self._transport.buffer_device(device))
+        sent = False
+        try:
+            messages: list[Outgoing] = [
+                (staged.payload(source, manifest.num_bytes), {"layer_manifest": manifest})
+                for manifest, source in zip(manifests, sources, strict=True)
+            ]
+            self._advance(TransferState.TRANSFERRING)
+            # counted as handed over: the receiver may confirm them before their send completes
+            self.num_bytes_sent += sum(m.num_bytes for m in manifests)
+            sent = await self._send_all(messages, submitted)
+        finally:
+            staged.release(sent)
+
+    async def _write_in_place(
+        self,
+        manifests: list[transfer_pb2.LayerManifest],
+        sources: Sequence[LayerSource] | None,
+        submitted: asyncio.Future[None],
+    ) -> None:
+        """Land the layers in the receiver's blocks ourselves (`sources` None: the caller did,
+        through `in_place_writer`, and saw the write complete); once written, tell the
+        receiver in one message (header only: a manifest per token span, naming its layers)."""
         self._advance(TransferState.TRANSFERRING)
-        messages = [(p, {"layer_manifest": m}) for m, p in zip(manifests, payloads, strict=True)]
-        # counted as handed over: the receiver may confirm them before their send completes
-        self.num_bytes_sent += sum(m.num_bytes for m in manifests)
-        return await self._send_all(messages, submitted)
+        if sources is not None:
+            error = await self._in_place.write(manifests, sources, self.remaining_s)
+            if error is not None:
+                self.fail(error)
+                return
+        self.num_bytes_sent += sum(m.num_bytes for m in manifests)  # as in _send_payloads
+        announced = self._in_place.announcements(manifests)
+        await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
     async def _handshake(self) -> None:
-        handshake = transfer_pb2.TransferHandshake(
-            protocol_version=PROTOCOL_VERSION,
-            layout_hash=self.layout.layout_hash(),
-            src_address=self._transport.address,
-            num_layers=self.layout.num_layers,
-            num_tokens=self.num_tokens,
-            num_blocks=self.num_blocks,
-            kv_device=self._kv_device,
-            write_in_place=self.may_write_in_place,
-            timeout_s=self.timeout_s,
-        )
-        if self._auth is not None:
-            handshake.proof = handshake_proof(self._auth, self._ticket, handshake.src_address)
+        handshake = handshake_for(
+            self._ticket, self.layout, self._transport.address, self._auth,
+            self._in_place.kv_device, self.may_write_in_place, self.remaining_s,
+        )  # fmt: skip
         await self._send(handshake=handshake)
 
     async def _wait_acked(self) -> bool:
@@ -367,10 +336,15 @@ class KVSender(InPlaceSending, TransferSession):
     def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
         if self._handshake_resolved.is_set():
             self.fail("refused a second handshake ack")
-        elif not ack.accepted:
-            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
+        elif not ack.accepted:  # (a receiver that ended already logged why: INFO here)
+            level = logging.INFO if ack.reason.startswith(ALREADY_ENDED) else logging.WARNING
+            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False,
+                      level=level)  # fmt: skip
         else:
-            if ack.HasField("pool"):
-                self._map_pool(ack.pool)
+            refused = self._in_place.take_grant(ack.pool) if ack.HasField("pool") else None
+            if refused is not None:
+                self.fail(refused)
+                return
+            self.touch()
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()

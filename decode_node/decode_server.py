@@ -1,6 +1,6 @@
 """`DecodeServer`: one decode node (see README.md for a request's lifecycle).
 
-DecodeServer(core, config)   a RoleServer (node_common) whose KV transport receives into the
+DecodeServer(core, config)   a NodeBase (node_common) whose KV transport receives into the
                              engine's KV cache, serving DecodeNode (Decode, CancelTransfer)
                              through a DecodeServicer; start/stop as every node
 """
@@ -8,20 +8,22 @@ DecodeServer(core, config)   a RoleServer (node_common) whose KV transport recei
 from __future__ import annotations
 
 import grpc
+import torch
 
 from decode_node.decode_servicer import DecodeServicer
 from decode_node.decode_trace import DecodeTraces
 from engine.engine_core import EngineStats
-from node_common.role_server import RoleServer
+from node_common.node_base import NodeBase
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 
-class DecodeServer(RoleServer):
+class DecodeServer(NodeBase):
     """A decode node: construct inside the event loop it will serve on."""
 
     role = node_pb2.NODE_ROLE_DECODE
     role_service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     prefill_only = False
+    servicer: DecodeServicer
 
     def make_servicer(self) -> DecodeServicer:
         self.traces = DecodeTraces()
@@ -30,7 +32,7 @@ class DecodeServer(RoleServer):
     def add_servicer(self, server: grpc.aio.Server) -> None:
         node_pb2_grpc.add_DecodeNodeServicer_to_server(self.servicer, server)
 
-    def receive_into(self) -> list:
+    def receive_into(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.core.pool.kv_caches
 
     def last_transfer(self) -> node_pb2.LayerTimeline | None:

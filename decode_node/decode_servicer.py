@@ -4,23 +4,25 @@ Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (o
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
     ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
-        the prefill node's handshake within transfer_timeout_s (it handshakes when its
-        prefill starts), then transfer_timeout_s from the handshake
+        it fails after transfer_timeout_s without progress (the prefill node handshakes once
+        it has the ticket, then reports progress while it computes this prompt or those
+        queued ahead of it), or at the prefill node's ceiling (at most --max-handoff-s)
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
                     (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
 Abort (Node service) / the router cancels the call ──► fail the receiver, free the
-    reservation, abort in the engine; the stream ends with finish_reason "abort"
+    reservation, abort in the engine; the stream ends with finish_reason "abort" (at once, even
+    inside a long engine step); an error nothing maps ──► UNAVAILABLE / INTERNAL, not UNKNOWN
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 
@@ -30,9 +32,9 @@ from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from node_common.node_base import NodeBase
 from node_common.node_messages import to_engine_request, token_logprob
-from node_common.role_server import RoleServer
-from node_common.role_servicer import NodeCounters, RoleServicer
+from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
@@ -61,25 +63,31 @@ class _DecodeJob:
 
 
 class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, node: RoleServer, traces: DecodeTraces) -> None:
-        super().__init__(node, DecodeCounters())
+    counters: DecodeCounters
+
+    def __init__(self, node: NodeBase, traces: DecodeTraces) -> None:
+        config = node.config
+        super().__init__(
+            node.engine, node.manager, config.transfer_timeout_s, node.metrics, DecodeCounters()
+        )
         self._traces = traces
         self._jobs: dict[str, _DecodeJob] = {}
-        self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
-        config = node.config
         self.admission = KVAdmission(
-            self._engine, node.layout.block_size, config.max_queued_requests, config.queue_timeout_s
-        )
+            self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
+            config.max_queued_requests, config.queue_timeout_s,
+        )  # fmt: skip
         self._block_size = node.layout.block_size
+        self._max_handoff_s = config.max_handoff_s
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
             config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
         )  # fmt: skip
 
+    @ends_with_status
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[node_pb2.DecodeResponse]:
+    ) -> AsyncGenerator[node_pb2.DecodeResponse, None]:
         set_request_id(request.request_id)  # this call's log lines carry the request id
         engine_request = await self._make_request(request, context)
         if request.request_id in self._jobs:
@@ -114,18 +122,21 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
         reason = request.reason or "no reason given"
-        found = self._manager.abort(request.transfer_id, f"cancelled by the router ({reason})")
+        found = self._manager.cancel(request.transfer_id, f"by the router ({reason})")
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
-        """Node.Abort: end the request wherever it is (awaiting KV, or in the engine)."""
+        """Node.Abort: end the request wherever it is (awaiting blocks or KV, or in the engine:
+        its stream ends at once); a request of no Decode call here waits for the engine's
+        answer (a reservation, freed)."""
         job = self._jobs.get(request_id)
-        if job is not None:
-            job.aborted = True
-            if job.receiver is not None:
-                job.receiver.abort("the request was aborted")
-        in_engine = await self._engine.abort(request_id)  # frees a reservation too
-        return job is not None or in_engine
+        if job is None:
+            return await self._engine.abort(request_id)
+        job.aborted = True
+        if job.receiver is not None:
+            job.receiver.cancel("the request was aborted")
+        self._engine.abort_nowait(request_id)  # frees a reservation too
+        return True
 
     # ---- phases of one Decode call ------------------------------------------------------
 
@@ -173,11 +184,14 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+            await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         receiver = self._manager.create_receiver(
-            block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
-        )
+            block_ids, request.prompt_len, timeout_s, max_ceiling_s=self._max_handoff_s,
+            log_id=request_id,
+        )  # fmt: skip
         job.receiver = receiver
+        if job.aborted:  # while it waited for blocks: it falls back, to an abort
+            receiver.cancel("the request was aborted")
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
         receiver.add_finish_callback(self._metrics.transfer_finished)
@@ -192,8 +206,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job.receiver = None
         if job.hold is not None:
             job.hold.release()  # the blocks are no longer awaiting KV
-        if state == TransferState.SUCCESS and not job.aborted:
-            return self._resume(job, request, receiver.dst_block_ids, receiver.first_token)
+        first_token = receiver.first_token
+        if state == TransferState.SUCCESS and first_token is not None and not job.aborted:
+            return self._resume(job, request, receiver.dst_block_ids, first_token)
         request_id = request.request_id
         self._release_reservation(request_id, receiver)
         if not job.aborted:
@@ -241,6 +256,9 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         admitted = None
         try:
             admitted = await self.admission.admit_local(request.num_tokens)
+            if job.aborted:  # while it waited for room
+                yield self._abort_chunk(job, next_index)
+                return
             outputs = self._engine.generate(request)
             async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
@@ -264,7 +282,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             chunk = node_pb2.TokenChunk(output_index=next_index, token_ids=out.new_token_ids)
             chunk.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs or ())
             next_index += len(out.new_token_ids)
-            if out.finished:
+            if out.finish_reason is not None:
                 chunk.finish_reason = out.finish_reason.value
                 chunk.num_cached_tokens = out.num_cached_tokens
                 self._finish(job)
@@ -294,27 +312,15 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         receiver = job.receiver
         if receiver is not None:
-            receiver.abort("the decode call ended")
+            receiver.cancel("the decode call ended")
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 
     def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
-        """Free the request's reserved blocks (or abort it, past its reservation) now; those
-        of a transfer written in place only once its sender cannot write any more (its
-        drained notice, or its deadline: KVReceiver.writes_settled)."""
-        if receiver is None or receiver.writes_settled.is_set():
-            self._engine.post(lambda core: core.abort(request_id))
-            return
-
-        async def free_when_settled() -> None:
-            blocks = await self._engine.call(lambda core: core.detach_reservation(request_id))
-            await receiver.writes_settled.wait()  # bounded by the receiver's quarantine timer
-            await self._engine.call(lambda core: core.free_blocks(blocks))
-            self.admission.notify()
-
-        task = asyncio.get_running_loop().create_task(free_when_settled())
-        self._quarantines.add(task)
-        task.add_done_callback(self._quarantines.discard)
+        """Free the request's reserved blocks (or abort it, past its reservation): those of a
+        transfer written in place only once its sender cannot write any more (its drained
+        notice, or its deadline: KVReceiver.writes_settled)."""
+        self.admission.release(request_id, receiver.writes_settled if receiver else None)
 
 
 class _Refused(Exception):
@@ -327,7 +333,7 @@ class _Refused(Exception):
 
 async def _refuse(
     context: grpc.aio.ServicerContext, error: AdmissionRefused | TransferCapExceeded
-) -> None:
+) -> NoReturn:
     """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
     context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")
+    await abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

@@ -1,7 +1,7 @@
 """`KVAdmission`: a decode node's bounded FIFO of requests waiting for KV blocks.
 
 ```
-Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► EngineCore.reserve
+Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► AsyncEngine.reserve
 Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room for the prompt's blocks
                                                                (free - promised to admitted
                                                                local prefills) and a seat
@@ -13,7 +13,9 @@ Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room 
 ```
 
 A local prefill's promise (`LocalAdmission`) is kept until its first token (its prompt's blocks
-are then the engine's) or until its call ends.
+are then the engine's) or until its call ends. `release(request_id, writes_settled)` gives a
+reservation's blocks back: at once, or, while a KV writer may still land in them (a transfer
+written in place), detached from the request and freed once its writes settled.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from engine.async_engine import AsyncEngine
-from engine.engine_core import EngineCore, NoFreeBlocksError
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.engine_core import NoFreeBlocksError
 
 T = TypeVar("T")
 
@@ -57,10 +59,17 @@ class LocalAdmission:
 
 class KVAdmission:
     def __init__(
-        self, engine: AsyncEngine, block_size: int, max_queued: int, queue_timeout_s: float
+        self,
+        engine: AsyncEngine,
+        block_size: int,
+        max_num_seqs: int,
+        max_queued: int,
+        queue_timeout_s: float,
     ) -> None:
+        """`max_num_seqs`: the engine's seats (requests it runs or queues at once)."""
         self._engine = engine
         self._block_size = block_size
+        self._max_num_seqs = max_num_seqs
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self._queue: collections.deque[object] = collections.deque()
@@ -69,6 +78,7 @@ class KVAdmission:
         self.num_promised_seats = 0  # those prefills, not yet counted by the engine's scheduler
         self.num_refused = 0
         self.num_queued_total = 0  # requests that had to wait
+        self._quarantines: set[asyncio.Task[None]] = set()  # blocks freed once writes settle
 
     @property
     def num_queued(self) -> int:
@@ -85,25 +95,22 @@ class KVAdmission:
         """Blocks for `num_tokens` tokens of incoming KV, once there is room (waiting at most
         `wait_s`, by default the queue timeout)."""
 
-        def try_reserve(core: EngineCore) -> list[int] | None:
+        async def try_reserve() -> list[int] | None:
             try:
-                return core.reserve(request_id, num_tokens)
+                return await self._engine.reserve(request_id, num_tokens)
             except NoFreeBlocksError:
                 return None
 
-        return await self._admit(lambda: self._engine.call(try_reserve), wait_s)
+        return await self._admit(try_reserve, wait_s)
 
     async def admit_local(self, num_tokens: int) -> LocalAdmission:
         """Waits until the engine has room to prefill `num_tokens` tokens (and one more)."""
         num_blocks = -(-(num_tokens + 1) // self._block_size)
 
-        def room(core: EngineCore) -> tuple[int, int]:
-            stats = core.stats()
-            seats = core.config.scheduler.max_num_seqs - stats.num_running - stats.num_waiting
-            return stats.num_free_blocks, seats
-
         async def try_admit() -> LocalAdmission | None:
-            free, seats = await self._engine.call(room)
+            stats = await self._engine.stats()
+            free = stats.num_free_blocks
+            seats = self._max_num_seqs - stats.num_running - stats.num_waiting
             # Decided on the loop against the promises as they stand now: another admission may
             # have promised blocks while the engine thread was asked.
             if free - self.num_promised_blocks < num_blocks or seats <= self.num_promised_seats:
@@ -113,6 +120,27 @@ class KVAdmission:
             return LocalAdmission(self, num_blocks)
 
         return await self._admit(try_admit)
+
+    def release(self, request_id: str, writes_settled: asyncio.Event | None = None) -> None:
+        """Free `request_id`'s reserved blocks (or abort it, past its reservation) now, or, if
+        `writes_settled` is not set yet, once it is (a KV writer may still land in them)."""
+        if writes_settled is None or writes_settled.is_set():
+            self._engine.abort_nowait(request_id)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._free_when_settled(request_id, writes_settled)
+        )
+        self._quarantines.add(task)
+        task.add_done_callback(self._quarantines.discard)
+
+    async def _free_when_settled(self, request_id: str, writes_settled: asyncio.Event) -> None:
+        try:
+            blocks = await self._engine.detach_reservation(request_id)
+        except EngineDeadError:  # the blocks went with the engine
+            return
+        await writes_settled.wait()  # bounded by the receiver's quarantine timer
+        self._engine.free_blocks_nowait(blocks)
+        self.notify()
 
     async def _admit(
         self, attempt: Callable[[], Awaitable[T | None]], wait_s: float | None = None

@@ -1,96 +1,183 @@
-"""`AsyncEngine`: runs an `EngineCore` on its own thread for asyncio servers.
+"""`AsyncEngine`: runs an `EngineCore` on its own thread; the nodes' one way to the engine.
 
-    asyncio callers ──command──> SimpleQueue ──> engine thread: apply commands, step()
-    engine thread ──StepOutput──> loop.call_soon_threadsafe ──> per-request asyncio.Queue
+    asyncio callers ──command──> EngineThread (engine/engine_thread.py): commands, step()
+    engine thread ──result, StepOutput──> loop.call_soon_threadsafe ──> future, request stream
 
-The engine thread is the only one that touches the EngineCore. Every command returns an
-awaitable answered from that thread; a request's outputs arrive on its own stream, which
-ends after the output that finishes it (or marks its prefill done, in prefill-only mode).
-Cancelling the consumer of a stream aborts the request in the engine.
+What the nodes call (the engine thread is the only one that touches the EngineCore):
+
+    generate(request)                        add for local prefill; stream its outputs
+    resume(request, block_ids, first_token)  admit a request whose prompt KV is in place; stream
+    abort(request_id) -> bool                end its stream now; the engine frees it after
+    abort_nowait(request_id[, at_once])      the same, not waiting (at_once=False: the stream
+                                             ends after the engine's abort, not before)
+    release_nowait(request_id)               prefill-only: free a finished prefill's blocks
+    reserve(request_id, num_tokens)          blocks for incoming KV (NoFreeBlocksError: none)
+    detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
+    free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
+    stats() / last_stats                     after the current step / as of the last step
+    make_request(...), hash_prompt_ahead()   on the caller's thread (fixed configuration only)
+    check_no_leaks(), reset_prefix_cache()   tests and operators
+
+No fixed timeout decides anything here: an awaited command waits for the engine thread to
+reach it, however long its current step runs, and the caller's own deadline (a gRPC deadline, a
+transfer deadline) bounds that wait by cancelling it. A command whose caller went away still
+runs, in order, so an abort queued behind an add always finds what the add did. A request's
+stream ends after the output that finishes it (or marks its prefill done, in prefill-only
+mode), at once on an abort (the engine's own abort follows when it gets there; outputs the
+engine publishes before that are stale and dropped), or when its consumer stops reading (then
+the request is aborted). When the engine thread ends (stop, or a step raised), every pending
+command and stream fails with EngineDeadError: nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.block_hash import request_block_hashes
 from engine.engine_core import EngineCore, EngineStats
+from engine.engine_thread import EngineDeadError, EngineThread
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from engine.structured import CompiledGrammar
+from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.05
+T = TypeVar("T")
+Stream = asyncio.Queue[StepOutput | BaseException]
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised); the request cannot complete."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = (
-            queue.SimpleQueue()
-        )
-        self._streams: dict[str, asyncio.Queue[StepOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._error: BaseException | None = None
-        # The engine's stats after its last step or command, written by the engine thread:
-        # readers that must not wait for a step (a registry heartbeat) use it.
-        self.last_stats: EngineStats = core.stats()
+        self._thread = EngineThread(core, self._deliver, self._fail_streams)
+        self._streams: dict[str, Stream] = {}
+        # Request ids whose engine-side abort is queued: their outputs until it ran are stale.
+        self._ending: collections.Counter[str] = collections.Counter()
         # How the prefix cache hashes blocks (fixed at start), for hash_prompt_ahead.
         kv = core.kv_cache_manager
-        self._block_hashing = (kv.block_size, kv.root_hash) if kv.enable_prefix_caching else None
+        self._block_hashing = (kv.block_size, kv.root_for) if kv.enable_prefix_caching else None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        self._thread.start(asyncio.get_running_loop())
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+        """Stop the engine thread after its current step (waiting at most `timeout_s` for it);
+        pending commands and streams then fail with EngineDeadError."""
+        await self._thread.stop(timeout_s)
 
-    # ---- commands -------------------------------------------------------------------------
+    @property
+    def last_stats(self) -> EngineStats:
+        """The engine's stats as of its last step or command, without waiting for it (a
+        registry heartbeat must not wait for a long prefill step)."""
+        return self._thread.last_stats
 
-    async def call(self, fn: Callable[[EngineCore], Any], timeout_s: float = 30.0) -> Any:
-        """Run `fn(core)` on the engine thread and return its result (or raise its error)."""
-        self._check_alive()
-        future = self._loop.create_future()
-        self._commands.put((lambda: fn(self.core), future))
-        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the caller's cancellation.
-        async with asyncio.timeout(timeout_s):
-            return await future
+    # ---- requests -------------------------------------------------------------------------
 
-    def post(self, fn: Callable[[EngineCore], Any]) -> None:
-        """Run `fn(core)` on the engine thread without waiting for it: cleanup from a task that
-        may be cancelled (an error is logged, not raised)."""
+    async def prepare_structured(
+        self, params: SamplingParams, timeout_s: float | None = None
+    ) -> CompiledGrammar | None:
+        """The compiled grammar of `params.structured_output` (None without one), compiled off
+        the engine thread and this loop (cached by digest), waited for at most `timeout_s`
+        (the request's deadline): pass it to `make_request`. InvalidRequestError: refused or
+        too slow; StructuredOutputBusyError: too many compiling, retry later."""
+        return await self.core.structured.prepare(params, timeout_s)
 
-        def run_logged() -> None:
-            try:
-                fn(self.core)
-            except Exception:
-                logger.exception("a posted engine command failed")
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        """A validated Request (InvalidRequestError if not), built on the caller's thread:
+        `EngineCore.make_request` reads only fixed configuration, and a trip to the engine
+        thread would wait for its current step. A structured output needs `grammar` from
+        `prepare_structured` (or its spec compiled and cached)."""
+        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
 
-        self._commands.put((run_logged, None))
+    @property
+    def vocab_size(self) -> int:
+        return self.core.arch.vocab_size
 
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
-        """Add a request for local prefill and stream its outputs."""
-        stream = self._open_stream(request.request_id)
-        await self._add(request, lambda core: core.add_request(request))
-        async for out in self._drain(request.request_id, stream):
+        """Add a request for local prefill and stream its outputs (an add the engine refuses
+        raises from the stream)."""
+        stream = self._open(request, lambda: self.core.add_request(request))
+        async for out in self._drain(request, stream):
             yield out
+
+    async def resume(
+        self, request: Request, block_ids: Sequence[int], first_token: int
+    ) -> AsyncIterator[StepOutput]:
+        """Admit a request whose prompt KV is in its reserved blocks; stream its outputs."""
+        stream = self._open(
+            request, lambda: self.core.add_prefilled(request, block_ids, first_token)
+        )
+        async for out in self._drain(request, stream):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort wherever the request is. Its stream, if any, ends at once with finish_reason
+        abort, and the answer is True without waiting for the engine; otherwise (a reservation,
+        or nothing) the engine's own answer, once it gets to it: whether it knew the id."""
+        streaming = self._end_stream(request_id)
+        try:
+            known = self._queue_abort(request_id, lambda: self.core.abort(request_id))
+        except EngineDeadError:  # the engine holds nothing any more
+            return streaming
+        if streaming:
+            known.add_done_callback(_log_failure)
+            return True
+        return await known
+
+    def abort_nowait(self, request_id: str, at_once: bool = True) -> None:
+        """`abort` without waiting for anything (cleanup in a call that may be cancelled);
+        nothing when the engine is gone (it holds nothing any more). `at_once=False`: its
+        stream ends only once the engine's own abort has run, so what the engine publishes
+        before that (the first token of a prefill in the step under way) still arrives."""
+        if at_once:
+            self._end_stream(request_id)
+            self._abort_unawaited(request_id, lambda: self.core.abort(request_id))
+            return
+        stream = self._streams.get(request_id)
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if stream is not None:  # (no longer read if its request finished meanwhile)
+                stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
+            _log_error(result, error)
+
+        with contextlib.suppress(EngineDeadError):  # (dead: the engine holds nothing any more)
+            self._thread.submit(lambda: self.core.abort(request_id), done)
+
+    def release_nowait(self, request_id: str) -> None:
+        """Prefill-only: the hand-off resolved; the engine frees the request's held blocks
+        before its next step (an error is logged)."""
+        self._post(lambda: self.core.release(request_id))
+
+    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for `num_tokens` tokens of incoming KV (decode role). NoFreeBlocksError: not
+        now; InvalidRequestError: the id is in use."""
+        return await self._ask(lambda: self.core.reserve(request_id, num_tokens))
+
+    async def detach_reservation(self, request_id: str) -> list[int]:
+        """Take `request_id`'s reserved blocks from it without freeing them (a KV writer may
+        still land in them); give them back with `free_blocks_nowait`. [] if it has none."""
+        return await self._ask(lambda: self.core.detach_reservation(request_id))
+
+    def free_blocks_nowait(self, block_ids: Sequence[int]) -> None:
+        """Free blocks `detach_reservation` handed out (before the engine's next step)."""
+        self._post(lambda: self.core.free_blocks(block_ids))
 
     def hash_prompt_ahead(self, request: Request) -> None:
         """Hash the full blocks of a request's prompt on the caller's thread, before the engine
@@ -100,50 +187,84 @@ class AsyncEngine:
         timed alone; every running request's next step waited that long). Nothing when prefix
         caching is off."""
         if self._block_hashing is not None:
-            block_size, root = self._block_hashing
+            block_size, root_for = self._block_hashing
+            root = root_for(request)
             request_block_hashes(request, request.prompt_len // block_size, block_size, root)
 
-    async def resume(
-        self, request: Request, block_ids: Sequence[int], first_token: int
-    ) -> AsyncIterator[StepOutput]:
-        """Admit a request whose prompt KV is in its reserved blocks; stream its outputs."""
-        stream = self._open_stream(request.request_id)
-        await self._add(request, lambda core: core.add_prefilled(request, block_ids, first_token))
-        async for out in self._drain(request.request_id, stream):
-            yield out
+    # ---- state ----------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort wherever the request is; its stream (if any) ends with finish_reason abort."""
-        known = await self.call(lambda core: core.abort(request_id))
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
+    async def stats(self) -> EngineStats:
+        """The engine's stats once its current step is done (`last_stats`: without waiting)."""
+        return await self._ask(self.core.stats)
+
+    async def check_no_leaks(self) -> None:
+        """AssertionError unless every KV block is free (or evictable) and nothing is held."""
+        await self._ask(self.core.check_no_leaks)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (refused) while any block is in use."""
+        return await self._ask(self.core.kv_cache_manager.reset_prefix_cache)
+
+    # ---- commands -------------------------------------------------------------------------
+
+    async def _ask(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread; its result (or its error). Cancelling the wait does
+        not stop the command."""
+        future: asyncio.Future[T] = self._thread.loop().create_future()
+        self._thread.submit(fn, lambda result, error: _settle(future, result, error))
+        return await future
+
+    def _post(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the engine thread, not waiting; an error is logged. Nothing when the
+        engine is gone (what `fn` would free went with it)."""
+        with contextlib.suppress(EngineDeadError):
+            self._thread.submit(fn, _log_error)
+
+    def _queue_abort(self, request_id: str, abort: Callable[[], bool]) -> asyncio.Future[bool]:
+        """Queue the engine-side abort. Until it has run, the engine's outputs for the id are
+        stale (those of the aborted request, published before it): dropped, even if a new
+        request of the same id opens a stream meanwhile (its add runs after the abort)."""
+        known: asyncio.Future[bool] = self._thread.loop().create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            self._ending[request_id] -= 1
+            if self._ending[request_id] <= 0:
+                del self._ending[request_id]
+            _settle(known, result, error)
+
+        self._thread.submit(abort, done)
+        self._ending[request_id] += 1
         return known
 
-    # ---- internals ------------------------------------------------------------------------
+    def _abort_unawaited(self, request_id: str, abort: Callable[[], bool]) -> None:
+        with contextlib.suppress(EngineDeadError):  # (dead: the engine holds nothing any more)
+            self._queue_abort(request_id, abort).add_done_callback(_log_failure)
 
-    async def _add(self, request: Request, add: Callable[[EngineCore], Any]) -> None:
-        """Run the command that adds `request`. If the caller is cancelled (or times out)
-        while the command is queued or running, the command still runs on the engine thread:
-        an abort queued behind it (commands run in order) frees whatever it added, so a
-        cancelled call never leaves the request in the engine (prefilling, or held PREFILLED
-        with its blocks). An error from the command itself means nothing was added."""
-        try:
-            await self.call(add)
-        except BaseException as error:
-            self._streams.pop(request.request_id, None)
-            if isinstance(error, (asyncio.CancelledError, TimeoutError)):
-                self.post(lambda core: _abort_if_added(core, request))
-            raise
+    # ---- streams --------------------------------------------------------------------------
 
-    def _open_stream(self, request_id: str) -> asyncio.Queue:
+    def _open(self, request: Request, add: Callable[[], None]) -> Stream:
+        """The request's stream, with its add queued: an error from the add ends the stream."""
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        stream: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        stream: Stream = asyncio.Queue()
+
+        def added(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                stream.put_nowait(error)
+
+        self._thread.submit(add, added)
         self._streams[request_id] = stream
         return stream
 
-    async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[StepOutput]:
+    def _end_stream(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
+        return True
+
+    async def _drain(self, request: Request, stream: Stream) -> AsyncIterator[StepOutput]:
         done = False
         try:
             while True:
@@ -151,82 +272,52 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                if item.finished or item.prefill_done:
-                    done = True
+                done = item.finished or item.prefill_done
                 yield item
                 if done:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not done and self._error is None:
-                # The consumer went away (cancelled, or stopped iterating): free the request.
-                self._commands.put((lambda: self.core.abort(request_id), None))
-
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error!r}")
-        if self._thread is None:
-            raise RuntimeError("AsyncEngine.start() was not called")
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self._apply_commands(block=not self.core.has_unfinished())
-                if self.core.has_unfinished():
-                    self._publish(self.core.step())
-                self.last_stats = self.core.stats()
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-            logger.exception("engine thread failed")
-            self._error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
-
-    def _apply_commands(self, block: bool) -> None:
-        try:
-            command = (
-                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-            )
-        except queue.Empty:
-            return
-        while True:
-            fn, future = command
-            try:
-                result, error = fn(), None
-            except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                result, error = None, exc
-            if future is not None:
-                self._loop.call_soon_threadsafe(_settle, future, result, error)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _publish(self, outputs: list[StepOutput]) -> None:
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            if self._streams.get(request.request_id) is stream:
+                del self._streams[request.request_id]
+            if not done:  # the consumer went away (cancelled, or stopped reading): free it
+                self._abort_unawaited(
+                    request.request_id, lambda: _abort_if_added(self.core, request)
+                )
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and out.request_id not in self._ending:
                 stream.put_nowait(out)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        error = EngineDeadError(f"the engine stopped: {exc!r}")
+    def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
 
-def _abort_if_added(core: EngineCore, request: Request) -> None:
+def _abort_if_added(core: EngineCore, request: Request) -> bool:
     """Abort `request` if this very request is the one the engine holds under its id (not
     another call's that reuses the id)."""
     if core.get_request(request.request_id) is request:
-        core.abort(request.request_id)
+        return core.abort(request.request_id)
+    return False
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
+def _settle(future: asyncio.Future[T], result: T, error: BaseException | None) -> None:
+    if future.done():  # its waiter was cancelled
         return
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _log_error(result: object, error: BaseException | None) -> None:
+    if error is not None and not isinstance(error, EngineDeadError):
+        logger.error("an engine command failed: %r", error, exc_info=error)
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    """Done-callback of a command nobody awaits: its error is logged, not lost."""
+    if not future.cancelled() and future.exception() is not None:
+        _log_error(None, future.exception())

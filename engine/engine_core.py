@@ -10,6 +10,7 @@ step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
          async scheduling: step n+1 is scheduled ahead and launched before step n is waited
          for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
+close(): stop the tensor-parallel worker ranks (engine/distributed: rank 0 is this object)
 """
 
 from __future__ import annotations
@@ -22,20 +23,26 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import decode_graph_reserve_bytes, make_decode_graphs
+from engine.distributed import TensorParallel, WorkerInit
+from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
+from engine.kv_offload import KVOffload, KVOffloadStats
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
+from engine.prompt_logprobs import with_prompt_logprobs
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode import SpecDecodeParts, SpecDecodeStats
+from engine.structured import CompiledGrammar, StructuredOutputManager
 from kernels.attention import get_attention_backend
-from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve import envs
-from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,13 +64,31 @@ class EngineStats:
     prefix_cache_query_tokens: int
     # speculative decoding since start (all 0 when off): engine/spec_decode/stats.py
     spec_decode: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
+    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
+    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
-        self.device = resolve_device(config.model.device)
+    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None, *,
+                 worker_init: WorkerInit | None = None, tp: TensorParallel | None = None) -> None:  # fmt: skip
+        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with its
+        EngineCore (engine/README.md, tensor parallelism); `tp`: set on a worker rank."""
+        if tp is None and config.parallel.tensor_parallel_size > 1:  # rank 0 starts the others
+            arch = resolve_model_source(config.model.model).arch  # (a GGUF converted here, once)
+            tp = TensorParallel.start(config, arch, worker_init)
+        self.tp = tp  # None at TP 1; each rank builds this engine around its shard
+        try:
+            self._init_engine(config, on_layer_done)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_engine(self, config: EngineConfig, on_layer_done: LayerHook | None) -> None:
+        tp, device = self.tp, config.parallel.devices or config.model.device
+        self.device = tp.device if tp else resolve_device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
-        self.config = config = _with_backend_block_size(config, self.device, self.dtype)
+        self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
@@ -71,7 +96,7 @@ class EngineCore:
             cpu_decode_kernel=envs.cpu_attention_kernel(),
         )  # fmt: skip
         self.loaded: LoadedModel = load_model(
-            config.model, self.attn_backend, self.device, self.dtype
+            config.model, self.attn_backend, self.device, self.dtype, tp
         )
         self.arch = self.loaded.arch
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
@@ -80,19 +105,36 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's context length "
                 f"{self.arch.max_position_embeddings}"
             )
-        use_graphs = self._decode_graphs_usable()
+        self._init_memory(config, tp)
+        if tp is not None:  # rank 0: publishes each step, waits until the group is ready
+            tp.attach(self.runner)
+        # Structured outputs (engine/structured/README.md): grammars and the sampler's masks
+        self.structured = StructuredOutputManager.for_model(self.loaded.tokenizer_dir, self.arch)
+        self.runner.token_bitmask = self.structured.token_bitmask(self.device)
+        self._reservations: dict[str, list[int]] = {}
+        self.async_scheduling = async_scheduling_on(config, self.device)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous one was waited for
+        self._log_ready()
+
+    def _init_memory(self, config: EngineConfig, tp: TensorParallel | None) -> None:
+        """The KV pool (with a draft model's share), the host tier, the block ledger, the
+        scheduler, the graphs and the runner."""
+        use_graphs, block_size = self._decode_graphs_usable(), config.cache.block_size
         spec_parts = SpecDecodeParts(
             config, self.loaded, self.attn_backend, self.device, self.dtype, self.max_model_len
         )  # (a draft model's weights load before the pool is sized)
         reserve = decode_graph_reserve_bytes(self.arch, config.scheduler.max_num_seqs)
         self.pool = KVCachePool(
-            self.arch, config.cache, self.device, self.dtype,
+            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
             reserve_bytes=reserve + spec_parts.reserve_bytes() if use_graphs else 0,
             extra_bytes_per_block=spec_parts.extra_bytes_per_block(),
+            agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
+        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
         )  # fmt: skip
         self.spec, verify_graphs = spec_parts.build(self.pool, use_graphs)
         sched = config.scheduler
@@ -106,11 +148,6 @@ class EngineCore:
             self.device, self.pool.scratch_block, decode_graphs, verify_graphs,
             self.spec.observe if self.spec is not None else None,
         )  # fmt: skip
-        self._reservations: dict[str, list[int]] = {}
-        self.async_scheduling = _async_scheduling(config, self.device)
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        self.num_steps_ahead = 0  # steps launched before the previous one was waited for
-        self._log_ready()
 
     def _log_ready(self) -> None:
         graphs, spec = self.runner.decode_graphs, self.config.speculative
@@ -139,46 +176,28 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> Request:
-        """Build a validated request carrying this model's EOS ids. Reads only the engine's
-        fixed configuration (model, context length, pool size), so any thread may call it (the
-        nodes do, from their event loop, without waiting for the engine thread's step)."""
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, cache_salt: str = "",
+                     grammar: CompiledGrammar | None = None) -> Request:  # fmt: skip
+        """Build a validated request carrying this model's EOS ids (its prefix-cache namespace
+        `cache_salt`; `grammar`: `structured.prepare`'s). Reads only the fixed configuration
+        (model, context, pool size): any thread may call it (the nodes' event loops do)."""
         self.validate(prompt_token_ids, params)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.arch.eos_token_ids,
-        )
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
+                       cache_salt=cache_salt,
+                       grammar=self.structured.grammar_for(params, grammar))  # fmt: skip
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("the prompt is empty: send at least one token")
-        vocab_size = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}"
-            )
-        params.validate()
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds the context length {self.max_model_len}; shorten the prompt or "
-                f"lower max_tokens"
-            )
-        if total > self.pool.num_blocks * self.pool.block_size:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens); lower max_tokens"
-            )
+        check_request(
+            prompt_token_ids, params, self.arch.vocab_size, self.max_model_len,
+            self.pool.num_blocks * self.pool.block_size, tensor_parallel=self.tp is not None,
+        )  # fmt: skip
 
     def add_request(self, request: Request) -> None:
         self._check_new_id(request.request_id)
         self.validate(request.prompt_token_ids, request.sampling_params)
+        self.structured.start_matcher(request)  # advanced by its output (a migrated request)
         self.scheduler.add_request(request)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
@@ -190,6 +209,8 @@ class EngineCore:
                 f"no room for {num_tokens} tokens of KV "
                 f"({self.kv_cache_manager.num_free_blocks} free blocks)"
             )
+        if self.kv_offload is not None:
+            self.kv_offload.settle()  # no host-tier copy still touches these blocks
         self._reservations[request_id] = block_ids
         return block_ids
 
@@ -214,8 +235,10 @@ class EngineCore:
         request.block_ids = list(block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
-        request.draft_token_ids = list(draft_token_ids) if self.spec is not None else []
+        speculates = self.spec is not None and self.spec.speculates(request)
+        request.draft_token_ids = list(draft_token_ids) if speculates else []
         try:
+            self.structured.start_matcher(request)  # advanced by the first token (or raises)
             self.scheduler.add_prefilled(request)
         except BaseException:
             # The reservation is spent either way: free it rather than leak it.
@@ -254,7 +277,8 @@ class EngineCore:
         (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
         returned, so the host's work overlaps the device's. When the next step cannot be
         chosen ahead (a slot only preemption could free), the one in flight is waited for
-        first and the next is scheduled as usual and left in flight."""
+        first and the next is scheduled as usual and left in flight. A constrained step launched
+        ahead samples once the one in flight landed (`ModelRunner.launch`, defer_sampling)."""
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -268,7 +292,8 @@ class EngineCore:
                 self._in_flight = (ahead, self._launch(ahead, prev=in_flight[1]))
                 self.num_steps_ahead += 1
             outputs = self._wait(*in_flight)
-            if ahead is not None:
+            if self._in_flight is not None:
+                self._sample_deferred(*self._in_flight)
                 return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -279,15 +304,31 @@ class EngineCore:
     def _launch(
         self, scheduler_output: SchedulerOutput, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
+        if self.kv_offload is not None:
+            self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
         if self.spec is not None:  # draft slots -> verify chunks (drafts proposed now)
             self.spec.fill_drafts(scheduler_output, self.kv_cache_manager)
-        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
-        self.scheduler.on_launched(scheduler_output)
+        defer = prev is not None and scheduler_output.has_grammar  # masks need prev's tokens
+        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev, defer)
+        self.scheduler.on_launched(scheduler_output, sampled=not defer)
         return launched
 
+    def _sample_deferred(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> None:
+        if launched.deferred is not None:  # the step before it landed: masks can be built
+            self.runner.sample_deferred(launched)
+            self.scheduler.on_sampled(scheduler_output)
+
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        output = launched.wait()
-        return self.scheduler.update_from_output(scheduler_output, output.sampled, output.verified)
+        result = launched.wait()
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, result.sampled, result.verified
+        )
+        return with_prompt_logprobs(outputs, scheduler_output, result.prompt_logprobs)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -310,42 +351,16 @@ class EngineCore:
             num_reserved=len(self._reservations),
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_query_tokens=prefix.query_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens, prefix_cache_query_tokens=prefix.query_tokens,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
+            if self.kv_offload is not None else KVOffloadStats(),
             spec_decode=dataclasses.replace(self.spec.stats) if self.spec else SpecDecodeStats(),
-        )
+        )  # fmt: skip
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-
-
-def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """auto: on CUDA (the host's work hides under the device's), never for the prefill role
-    (its steps are long prefills, and its per-layer hook must see each step finish first)."""
-    mode = config.scheduler.async_scheduling
-    if mode not in ASYNC_SCHEDULING:
-        raise ValueError(f"async_scheduling must be one of {ASYNC_SCHEDULING}; got {mode!r}")
-    if config.scheduler.prefill_only or mode == "off":
-        return False
-    return mode == "on" or device.type == "cuda"
-
-
-def _with_backend_block_size(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> EngineConfig:
-    """flash_attn asked for by name with the default block size (16): use 256 instead."""
-    cache = config.cache
-    if (
-        config.model.attention_backend != "flash_attn"
-        or cache.block_size != CacheConfig().block_size
-    ):
-        return config
-    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
-    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
-                FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
-    new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
-    return dataclasses.replace(config, cache=new_cache)
 
 
 __all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

@@ -10,6 +10,13 @@ A block gets its hash once it is full of computed tokens (`cache_full_blocks`); 
 last ref turns a hashed block into a cached one (LRU, most recently freed last), an unhashed
 one into a free one. `free(request)` drops refs tail-first, so a prompt's tail is evicted
 before its head. Every operation costs O(blocks touched), never O(pool).
+
+With a host tier (`host_tier`, engine/kv_offload: `--kv-offload-memory`) a block that turns
+cached is also queued for a copy to host memory (unless the host holds its hash already), so
+its eviction loses nothing; a lookup that misses on the device continues the chain in the host
+tier and promotes what it finds into fresh device blocks, cached under their hashes at once
+(their copies run, one batch, before the next step reads them). Both tiers are keyed by the
+same hash chain (salts included).
 """
 
 from __future__ import annotations
@@ -18,10 +25,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from engine.block_hash import request_block_hashes
 from engine.request import Request
 from pdserve.block_hash import BlockHash, root_hash
+
+if TYPE_CHECKING:
+    from engine.kv_offload.host_block_manager import HostBlockManager
 
 
 @dataclass
@@ -30,7 +41,8 @@ class PrefixCacheStats:
 
     num_queries: int = 0
     query_tokens: int = 0  # tokens the admitted requests had
-    hit_tokens: int = 0  # of those, tokens found in the cache
+    hit_tokens: int = 0  # of those, tokens found in the cache (either tier)
+    host_hit_tokens: int = 0  # of those, tokens found in the host tier (promoted)
 
 
 class KVCacheManager:
@@ -40,6 +52,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         prefix_cache_salt: str | None = None,
+        host_tier: HostBlockManager | None = None,
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -48,7 +61,8 @@ class KVCacheManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_hash = root_hash(prefix_cache_salt)  # parent of every first block's digest
+        self._salt = prefix_cache_salt  # None: the environment's (pdserve.block_hash)
+        self.root_hash = root_hash(prefix_cache_salt)  # parent of unsalted requests' first blocks
         self.prefix_cache_stats = PrefixCacheStats()
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[BlockHash | None] = [None] * num_blocks
@@ -56,6 +70,13 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, LRU first
         self._cached: dict[BlockHash, int] = {}  # the prefix cache: block hash -> block id
         self._num_hashed_blocks: dict[str, int] = {}  # request_id -> its leading hashed blocks
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self._num_promoted: dict[str, int] = {}  # request_id -> blocks its lookups promoted
+
+    def root_for(self, request: Request) -> BlockHash:
+        """The parent digest of `request`'s first block: its own namespace (`cache_salt`) in
+        the deployment's. Reads fixed state only: any thread may call it."""
+        return root_hash(self._salt, request.cache_salt) if request.cache_salt else self.root_hash
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,20 +87,52 @@ class KVCacheManager:
         """The longest cached prefix of `request`'s tokens in full blocks: (block ids, tokens).
 
         At least one token is left out so the request still computes its last token (it must
-        sample from it). Takes no refs: pass the ids to `allocate_slots`.
+        sample from it). Takes no refs: pass the ids to `allocate_slots`. With a host tier,
+        the blocks found only there are promoted into device blocks first (`_promote`).
         """
         if not self.enable_prefix_caching:
             return [], 0
         block_size = self.block_size
         num_hit_blocks = (request.num_tokens - 1) // block_size
-        hashes = request_block_hashes(request, num_hit_blocks, block_size, self.root_hash)
+        hashes = request_block_hashes(request, num_hit_blocks, block_size, self.root_for(request))
         block_ids: list[int] = []
         for block_hash in islice(hashes, num_hit_blocks):
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self.host_tier is not None and len(block_ids) < num_hit_blocks:
+            self._promote(request, hashes[len(block_ids) : num_hit_blocks], block_ids)
         return block_ids, len(block_ids) * block_size
+
+    def _promote(self, request: Request, hashes: list[BlockHash], block_ids: list[int]) -> None:
+        """Continue the device hit `block_ids` along the rest of the chain, `hashes`, through
+        both tiers: a block in neither (or no device block to promote into) ends the hit."""
+        tier = self.host_tier
+        assert tier is not None
+        if tier.find(hashes[0]) is None:
+            return
+        for block_id in block_ids:  # held, so the allocations below cannot evict them
+            self._take_ref(block_id)
+        num_promoted = 0
+        for block_hash in hashes:
+            cached = self._cached.get(block_hash)  # (the chain may continue on the device)
+            if cached is not None:
+                self._take_ref(cached)
+                block_ids.append(cached)
+                continue
+            host_id = tier.find(block_hash)
+            if host_id is None or not self.num_free_blocks:
+                break
+            block_id = self._allocate_block()
+            self._block_hashes[block_id] = block_hash
+            self._cached[block_hash] = block_id
+            tier.promote(host_id, block_id)
+            num_promoted += 1
+            block_ids.append(block_id)
+        self.free_blocks(block_ids)  # cached (evictable) again, or back to their holders
+        request_id = request.request_id
+        self._num_promoted[request_id] = self._num_promoted.get(request_id, 0) + num_promoted
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
@@ -108,6 +161,8 @@ class KVCacheManager:
             stats.num_queries += 1
             stats.query_tokens += request.num_tokens
             stats.hit_tokens += num_hit_blocks * self.block_size
+            num_promoted = self._num_promoted.pop(request.request_id, 0)
+            stats.host_hit_tokens += min(num_promoted, num_hit_blocks) * self.block_size
         for block_id in computed_block_ids:
             self._take_ref(block_id)
         if num_hit_blocks:
@@ -129,7 +184,7 @@ class KVCacheManager:
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_hashed:
             return
-        hashes = request_block_hashes(request, num_full_blocks, block_size, self.root_hash)
+        hashes = request_block_hashes(request, num_full_blocks, block_size, self.root_for(request))
         for block_id, block_hash in zip(
             request.block_ids[num_hashed:num_full_blocks],
             hashes[num_hashed:num_full_blocks],
@@ -146,6 +201,7 @@ class KVCacheManager:
         # Rebind instead of clearing: a ScheduledChunk may still share the old table.
         request.block_ids = []
         self._num_hashed_blocks.pop(request.request_id, None)
+        self._num_promoted.pop(request.request_id, None)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Keep the blocks holding `request`'s first `num_tokens` tokens, drop the rest, last
@@ -185,10 +241,15 @@ class KVCacheManager:
             self._free.append(block_id)
         self._evictable.clear()
         self._cached.clear()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return True
 
     def check_no_leaks(self) -> None:
-        """Assert every block is free or evictable (call once nothing runs)."""
+        """Assert every block is free or evictable, and every host-tier block accounted for
+        (call once nothing runs)."""
+        if self.host_tier is not None:
+            self.host_tier.check_no_leaks()
         if self.num_free_blocks == self.num_total_blocks:
             return
         held = {block_id: ref for block_id, ref in enumerate(self._ref_counts) if ref}
@@ -206,6 +267,8 @@ class KVCacheManager:
             assert block_hash is not None, "an evictable block is a cached (hashed) one"
             del self._cached[block_hash]
             self._block_hashes[block_id] = None
+        if self.host_tier is not None:
+            self.host_tier.reused(block_id)  # copies of it finish before it is written
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -224,6 +287,8 @@ class KVCacheManager:
         block_hash = self._block_hashes[block_id]
         if block_hash is not None and self._cached.setdefault(block_hash, block_id) == block_id:
             self._evictable[block_id] = None  # most recently used: evicted last
+            if self.host_tier is not None:
+                self.host_tier.demote(block_id, block_hash)  # (its eviction then loses nothing)
         else:
             self._block_hashes[block_id] = None
             self._free.append(block_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.model.arch_config import ModelArchConfig
@@ -17,7 +19,9 @@ class KVCachePool:
     Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
     CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget;
     `extra_bytes_per_block`: memory another pool takes per block of this one (a speculative
-    draft model's KV, sized to the same block count), so the budget covers both."""
+    draft model's KV, sized to the same block count), so the budget covers both.
+    `agree` (tensor parallelism): the size every rank can hold, from this rank's (each rank's
+    pool holds its own kv heads, with rank 0's block ids)."""
 
     def __init__(
         self,
@@ -27,12 +31,15 @@ class KVCachePool:
         dtype: torch.dtype,
         reserve_bytes: int = 0,
         extra_bytes_per_block: int = 0,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.block_size = cache_config.block_size
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
         self.num_blocks = self._size_pool(
             cache_config, device, reserve_bytes, self.bytes_per_block + extra_bytes_per_block
         )
+        if agree is not None:
+            self.num_blocks = agree(self.num_blocks)
         self.scratch_block = self.num_blocks
         self.buffer = torch.zeros(
             arch.num_layers,

@@ -1,5 +1,6 @@
-"""Typed results that leave the engine: one `StepOutput` per request per step, and the
-offline API's `RequestOutput`."""
+"""Typed results that leave the engine: one `StepOutput` per request per step, a
+`PrefillLayerChunk` per prefill chunk for the per-layer hook, and the offline API's
+`RequestOutput`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class StepOutput:
     # its blocks stay held until `EngineCore.release(request_id)`.
     prefill_done: bool = False
     num_cached_tokens: int = 0
+    # prompt_logprobs asked: with the request's first token, one entry per prompt token (the
+    # first None: nothing precedes it), each the prompt token's logprob given its prefix
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +64,27 @@ class StepOutput:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillLayerChunk:
+    """What the per-layer hook's consumer may read of one request's prefill chunk in a step:
+    a snapshot built once per step, not the live request (the engine thread owns that)."""
+
+    request_id: str
+    start_pos: int  # position of the chunk's first token
+    num_tokens: int  # tokens the step runs for it: [start_pos, start_pos + num_tokens)
+    prompt_len: int
+    block_ids: tuple[int, ...]  # the request's block table this step (covers end_pos)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def ends_prompt(self) -> bool:
+        """The step computes the prompt's last token: its KV is complete after this step."""
+        return self.end_pos == self.prompt_len
+
+
 @dataclass
 class RequestOutput:
     """Offline API result for one prompt (vLLM-like, flattened to the single completion)."""
@@ -72,6 +97,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,9 +72,28 @@ class Request:
     # Draft tokens handed in for its next step (speculative decoding: a peer proposed them
     # after the first token); the next verify step takes them instead of proposing.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Its prefix-cache namespace within the deployment's (pdserve.block_hash.root_hash): the
+    # router's digest of its tenant and client salt; "" shares the deployment's.
+    cache_salt: str = ""
     # Whether its KV may enter the prefix cache: False for KV received from a peer that proved
     # nothing (an open cluster), so a forged hand-off never serves another request.
     cache_kv: bool = True
+    # Structured outputs (engine/structured/): the compiled grammar it was made with, and once
+    # added, its own matcher, advanced by every output token (None: unconstrained).
+    grammar: CompiledGrammar | None = None
+    matcher: GrammarMatcher | None = None
+    # prompt_logprobs: entry p is prompt token p + 1's, computed from position p's hidden state
+    # (so far; the prompt's first token has none); sent once, with its first output token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.prompt_len - 1
+        )
 
     @property
     def prompt_len(self) -> int:

@@ -23,17 +23,17 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
-from node_common.role_server import RoleServer
+from node_common.node_base import NodeBase
 from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
-from pdserve.security import load_cluster_auth, open_cluster_warning
+from pdserve.security import OPEN_CLUSTER, load_cluster_auth
 
 logger = logging.getLogger(__name__)
 
 _BIND_RETRY_INTERVAL_S = 0.5
 
 
-def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
+def build_node_parser(server_cls: type[NodeBase]) -> argparse.ArgumentParser:
     """The flags of `server_cls`'s launcher (pd-prefill or pd-decode)."""
     role = _role(server_cls)
     description = (
@@ -43,38 +43,45 @@ def build_node_parser(server_cls: type[RoleServer]) -> argparse.ArgumentParser:
     return build_parser(role, description=description)
 
 
-def run_node(server_cls: type[RoleServer], argv: Sequence[str] | None = None) -> int:
+def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> int:
     """Parse the flags, then serve one node of `server_cls` until signalled; the exit code."""
     parser = build_node_parser(server_cls)
     args = parser.parse_args(argv)
     try:
         engine = engine_config(args, prefill_only=server_cls.prefill_only)
+        if engine.parallel.tensor_parallel_size > 1:  # until the KV hand-off knows TP sizes
+            raise ValueError(
+                "--tensor-parallel-size > 1 is not served by nodes yet: their KV hand-off "
+                "sends one rank's heads (issue 35, phase B); use it with pd-generate or LLM"
+            )
         node = node_config(args)
         auth = load_cluster_auth(node.security)
     except ValueError as error:
         parser.error(str(error))
     role = _role(server_cls)
     setup_logging(args, role)
-    if auth is None:
-        logger.warning(open_cluster_warning(f"pd-{role}"))
+    name = f"pd-{role}"
 
-    async def start() -> RoleServer:
+    async def start() -> NodeBase:
         logger.info("loading model %s on %s", engine.model.model, engine.model.device)
         core = await asyncio.to_thread(EngineCore, engine)
-        return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
+        server = await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
+        caveats = [OPEN_CLUSTER] if auth is None else []
+        caveats += [server.manager.transport_caveat] if server.manager.transport_caveat else []
+        if caveats:  # one line, however many
+            logger.warning("%s: %s; README.md, 'Security', says how to close it", name,
+                           "; ".join(caveats))  # fmt: skip
+        return server
 
-    name = f"pd-{role}"
     return run_server(name, start, lambda s: _ready_line(name, s))
 
 
-def _ready_line(name: str, server: RoleServer) -> str:
+def _ready_line(name: str, server: NodeBase) -> str:
     metrics = f", metrics {server.metrics.url}" if server.metrics.url else ""
     return f"{name} listening on {server.address} (kv {server.kv_address}{metrics})"
 
 
-async def start_with_bind_retry(
-    make_server: Callable[[], RoleServer], retry_s: float
-) -> RoleServer:
+async def start_with_bind_retry(make_server: Callable[[], NodeBase], retry_s: float) -> NodeBase:
     """Builds and starts a server (which binds its gRPC and KV ports), again every
     `_BIND_RETRY_INTERVAL_S` while a port cannot be bound, for up to `retry_s`; then raises
     the OSError (the launcher exits 1 with its message)."""
@@ -98,5 +105,5 @@ async def start_with_bind_retry(
             raise
 
 
-def _role(server_cls: type[RoleServer]) -> str:
+def _role(server_cls: type[NodeBase]) -> str:
     return "prefill" if server_cls.prefill_only else "decode"

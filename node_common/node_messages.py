@@ -15,6 +15,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.request import Request
+from pdserve.block_hash import MAX_REQUEST_SALT_CHARS
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, node_pb2
 
@@ -22,18 +23,27 @@ from pdserve.v1 import generation_pb2, node_pb2
 class TokenLogprobsLike(Protocol):
     """What `token_logprob` reads (the engine's `TokenLogprobs` has these fields)."""
 
-    token_id: int
-    logprob: float
-    rank: int
-    top: Sequence[tuple[int, float]]
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def top(self) -> Sequence[tuple[int, float]]: ...
 
 
 class NodeRequest(Protocol):
     """What `to_engine_request` reads: a PrefillRequest or a DecodeRequest."""
 
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    sampling: node_pb2.NodeSamplingParams
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def sampling(self) -> node_pb2.NodeSamplingParams: ...
+    @property
+    def cache_salt(self) -> str: ...
 
 
 async def to_engine_request(
@@ -45,19 +55,32 @@ async def to_engine_request(
     """The engine's Request for a node RPC's request, validated by the engine (token ids in
     the vocabulary, context length, sampling values); the call ends INVALID_ARGUMENT if not.
     `output_token_ids`: a migrated request's tokens generated elsewhere (its output so far).
-    Built here on the event loop (`EngineCore.make_request` reads only fixed configuration): a
-    trip to the engine thread would wait for its current step, up to a whole prefill chunk."""
-    core = engine.core
+    Built here on the event loop (`AsyncEngine.make_request` reads only fixed configuration):
+    a trip to the engine thread would wait for its current step, up to a whole prefill chunk."""
     try:
         params = SamplingParams.from_proto(request.sampling)
-        engine_request = core.make_request(request.request_id, request.prompt_token_ids, params)
+        _check_cache_salt(request.cache_salt)
+        engine_request = engine.make_request(
+            request.request_id, request.prompt_token_ids, params, request.cache_salt
+        )
         if output_token_ids:
             outputs = list(output_token_ids)
-            _check_outputs(outputs, params, core.arch.vocab_size)
+            _check_outputs(outputs, params, engine.vocab_size)
             engine_request.output_token_ids = outputs
         return engine_request
     except ValueError as error:  # InvalidRequestError included
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("context.abort returned") from None  # it raises AbortError
+
+
+def _check_cache_salt(cache_salt: str) -> None:
+    """The request's prefix-cache namespace (the router's digest of its tenant): short and
+    printable."""
+    if len(cache_salt) > MAX_REQUEST_SALT_CHARS or not cache_salt.isprintable():
+        raise ValueError(
+            f"cache_salt must be at most {MAX_REQUEST_SALT_CHARS} printable characters, got "
+            f"{len(cache_salt)} characters"
+        )
 
 
 def _check_outputs(outputs: list[int], params: SamplingParams, vocab_size: int) -> None:

@@ -3,8 +3,9 @@
 
 ```
 scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
-           waiting, KV blocks, pending transfers; counters: finished, prefix-cache hits, local
-           prefills, fallbacks)
+           waiting, KV blocks, host-tier blocks, pending transfers; counters: finished,
+           prefix-cache hits (all tiers, host tier), host-tier offload and promotion bytes,
+           local prefills, prefilled tokens, fallbacks)
 transfer session finished ──► transfer_finished: bytes, duration histogram, result ok | failed
                               (by direction: sent on the prefill node, received on the decode
                               node; every series of the node's direction exists from the start)
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -40,12 +41,25 @@ _GAUGES = {
     "num_pending_transfers": ("pdserve_node_kv_transfers_pending", "KV hand-offs in flight"),
     "num_queued_prefill_tokens": (
         "pdserve_node_queued_prefill_tokens", "prompt tokens accepted and not prefilled yet"),
+    "num_host_kv_blocks": ("pdserve_node_host_kv_blocks", "blocks of the host KV tier"),
+    "num_free_host_kv_blocks": (
+        "pdserve_node_host_kv_blocks_free", "host KV tier blocks holding no KV"),
 }  # fmt: skip
 _COUNTERS = {
     "num_finished_requests": ("pdserve_node_requests_finished", "requests whose output went out"),
     "num_prefix_cache_hit_tokens": (
         "pdserve_node_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache"),
+    "num_host_prefix_cache_hit_tokens": (
+        "pdserve_node_prefix_cache_host_hit_tokens",
+        "prompt tokens found in the host KV tier (promoted; also in the prefix cache hits)"),
+    "num_kv_offload_bytes": (
+        "pdserve_node_kv_offload_bytes", "KV bytes copied from the device pool to the host tier"),
+    "num_kv_promotion_bytes": (
+        "pdserve_node_kv_promotion_bytes", "KV bytes copied from the host tier back to the device"),
     "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
+    "num_prefilled_tokens": (
+        "pdserve_node_prefilled_tokens",
+        "prompt tokens this node's engine computed (prefix-cache hits not; recomputes again)"),
     "num_in_place_transfers": (
         "pdserve_node_kv_transfers_in_place",
         "successful KV hand-offs the prefill node wrote into the decode node's blocks itself"),
@@ -138,15 +152,21 @@ class NodeMetrics:
             self._server = None
 
 
-def loop_stats_reader(loop: asyncio.AbstractEventLoop, stats: Callable[[], Any]) -> StatsReader:
-    """A StatsReader for a scrape thread: runs the coroutine `stats()` (-> dict) on `loop`."""
+def loop_stats_reader(
+    loop: asyncio.AbstractEventLoop, stats: Callable[[], Coroutine[Any, Any, dict[str, int]]]
+) -> StatsReader:
+    """A StatsReader for a scrape thread: runs the coroutine `stats()` (-> dict) on `loop`,
+    for at most _SCRAPE_TIMEOUT_S (then cancelled: a scrape answers without the node's stats
+    rather than wait for a long engine step)."""
 
     def read() -> dict[str, int] | None:
         if not loop.is_running() or _in_loop(loop):
             return None
+        future = asyncio.run_coroutine_threadsafe(stats(), loop)
         try:
-            return asyncio.run_coroutine_threadsafe(stats(), loop).result(_SCRAPE_TIMEOUT_S)
+            return future.result(_SCRAPE_TIMEOUT_S)
         except Exception as error:  # a scrape must not fail the node
+            future.cancel()
             logger.warning("metrics: reading the node's stats failed: %r", error)
             return None
 

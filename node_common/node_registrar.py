@@ -19,11 +19,11 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from pdserve.config import RegistryConfig
 from pdserve.registry import (
     EVENTS_CHANNEL,
     REGISTRY_ERRORS,
     NodeRecord,
-    RegistryConfig,
     event_message,
     node_key,
     registry_client,
@@ -46,7 +46,7 @@ class NodeRegistrar:
         self.node_id = node_id
         self._make_record = make_record
         self._redis = registry_client(config)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.registered = False  # the last heartbeat succeeded
         self.num_heartbeats = 0  # successful ones
         self._failing = False  # a failure was logged; the next success is logged too

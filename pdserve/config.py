@@ -3,6 +3,7 @@
 ```
 EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both node roles, LLM)
                + SpeculativeConfig                             (speculative decoding, off by default)
+               + ParallelConfig                                (tensor parallelism)
 NodeConfig                                                     where a node listens, KV transfer
 RouterConfig                                                   routing, node addresses, timeouts
 RegistryConfig                                                 the Redis registry
@@ -31,6 +32,7 @@ from pdserve.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -42,16 +44,17 @@ __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
     "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES",
     "SPECULATIVE_METHODS", "CacheConfig",
-    "EngineConfig", "ModelConfig", "NodeConfig", "RegistryConfig", "RouterConfig",
+    "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig", "RouterConfig",
     "SchedulerConfig", "SecurityConfig", "SpeculativeConfig", "knob", "parse_size",
 ]  # fmt: skip
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
-# A chat of the longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k
-# characters), JSON-escaped, fits; anything larger is not a request this router could serve.
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+# The longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k characters)
+# fits as UTF-8 text (not as 6-byte \uXXXX escapes), so do 2 M token ids. Larger bodies took the
+# event loop longer than 50 ms to read and decode (router/http/json_body.py).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
 
@@ -127,12 +130,24 @@ class SecurityConfig:
 
 
 def transfer_timeout_knob() -> Any:
-    """The one KV hand-off timeout: the prefill must start within it and the hand-off end
-    within it of that start (router, prefill and decode alike; see router/README.md)."""
+    """The one KV hand-off timeout: how long it may go without progress (router, prefill and
+    decode alike; see router/README.md)."""
     return knob(
         30.0,
-        "how long a KV hand-off may wait for its prefill to start, and then take, before the "
-        "decode node prefills the prompt itself (prefill nodes cap the router's at theirs)",
+        "a KV hand-off fails after this long without progress (the prefill node reports it "
+        "while it computes this prompt or those queued ahead of it), and the decode node "
+        "prefills the prompt itself (prefill nodes cap the router's at theirs)",
+    )
+
+
+def prefill_rate_knob() -> Any:
+    """The slowest prefill that hand-offs and the router wait for (one knob, every role)."""
+    return knob(
+        20.0,
+        "the slowest prefill, in prompt tokens per second, that KV hand-offs and the router's "
+        "wait for a first token allow for: behind N prompt tokens (its own and those queued "
+        "ahead of it on the prefill node) a hand-off that keeps making progress may take "
+        "--transfer-timeout-s + N / this",
     )
 
 
@@ -151,7 +166,12 @@ class NodeConfig:
         "listening on 0.0.0.0)",
     )
     transfer_timeout_s: float = transfer_timeout_knob()
-    kv_write_in_place: bool = knob(True, "one GPU: P writes the KV into D's blocks (CUDA IPC)")
+    min_prefill_tokens_per_s: float = prefill_rate_knob()
+    kv_write_in_place: bool = knob(
+        True,
+        "turn writes in place off: on one GPU the prefill node then sends the KV instead of "
+        "writing it into the decode node's blocks itself over CUDA IPC (default: on)",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,
@@ -173,7 +193,12 @@ class NodeConfig:
         "node) before exiting with an error",
     )
     max_transfer_timeout_s: float = knob(
-        120.0, "decode: a Decode's transfer_timeout_s is clamped to this (reservations expire)"
+        120.0, "decode: a Decode's transfer_timeout_s (its no-progress timeout) is clamped to this"
+    )
+    max_handoff_s: float = knob(
+        1800.0,
+        "decode: the longest a KV hand-off may take from its prefill node's handshake, however "
+        "long that node says its queue and prefill take (reserved blocks always come back)",
     )
     max_pending_kv_share: float = knob(
         0.75,
@@ -203,8 +228,9 @@ class NodeConfig:
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        for name in ("transfer_timeout_s", "min_prefill_tokens_per_s", "max_handoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 
@@ -246,7 +272,12 @@ class RouterConfig:
     node_rpc_timeout_s: float = knob(5.0, "deadline of GetNodeInfo, GetTokenizer, Abort calls")
     ticket_timeout_s: float = knob(30.0, "how long a decode node may take to reserve KV blocks")
     transfer_timeout_s: float = transfer_timeout_knob()
-    token_timeout_s: float = knob(120.0, "the longest wait for a request's next token")
+    min_prefill_tokens_per_s: float = prefill_rate_knob()
+    token_timeout_s: float = knob(
+        120.0,
+        "the longest wait for a request's next token; for its first, plus the prompt tokens "
+        "its prefilling node has in flight / --min-prefill-tokens-per-s",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight requests may take")
     api_key_file: str | None = knob(
         None,
@@ -261,7 +292,32 @@ class RouterConfig:
         DEFAULT_MAX_REQUEST_BYTES,
         "HTTP request bodies larger than N bytes are refused (413) before being read whole",
     )
+    http_max_connections: int = knob(
+        2048,
+        "open HTTP connections at most (kept below the open-file limit); beyond, the oldest one "
+        "with no request in flight is closed",
+    )
+    http_max_requests: int = knob(
+        512, "HTTP /v1 requests in flight at most (streams included); beyond, 503 + Retry-After"
+    )
+    http_header_timeout_s: float = knob(
+        15.0, "an HTTP request's headers must arrive within this, else its connection closes"
+    )
+    http_body_timeout_s: float = knob(
+        15.0, "the longest wait for more of an HTTP request's body before its connection closes"
+    )
+    http_keep_alive_s: float = knob(5.0, "an idle HTTP keep-alive connection closes after this")
+    max_choices_per_request: int = knob(
+        256,
+        "an HTTP request asking for more choices (prompts x n) is refused (400): each runs as "
+        "a request of its own",
+    )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    share_prefix_cache_across_tenants: bool = knob(
+        False,
+        "with --api-key-file, each API key is a tenant whose prompts never share cached blocks "
+        "with another's (no cross-tenant cache-hit oracle); this flag lets them share",
+    )
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:
@@ -270,15 +326,19 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        for name in ("max_request_bytes", "max_choices_per_request", "http_max_connections",
+                     "http_max_requests"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        for name in ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s",
-                     "transfer_timeout_s", "token_timeout_s"):  # fmt: skip
+        waits = ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s", "transfer_timeout_s",
+                 "min_prefill_tokens_per_s", "token_timeout_s", "http_header_timeout_s",
+                 "http_body_timeout_s", "http_keep_alive_s")  # fmt: skip
+        for name in waits:
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
         addrs = [*self.prefill_addrs, *self.decode_addrs]

@@ -1,5 +1,5 @@
-"""The engine's settings: `EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig` +
-`SpeculativeConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
+"""The engine's settings: `EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig`
++ `SpeculativeConfig` + `ParallelConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
 generated from it. Torch-free; `pdserve.config` lists these beside every other setting."""
 
 from __future__ import annotations
@@ -39,12 +39,17 @@ class CacheConfig:
     """Paged KV cache: block geometry and how much memory the pool takes.
 
     Pool size: exactly `num_blocks` if set; else `kv_cache_memory` bytes if set; else on CUDA
-    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB."""
+    `gpu_memory_utilization` of the free memory after the weights, on CPU 1 GiB.
+    `kv_offload_memory`: bytes of host memory for the host tier (engine/kv_offload), 0: none."""
 
     block_size: int = knob(
         16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
     )
-    num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
+    num_blocks: int | None = knob(
+        None,
+        "exact KV pool size in blocks (default: from --kv-cache-memory)",
+        flag="--num-kv-blocks",
+    )
     kv_cache_memory: int | None = knob(
         None,
         "KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
@@ -55,9 +60,18 @@ class CacheConfig:
         "on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
     )
     enable_prefix_caching: bool = knob(
-        True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
+        True,
+        "turn the prefix cache off: every prompt is prefilled whole (default: on: prompts "
+        "that share a prefix reuse its KV blocks)",
+        flag="--no-prefix-caching",
     )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    kv_offload_memory: int = knob(
+        0,
+        "host memory for a tier under the prefix cache, e.g. 16GiB (page-locked on CUDA): "
+        "evicted blocks are kept there and copied back on a hit (0: off)",
+        parse=parse_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = knob(2048, "token budget of one step (prefill chunks + decodes)")
     max_num_seqs: int = knob(128, "requests running at once")
     enable_chunked_prefill: bool = knob(
-        True, "split long prompts over several steps", flag="--no-chunked-prefill"
+        True,
+        "prefill each prompt in one step, however long (default: on: a prompt longer than "
+        "--max-num-batched-tokens is split over several steps)",
+        flag="--no-chunked-prefill",
     )
     async_scheduling: str = knob("auto", "launch the next decode step before this one's tokens "
                                  "are on the host (auto: on CUDA, not in the prefill role)",
@@ -116,11 +133,46 @@ class SpeculativeConfig:
             )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model split over N ranks, one process each (engine/distributed)."""
+
+    tensor_parallel_size: int = knob(
+        1, "ranks the model is split over (tensor parallelism); its attention heads and MLP "
+        "must divide by it",
+    )  # fmt: skip
+    devices: str | None = knob(
+        None, "the ranks' devices, comma-separated, e.g. cuda:0,cuda:1 (default: the first N "
+        "of --device's kind)",
+    )  # fmt: skip
+    tp_start_timeout_s: float = knob(
+        600.0, "how long the ranks may take to start (load their shard, capture graphs)"
+    )
+    tp_step_timeout_s: float = knob(
+        60.0, "how long a rank may wait in a collective: a rank that hangs is detected after it"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not (self.tp_start_timeout_s > 0 and self.tp_step_timeout_s > 0):
+            raise ValueError("tp_start_timeout_s and tp_step_timeout_s must be > 0 seconds")
+        names = [] if self.devices is None else self.devices.split(",")
+        if names and len(names) != self.tensor_parallel_size:
+            raise ValueError(
+                f"--devices {self.devices} names {len(names)} devices for "
+                f"--tensor-parallel-size {self.tensor_parallel_size}: name one per rank"
+            )
+        if any(not name.strip().startswith(("cpu", "cuda")) for name in names):
+            raise ValueError(f"--devices {self.devices}: each is cpu, cuda or cuda:N")
+
+
 ENGINE_SECTIONS: dict[str, type[Any]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -130,6 +182,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        method, tp = self.speculative.speculative_method, self.parallel.tensor_parallel_size
+        if method is not None and tp > 1:
+            raise ValueError(
+                f"--speculative-method {method} is not supported with --tensor-parallel-size {tp} "
+                "(the verify step does not run across ranks yet): drop one of the two"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -5,17 +5,17 @@
                                                                 or later (the router starts the
                                                                 prefill before it has the ticket)
     engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is queued
+                   (chunks: the step's PrefillLayerChunk records, engine/outputs.py)
                      a request's first chunk: loop.call_soon_threadsafe: sender.start() (or at
-                       attach): the handshake and the transfer's deadline start with the
-                       prefill, not while the request queues
+                       attach): the hand-off's own time starts with the prefill
+                     the last layer of a chunk: the request's computed tokens (`progress()`,
+                       read by ProgressBeats)
                      for each chunk that ends its prompt, of a request whose sender is live
                      or not attached yet (its layers wait, packed, in its queue):
-                       CUDA: record an event on the compute stream; on the pack stream wait
-                             for it and pack (one kernel, K and V), or, written in place, copy
-                             the blocks into the receiver's (sender.in_place_writer; only a
-                             header is sent); record `packed`. The forward never waits.
-                       CPU:  pack (one index_select) into a new buffer
+                       LayerPacker.pack (prefill_node/layer_packer.py): packed, or written in
+                       place, on the pack stream behind the KV write; the forward never waits
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
+                     LayerPacker.layer_done: (CUDA) the host's run-ahead bounded
     event loop     the request's drain task: await the first queued layer's `packed` event
                    (GIL-free, cuda_waits), take it and every queued layer packed by then, and
                    send them as one message (KVSender.send_packed_layers: fewer, larger
@@ -30,46 +30,33 @@
                      them: the transport keeps the order) ─► await the receiver's result
                    close(): drop the request; a sender still live is failed (the peer is told)
 
-Packing is queued from the engine thread, so it snapshots the blocks: the bytes sent do not
-depend on what the engine does to the blocks afterwards (a request whose first token finishes it
-frees its blocks in the same step; on CUDA the compute stream waits for the pack stream after
-the last layer, so nothing queued later can overwrite a block before it is packed), and the
-transport sends that one buffer as it is. The request's block ids are checked and copied to the
-device once (first layer), asynchronously.
+Packing is queued from the engine thread, so it snapshots the blocks (see layer_packer.py),
+and the transport sends that one buffer as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
 
-from cache_transfer import KVLayout, KVSender, LayerBlocks, TransferState, pack_layer
-from cache_transfer.in_place_writer import ClosedError
+from cache_transfer import KVLayout, KVSender, TransferState
 from cache_transfer.layout import kv_device_id
-from cache_transfer.packing import check_block_ids
 from cache_transfer.transports.cuda_waits import wait_event
-from engine.scheduler_output import ScheduledChunk
+from engine.outputs import PrefillLayerChunk
 from pdserve.v1 import generation_pb2
-from pdserve.v1.transfer_pb2 import LayerManifest
+from prefill_node.layer_packer import LayerPacker
 from prefill_node.outgoing import Outgoing, PackedLayer
 from prefill_node.transfer_trace import TransferTrace
 
 logger = logging.getLogger(__name__)
 
 MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
-# CUDA: while a step streams KV, the engine thread runs at most this many layers ahead of the
-# GPU. Left alone it would queue the whole forward at once and then block (inside a kernel
-# launch, on a full launch queue, or in the step's final copy) holding the GIL, so the event
-# loop could not send a layer until the forward ended. Waiting on an event releases the GIL;
-# two layers of queued work keep the GPU busy. Layers held back (one GPU) do not bound it.
-RUN_AHEAD_LAYERS = 2
 # One GPU: every layer but the last goes in one message once the one before the last is written
 # (2K on one H200: a message per layer slowed the forward, 1P1D TTFT 1.23-1.63x colocated; all
 # after the last layer, D heard of it 1.6-1.8 ms after it was written; this way 0.5-1.0 ms (8K),
@@ -97,14 +84,12 @@ class LayerStreamer:
         self._outgoing: dict[str, Outgoing] = {}  # by request_id
         device = kv_caches[0][0].device
         self._kv_device = kv_device_id(device) if kv_device is None else kv_device
-        self._pack_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._packer = LayerPacker(kv_caches, layout)  # the engine thread's
         # the event loop's current stream: nothing is queued on it but what the transport
         # itself does (staging copies), so a transport's wait for it never waits for a pack of
         # a later layer (that waits for the compute of that layer)
         self._send_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loop_stream_bound = False
-        # engine thread, CUDA: this step's newest pack event per layer streamed so far
-        self._layers_queued: deque[torch.cuda.Event] = deque()
 
     def open(self, request_id: str, num_tokens: int) -> TransferTrace:
         """Pack `request_id`'s KV (`num_tokens` prompt tokens) as the engine computes it; it
@@ -147,32 +132,32 @@ class LayerStreamer:
             sender.start()
         queued = outgoing.queued
         if queued and not outgoing.draining and queued[-1].layer_idx >= outgoing.hold_until:
-            self._start_drain(outgoing)
+            self._start_drain(outgoing, sender)
 
-    def on_layer_done(self, layer_idx: int, chunks: Sequence[ScheduledChunk]) -> None:
+    def on_layer_done(self, layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
         whose prompt ends in this step."""
         packed: torch.cuda.Event | None = None  # CUDA: this layer's last streamed pack, if any
         for chunk in chunks:
-            request = chunk.request
-            outgoing = self._outgoing.get(request.request_id)
+            outgoing = self._outgoing.get(chunk.request_id)
             if outgoing is None:
                 continue
             if not outgoing.computing:  # its prefill started (this step): so does the transfer
                 outgoing.computing = True
                 outgoing.trace.mark("computing")
                 self._loop.call_soon_threadsafe(self._start, outgoing)
-            if chunk.end_pos != request.prompt_len:
+            if layer_idx == len(self._kv_caches) - 1:
+                outgoing.num_computed_tokens = chunk.end_pos
+            if not chunk.ends_prompt:
                 continue
             sender = outgoing.sender  # (set by the event loop: read once)
             if outgoing.broken or (sender is not None and sender.finished):
                 continue
             try:
-                layer = self._pack(outgoing, chunk, layer_idx)
+                layer = self._packer.pack(outgoing, chunk.block_ids, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
-                logger.exception(
-                    "request %s: could not pack layer %d", request.request_id, layer_idx
-                )
+                logger.exception("request %s: could not pack layer %d", chunk.request_id,
+                                 layer_idx, extra={"request_id": chunk.request_id})  # fmt: skip
                 outgoing.broken = True
                 continue
             if layer.ready is None:
@@ -180,25 +165,7 @@ class LayerStreamer:
             self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
             if not outgoing.same_gpu:  # bound the run-ahead only where sends are heavy
                 packed = layer.ready
-        if self._pack_stream is None:
-            return
-        self._bound_run_ahead(layer_idx, packed)
-        if layer_idx == len(self._kv_caches) - 1:
-            # later work on the compute stream (the next step may reuse freed blocks) runs
-            # after every pack queued so far: a GPU-side wait, the host goes on
-            torch.cuda.current_stream(self._pack_stream.device).wait_stream(self._pack_stream)
-
-    def _bound_run_ahead(self, layer_idx: int, packed: torch.cuda.Event | None) -> None:
-        """(engine thread, CUDA) Keep the host at most RUN_AHEAD_LAYERS layers ahead of the GPU
-        while this step streams KV (see RUN_AHEAD_LAYERS), waiting on the pack events (a layer
-        is packed after it is computed); the GPU itself never waits."""
-        if layer_idx == 0:
-            self._layers_queued.clear()  # a new step
-        if packed is None:  # nothing of this layer is sent
-            return
-        self._layers_queued.append(packed)
-        while len(self._layers_queued) > RUN_AHEAD_LAYERS:
-            self._layers_queued.popleft().synchronize()  # releases the GIL while it waits
+        self._packer.layer_done(layer_idx, packed)
 
     async def finish(
         self,
@@ -225,54 +192,33 @@ class LayerStreamer:
         outgoing.trace.mark("result")
         return sender
 
+    def progress(self) -> list[tuple[KVSender, int]]:
+        """(event loop) Each live sender, with how many of its prompt's tokens are computed."""
+        return [
+            (outgoing.sender, outgoing.num_computed_tokens)
+            for outgoing in self._outgoing.values()
+            if outgoing.sender is not None and not outgoing.sender.finished
+        ]
+
+    def computing(self, request_id: str) -> bool:
+        """The engine computed a chunk of the request's prompt (its prefill started)."""
+        outgoing = self._outgoing.get(request_id)
+        return outgoing is not None and outgoing.computing
+
     def abort(self, request_id: str, reason: str) -> bool:
-        """Fail the request's transfer (the receiver is told); False when none is open."""
+        """Cancel the request's transfer (the receiver is told); False when none is open."""
         outgoing = self._outgoing.get(request_id)
         if outgoing is None or outgoing.sender is None:
             return False
-        outgoing.sender.abort(reason)
+        outgoing.sender.cancel(reason)
         return True
 
     def close(self, request_id: str, reason: str) -> None:
-        """Forget the request; fail its sender if it is still live. Sends in progress end on
+        """Forget the request; cancel its sender if it is still live. Sends in progress end on
         their own (a failed sender sends nothing more)."""
         outgoing = self._outgoing.pop(request_id, None)
         if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
-            outgoing.sender.abort(reason)
-
-    def _pack(self, outgoing: Outgoing, chunk: ScheduledChunk, layer_idx: int) -> PackedLayer:
-        """The request's blocks of one layer packed into a new buffer on the cache's device;
-        on CUDA queued on the pack stream behind the compute stream's KV write, with the
-        event that marks it packed."""
-        k_cache, v_cache = self._kv_caches[layer_idx]
-        if outgoing.src_ids is None:
-            block_ids = chunk.block_ids[: outgoing.num_blocks]
-            outgoing.src_ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device)
-        num_bytes = self._layout.layer_bytes(outgoing.num_blocks)
-        if self._pack_stream is None:
-            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            return PackedLayer(
-                layer_idx, pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
-            )
-        computed = torch.cuda.Event()
-        computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
-        sender = outgoing.sender
-        writer = sender.in_place_writer if sender is not None else None
-        with torch.cuda.stream(self._pack_stream):
-            self._pack_stream.wait_event(computed)
-            if writer is not None:  # block to block into the receiver's blocks: nothing packed
-                manifest = LayerManifest(
-                    layer_idx=layer_idx, num_blocks=outgoing.num_blocks, num_bytes=num_bytes
-                )
-                blocks = LayerBlocks(k_cache, v_cache, outgoing.src_ids)
-                with contextlib.suppress(ClosedError):  # failed: packed below, sent nowhere
-                    written = writer.write([manifest], [blocks])
-                    return PackedLayer(layer_idx, None, written, written=True)
-            packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
-            ready = torch.cuda.Event()
-            ready.record(self._pack_stream)
-        return PackedLayer(layer_idx, packed, ready)
+            outgoing.sender.cancel(reason)
 
     def _queue(self, outgoing: Outgoing, layer: PackedLayer) -> None:
         """(event loop) Queue a packed layer; start the request's drain task if none runs."""
@@ -283,12 +229,13 @@ class LayerStreamer:
             torch.cuda.set_stream(self._send_stream)
             self._loop_stream_bound = True
         outgoing.queued.append(layer)
-        if outgoing.sender is None:
+        sender = outgoing.sender
+        if sender is None:
             return  # attach drains the queue
         if layer.layer_idx < outgoing.hold_until:
             return  # goes with a later layer
         if not outgoing.draining:
-            self._start_drain(outgoing)
+            self._start_drain(outgoing, sender)
 
     def _start(self, outgoing: Outgoing) -> None:
         """(event loop) The request's prefill started: so does its transfer, once attached."""
@@ -307,15 +254,16 @@ class LayerStreamer:
         handed.add_done_callback(outgoing.handing.discard)
         return handed
 
-    def _start_drain(self, outgoing: Outgoing) -> None:
+    def _start_drain(self, outgoing: Outgoing, sender: KVSender) -> None:
         outgoing.draining = True
-        self._track(outgoing, self._drain(outgoing, self._handing(outgoing)))
+        self._track(outgoing, self._drain(outgoing, sender, self._handing(outgoing)))
 
-    async def _drain(self, outgoing: Outgoing, handed: asyncio.Future[None]) -> None:
+    async def _drain(
+        self, outgoing: Outgoing, sender: KVSender, handed: asyncio.Future[None]
+    ) -> None:
         """Hand queued layers to the sender: whatever is packed when the first one is (one
         GPU: when the layer held until is), as one message (layers in the order they were
         computed); each send runs on its own."""
-        sender = outgoing.sender
         try:
             while outgoing.queued:
                 await asyncio.sleep(0)  # layers the engine thread queued meanwhile join in
@@ -336,24 +284,32 @@ class LayerStreamer:
                 for layer in batch:
                     if layer.ready is not None:  # CUDA: computed when seen packed
                         outgoing.trace.layer_computed_s[layer.layer_idx] = now
-                self._track(outgoing, self._send(outgoing, batch, self._handing(outgoing)))
+                sending = self._send(outgoing, sender, batch, self._handing(outgoing))
+                self._track(outgoing, sending)
         finally:
             outgoing.draining = False
             handed.set_result(None)
 
     async def _send(
-        self, outgoing: Outgoing, batch: list[PackedLayer], handed: asyncio.Future[None]
+        self,
+        outgoing: Outgoing,
+        sender: KVSender,
+        batch: list[PackedLayer],
+        handed: asyncio.Future[None],
     ) -> None:
-        sender = outgoing.sender
         layers = [layer.layer_idx for layer in batch]
         try:
             written = [layer for layer in batch if layer.written]  # by the engine thread
+            writer = sender.in_place_writer
             for layer in written:
-                sender.in_place_writer.written(layer.ready)
+                assert writer is not None and layer.ready is not None  # written in place
+                writer.written(layer.ready)
             sends = []  # both messages in flight at once
             if written:
                 sends.append(sender.send_written_layers([layer.layer_idx for layer in written]))
-            packed = [(layer.layer_idx, layer.packed) for layer in batch if not layer.written]
+            packed = [
+                (layer.layer_idx, layer.packed) for layer in batch if layer.packed is not None
+            ]
             if packed:
                 sends.append(sender.send_packed_layers(packed))
             sending = asyncio.gather(*sends)
@@ -361,7 +317,8 @@ class LayerStreamer:
             handed.set_result(None)
             await sending
         except Exception as error:  # a bug, not the peer: fail this transfer only
-            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
+            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers,
+                             extra={"request_id": sender.log_id})  # fmt: skip
             sender.abort(f"sending layers {layers} failed: {error!r}")
             return
         finally:

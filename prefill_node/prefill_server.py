@@ -1,7 +1,8 @@
 """`PrefillServer`: one prefill node (see README.md for a request's lifecycle).
 
-PrefillServer(core, config)   a RoleServer (node_common) around a prefill-only EngineCore, with
-                              a LayerStreamer installed as the engine's on_layer_done hook,
+PrefillServer(core, config)   a NodeBase (node_common) around a prefill-only EngineCore, with
+                              a LayerStreamer and ProgressBeats as the engine's on_layer_done
+                              hook,
                               serving PrefillNode (Prefill) through a PrefillServicer; start/stop
                               as every node
 """
@@ -10,30 +11,39 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import grpc
 
 from engine.engine_core import EngineStats
-from node_common.role_server import RoleServer
+from engine.outputs import PrefillLayerChunk
+from node_common.node_base import NodeBase
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.prefill_servicer import PrefillServicer
+from prefill_node.progress_beats import ProgressBeats
 from prefill_node.transfer_trace import TransferTrace
 
 
-class PrefillServer(RoleServer):
+class PrefillServer(NodeBase):
     """A prefill node: construct inside the event loop it will serve on; `core` must run in
     prefill-only mode (`SchedulerConfig(prefill_only=True)`)."""
 
     role = node_pb2.NODE_ROLE_PREFILL
     role_service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     prefill_only = True
+    servicer: PrefillServicer
 
     def make_servicer(self) -> PrefillServicer:
-        self.streamer = LayerStreamer(
-            self.core.pool.kv_caches, self.layout, asyncio.get_running_loop()
-        )
-        self.core.on_layer_done = self.streamer.on_layer_done
+        loop = asyncio.get_running_loop()
+        self.streamer = LayerStreamer(self.core.pool.kv_caches, self.layout, loop)
+        beats = ProgressBeats(loop, self.streamer.progress)
+
+        def on_layer_done(layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:
+            self.streamer.on_layer_done(layer_idx, chunks)
+            beats.on_layer_done(layer_idx, chunks)
+
+        self.core.on_layer_done = on_layer_done
         return PrefillServicer(self, self.streamer)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
@@ -61,7 +71,10 @@ class PrefillServer(RoleServer):
         return {"num_running_requests": stats.num_running + stats.num_prefilled_held}
 
     async def abort(self, request_id: str) -> bool:
-        """Fail the request's transfer and abort it in the engine (freeing its blocks)."""
-        sending = self.streamer.abort(request_id, "aborted by the router")
-        in_engine = await self.engine.abort(request_id)
-        return sending or in_engine
+        """Fail the request's transfer and abort it in the engine (freeing its blocks). Known
+        here (its transfer, or its prefill's stream): answered at once; otherwise the engine's
+        answer, once its step under way is done."""
+        if self.streamer.abort(request_id, "aborted by the router"):
+            self.engine.abort_nowait(request_id)
+            return True
+        return await self.engine.abort(request_id)

@@ -5,16 +5,22 @@ check the request, and its ticket if it carries one (layout hash: FAILED_PRECOND
 LayerStreamer.open(request_id, prompt_len)
 hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
     timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► create_sender(ticket, the
-    request's transfer_timeout_s capped by the node's) ─► LayerStreamer.attach   (the sender's
-    handshake and deadline start with the prefill, or at attach if that comes later)
+    request's transfer_timeout_s capped by the node's: the no-progress timeout; the ceiling:
+    that + the prompt tokens queued here, this one's included, / --min-prefill-tokens-per-s)
+    ─► LayerStreamer.attach   (the sender handshakes at once; ProgressBeats keep the receiver
+    waiting while this node's engine makes progress, queued or computing)
 AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile, concurrently)
-    the hand-off fails first (no or bad ticket; the sender fails: not started within
-    transfer_timeout_s, the decode side failed it, the connection broke) ──► abort the
-    prefill ──► the ticket's status, or ABORTED (the router cancels D's side)
+    the hand-off fails first (no or bad ticket; the sender fails: no progress, its ceiling,
+    the decode side failed it, the connection broke) ──► abort the prefill (queued: at once;
+    computing: after the step under way, whose first token still goes out; one line logged)
+    ──► the ticket's status, or ABORTED (the router cancels D's side)
 ──► PrefillFirstToken                                     at once
 await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
-EngineCore.release (held blocks) ──► PrefillTransferResult
-cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held
+AsyncEngine.release_nowait (held blocks) ──► PrefillTransferResult
+cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held (an
+    abort ends the prefill's engine stream at once, even inside a long engine step: the engine
+    frees the request when it gets to it)
+an error no branch above maps ──► UNAVAILABLE (the engine stopped) or INTERNAL, never UNKNOWN
 """
 
 from __future__ import annotations
@@ -23,20 +29,22 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import NoReturn
 
 import grpc
 
 from cache_transfer import KVSender, TransferState
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from node_common.node_base import NodeBase
 from node_common.node_messages import to_engine_request, token_logprob
-from node_common.role_server import RoleServer
-from node_common.role_servicer import NodeCounters, RoleServicer
+from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.ticket_box import PutResult, TicketBox
+from prefill_node.transfer_trace import TransferTrace
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +58,17 @@ class TicketError(Exception):
 
 
 class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, node: RoleServer, streamer: LayerStreamer) -> None:
+    def __init__(self, node: NodeBase, streamer: LayerStreamer) -> None:
         """Counters: num_finished_requests counts prefills whose first token went out."""
-        super().__init__(node, NodeCounters())
+        super().__init__(
+            node.engine, node.manager, node.config.transfer_timeout_s, node.metrics,
+            NodeCounters(),
+        )  # fmt: skip
         self._streamer = streamer
+        self._prefill_rate = node.config.min_prefill_tokens_per_s
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
         self._tickets = TicketBox()
-        self._aborts: set[asyncio.Task[None]] = set()  # prefills whose transfer failed first
 
     @property
     def num_tickets_held(self) -> int:
@@ -81,18 +92,14 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             )
         return node_pb2.AttachTicketResponse()
 
+    @ends_with_status
     async def Prefill(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[node_pb2.PrefillResponse]:
+    ) -> AsyncGenerator[node_pb2.PrefillResponse, None]:
         arrived_s = time.monotonic()
         request_id = request.request_id
         set_request_id(request_id)  # this call's log lines carry the request id
-        await self._check_request(request, context)
-        engine_request = await to_engine_request(self._engine, request, context)
-        try:
-            trace = self._streamer.open(request_id, engine_request.prompt_len)
-        except ValueError as error:  # the request id is already prefilling here
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        engine_request, trace = await self._open(request, context)
         trace.marks_s["rpc"] = arrived_s
         handoff = asyncio.create_task(self._attach(request))
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
@@ -109,26 +116,10 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             trace.mark("first_token")
             yield node_pb2.PrefillResponse(first_token=first_token)
             self.counters.num_finished_requests += 1
-            try:
-                await handoff
-            except TicketError as error:  # after the first token: the router tells D
-                await context.abort(error.code, str(error))
-            sender = await self._streamer.finish(
-                request_id,
-                first_token.token_id,
-                first_token.logprob if first_token.HasField("logprob") else None,
-                first_token.finish_reason,
-            )
-            if held:
-                await self._engine.call(lambda core: core.release(request_id))
+            result = await self._hand_off(engine_request, first_token, handoff, context)
+            if held:  # the engine frees them before its next step
+                self._engine.release_nowait(request_id)
                 held = False
-            result = _transfer_result(sender)
-            logger.info(
-                "prefill done: %d prompt tokens (%d cached), KV hand-off %s: %d bytes in %.1f ms",
-                engine_request.prompt_len, first_token.num_cached_tokens,
-                "ok" if result.ok else f"failed ({result.error})", result.num_bytes,
-                result.elapsed_s * 1000,
-            )  # fmt: skip
             yield node_pb2.PrefillResponse(transfer_result=result)
         finally:
             handoff.cancel()
@@ -136,7 +127,47 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             self.counters.num_queued_prefill_tokens -= num_queued
             self._streamer.close(request_id, "the prefill call ended before the hand-off")
             if held:  # cancelled while the transfer was pending
-                self._engine.post(lambda core: core.abort(request_id))
+                self._engine.abort_nowait(request_id)
+
+    async def _open(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[Request, TransferTrace]:
+        """The checked request, as the engine's, and its KV opened on the streamer."""
+        await self._check_request(request, context)
+        engine_request = await to_engine_request(self._engine, request, context)
+        try:
+            trace = self._streamer.open(request.request_id, engine_request.prompt_len)
+        except ValueError as error:  # the request id is already prefilling here
+            await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
+        return engine_request, trace
+
+    async def _hand_off(
+        self,
+        request: Request,
+        first_token: node_pb2.PrefillFirstToken,
+        handoff: asyncio.Task[KVSender],
+        context: grpc.aio.ServicerContext,
+    ) -> node_pb2.PrefillTransferResult:
+        """After the first token went out: every layer and the first token sent, and the
+        receiver's result (within the sender's deadline)."""
+        try:
+            await handoff
+        except TicketError as error:  # after the first token: the router tells D
+            await abort_call(context, error.code, str(error))
+        sender = await self._streamer.finish(
+            request.request_id,
+            first_token.token_id,
+            first_token.logprob if first_token.HasField("logprob") else None,
+            first_token.finish_reason,
+        )
+        result = _transfer_result(sender)
+        logger.info(
+            "prefill done: %d prompt tokens (%d cached), KV hand-off %s: %d bytes in %.1f ms",
+            request.prompt_len, first_token.num_cached_tokens,
+            "ok" if result.ok else f"failed ({result.error})", result.num_bytes,
+            result.elapsed_s * 1000,
+        )  # fmt: skip
+        return result
 
     async def _check_request(
         self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -157,7 +188,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             except TicketError as error:
                 await context.abort(error.code, str(error))
 
-    def _check_ticket(self, request: node_pb2.PrefillRequest, ticket: node_pb2.TransferTicket):
+    def _check_ticket(
+        self, request: node_pb2.PrefillRequest, ticket: node_pb2.TransferTicket
+    ) -> None:
         """Raises TicketError if this node cannot send the request's KV on `ticket`."""
         if ticket.layout_hash != self._layout_hash:
             raise TicketError(
@@ -198,8 +231,10 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                     f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
                 ) from None
             self._check_ticket(request, ticket)
+        # the queue ahead of it counts: the engine computes it first (ProgressBeats say so)
+        ceiling_s = timeout_s + self.counters.num_queued_prefill_tokens / self._prefill_rate
         try:
-            sender = self._manager.create_sender(ticket, timeout_s, start_timeout_s=timeout_s)
+            sender = self._manager.create_sender(ticket, timeout_s, ceiling_s, request_id)
         except ValueError as error:  # the transfer id is already in progress here
             raise TicketError(grpc.StatusCode.ALREADY_EXISTS, str(error)) from None
         sender.add_finish_callback(self._metrics.transfer_finished)
@@ -215,27 +250,24 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         first = None
         request_id = request.request_id
 
-        async def abort() -> None:
-            try:
-                await self._engine.abort(request_id)
-            except Exception:  # the engine stopped: the request went with it
-                logger.exception("request %s: could not abort the prefill", request_id)
-
         def abort_soon() -> None:
             if first is None:
-                task = asyncio.get_running_loop().create_task(abort())
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
-
-        def on_failed(session: KVSender) -> None:
-            if session.state == TransferState.FAILED:
-                abort_soon()
+                # Queued: its stream ends now. Computing: when the engine gets to the abort,
+                # after the step under way, whose first token still comes (TTFT) if it has it.
+                computing = self._streamer.computing(request_id)
+                self._engine.abort_nowait(request_id, at_once=not computing)
 
         def on_handoff(task: asyncio.Task[KVSender]) -> None:
             if _handoff_failed(task):
                 abort_soon()
             elif not task.cancelled():
-                task.result().add_finish_callback(on_failed)
+                sender = task.result()
+
+                def on_finished(_session: object) -> None:
+                    if sender.state == TransferState.FAILED:
+                        abort_soon()
+
+                sender.add_finish_callback(on_finished)
 
         handoff.add_done_callback(on_handoff)
         await asyncio.sleep(0)  # the hand-off task runs: on an inline ticket it is done now
@@ -245,7 +277,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             first = out
         if first is None or first.finish_reason == FinishReason.ABORT or not first.new_token_ids:
             if handoff.done() and not handoff.cancelled() and handoff.exception() is None:
-                handoff.result().abort("the request was aborted on the prefill node")
+                handoff.result().cancel("the request was aborted on the prefill node")
             return None
         return first
 
@@ -259,19 +291,20 @@ def _handoff_failed(handoff: asyncio.Task[KVSender]) -> bool:
 
 async def _abort_call(
     context: grpc.aio.ServicerContext, request_id: str, handoff: asyncio.Task[KVSender]
-) -> None:
+) -> NoReturn:
     """End the call of a prefill that was aborted, with the hand-off's failure if it failed."""
     if handoff.done() and not handoff.cancelled():
         error = handoff.exception()
         if isinstance(error, TicketError):
-            await context.abort(error.code, str(error))
+            await abort_call(context, error.code, str(error))
         if error is None and handoff.result().error:
             why = handoff.result().error
-            await context.abort(
+            await abort_call(
+                context,
                 grpc.StatusCode.ABORTED,
                 f"request {request_id} was aborted: its KV transfer failed ({why})",
             )
-    await context.abort(grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
+    await abort_call(context, grpc.StatusCode.ABORTED, f"request {request_id} was aborted")
 
 
 def _first_token(out: StepOutput) -> node_pb2.PrefillFirstToken:

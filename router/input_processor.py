@@ -12,6 +12,7 @@ import random
 import uuid
 from dataclasses import dataclass
 
+from pdserve.sampling_defaults import defaults_from_proto
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, node_pb2
@@ -29,6 +30,7 @@ class ProcessedRequest:
     sampling_params: SamplingParams  # validated; `seed` always set
     node_sampling: node_pb2.NodeSamplingParams  # the same values, as the nodes receive them
     client_request_id: str = ""  # the client's (echoed in responses); "" -> request_id
+    cache_salt: str = ""  # its prefix-cache namespace, as the nodes get it (router.tenancy)
 
     def __post_init__(self) -> None:
         if not self.client_request_id:
@@ -52,13 +54,18 @@ class InputProcessor:
         chat messages) longer than `max_prompt_chars` characters are refused before
         tokenizing (0: CHARS_PER_TOKEN_CAP x the context length)."""
         self._tokenizer = tokenizer
+        # the model's sampling defaults: what a field the client left unset becomes
+        self._sampling_defaults = defaults_from_proto(model_info.default_sampling)
         self._max_model_len = model_info.max_model_len
         self._vocab_size = model_info.vocab_size
         self._max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN_CAP * self._max_model_len
 
-    def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+    def process(
+        self, request: generation_pb2.GenerateRequest, cache_salt: str = ""
+    ) -> ProcessedRequest:
+        """`cache_salt`: the request's prefix-cache namespace (`CacheSalts.salt`)."""
         _check_request_id(request.request_id)
-        params = SamplingParams.from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling, self._sampling_defaults)
         if params.seed is None:  # P and a falling-back D must draw the same first token
             params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
         self._check_token_ids("sampling.stop_token_ids", params.stop_token_ids)
@@ -68,6 +75,14 @@ class InputProcessor:
                 "sampling.stop_token_ids"
             )
         prompt_token_ids = self._prompt_token_ids(request)
+        if len(prompt_token_ids) >= self._max_model_len:  # the prompt alone is too long
+            kind = request.WhichOneof("input") or "prompt"
+            raise InvalidRequestError(
+                f"the {kind} is {len(prompt_token_ids)} tokens; the model's context length of "
+                f"{self._max_model_len} tokens must hold it and at least one generated token: "
+                "shorten it",
+                kind,
+            )
         total_len = len(prompt_token_ids) + params.max_tokens
         if total_len > self._max_model_len:
             raise InvalidRequestError(
@@ -85,6 +100,7 @@ class InputProcessor:
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
+            cache_salt=cache_salt,
         )
 
     def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:

@@ -8,7 +8,8 @@ ceiling measured in the same run.
                     --floor-model synthetic:tiny-llama --batch-sizes 1,4 --contexts 64
                     --prefill-lens 128 --steps 4 --warmup-steps 1 --bandwidth-bytes 64MiB
                     --gemm-size 256
-    speculative: pd-bench engine --num-speculative-tokens 4 (verify steps beside decode steps)
+    speculative: pd-bench engine --num-speculative-tokens 4 (verify steps beside decode steps,
+    verify_step.py)
 
 Decode: `batch` requests admitted at `context` tokens through the decode role's path (reserve +
 add_prefilled: KV blocks in place, no prefill run), then `--steps` calls of `EngineCore.step()`
@@ -18,9 +19,11 @@ hides under the device's; `--async-scheduling off` shows the synchronous step). 
 the LM head included, plus each request's KV context) over the copy bandwidth measured here.
 Prefill: one prompt of N tokens in one step (its first token sampled), FLOPs over time, against
 a bf16 (the model dtype's) square GEMM measured here. Floor: `--floor-model` at batch 1.
-Verify (`--num-speculative-tokens K`): a speculative verify step of K + 1 tokens per request at
-each batch and context, beside the plain decode step of the same engine (verify_step.py); a
-verify step is synchronous (async scheduling waits for its accepted tokens).
+
+`--tensor-parallel-size N` (`--devices`): the engine over N ranks (gloo on CPU, NCCL on CUDA);
+a second table gives, per decode case on rank 0, the time in collectives (the all-reduces and
+the LM head's gather: their share of the step) and in the step broadcast (tp_costs.py). The
+ceilings and the floor stay one device's.
 """
 
 from __future__ import annotations
@@ -35,11 +38,20 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks.engine import ceilings as ceil
-from benchmarks.engine.verify_step import use_fixed_drafts
+from benchmarks.engine import tp_costs
+from benchmarks.engine.verify_step import add_spec_flag, spec_kwargs, use_fixed_drafts
 from benchmarks.serve.report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
-from pdserve.config import ASYNC_SCHEDULING, ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
+from pdserve.cli import ArgumentParser, add_config_flags, config_from_args
+from pdserve.config import (
+    ASYNC_SCHEDULING,
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EngineConfig,
+    ParallelConfig,
+    parse_size,
+)
 from pdserve.sampling_params import SamplingParams
 
 MAX_STEPS_TO_FIRST_TOKEN = 64  # a whole prompt prefills in one step; async adds one more
@@ -67,8 +79,9 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pd-bench engine", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="pd-bench engine", description=__doc__.split("\n")[0])
     _add_engine_flags(p)
+    add_config_flags(p, p.add_argument_group("tensor parallelism"), ParallelConfig, ())
     _add_workload_flags(p)
     _add_ceiling_flags(p)
     return p.parse_args(argv)
@@ -125,12 +138,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     p.add_argument("--warmup-steps", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--prefill-iters", type=int, default=3, help="timed prefills per length")
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="K > 0: also a verify step of K + 1 tokens per request at each batch and context",
-    )
+    add_spec_flag(p)
 
 
 def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
@@ -145,12 +153,18 @@ def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
-def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: int) -> EngineCore:
+def make_engine(
+    args: argparse.Namespace, model: str, max_len: int, max_seqs: int, one_rank: bool = False
+) -> EngineCore:
+    """The engine measured (`one_rank`: at TP 1 whatever --tensor-parallel-size says)."""
+    parallel = config_from_args(ParallelConfig, args)
+    if one_rank:
+        parallel = ParallelConfig()
     config = EngineConfig.from_kwargs(
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
-        enable_prefix_caching=False, **_spec_kwargs(args),
+        enable_prefix_caching=False, **asdict(parallel), **spec_kwargs(args),
     )  # fmt: skip
     core = EngineCore(config)
     if core.spec is not None:
@@ -158,21 +172,17 @@ def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: in
     return core
 
 
-def _spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    k = args.num_speculative_tokens
-    return dict(speculative_method="ngram", num_speculative_tokens=k) if k > 0 else {}
-
-
 def decode_step_s(
     core: EngineCore, batch: int, context: int, steps: int, warmup: int, num_drafts: int = 0
-) -> float:
+) -> tuple[float, tp_costs.TPCosts | None]:
     """Host time per decode step of `batch` requests at `context` tokens: `steps` calls of
     `EngineCore.step()` after `warmup`, timed together (with async scheduling a call returns
-    the previous step's tokens while launching the next, so single calls are not steps).
-    `num_drafts` > 0: verify steps of that many drafts per request (a speculating engine)."""
+    the previous step's tokens while launching the next, so single calls are not steps); with
+    tensor parallelism, also what it costs the step (tp_costs.py). `num_drafts` > 0: verify
+    steps of that many drafts per request (a speculating engine)."""
     ids = itertools.count()
     params = SamplingParams(
-        temperature=0.0, max_tokens=steps + warmup + 2 + num_drafts, ignore_eos=True,
+        temperature=0.0, max_tokens=2 * steps + warmup + 2 + num_drafts, ignore_eos=True,
         speculative=num_drafts > 0,
     )  # fmt: skip
     request_ids: list[str] = []
@@ -184,15 +194,24 @@ def decode_step_s(
         request_ids.append(rid)
     for _ in range(warmup):
         core.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    elapsed = time.perf_counter() - start
+    costs = None
+    if core.tp is not None:
+        costs = tp_costs.measure(core, lambda n: _run_steps(core, n), steps)
+        step_s = costs.step_s
+    else:
+        start = time.perf_counter()
+        _run_steps(core, steps)
+        step_s = (time.perf_counter() - start) / steps
     for rid in request_ids:
         core.abort(rid)
     while core.has_unfinished():
         core.step()
-    return elapsed / steps
+    return step_s, costs
+
+
+def _run_steps(core: EngineCore, steps: int) -> None:
+    for _ in range(steps):
+        core.step()
 
 
 def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
@@ -217,11 +236,16 @@ def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
     return statistics.median(times[1:])  # the first one compiles kernels
 
 
-def decode_rows(args, core: EngineCore, bandwidth: float, label: str) -> list[Row]:
+def decode_rows(
+    args, core: EngineCore, bandwidth: float, label: str, tp_info: list[dict] | None = None
+) -> list[Row]:
     rows = []
     model, arch, dtype = core.loaded.model, core.arch, core.dtype
     for context, batch in itertools.product(args.contexts, args.batch_sizes):
-        step = decode_step_s(core, batch, context, args.steps, args.warmup_steps)
+        step, costs = decode_step_s(core, batch, context, args.steps, args.warmup_steps)
+        if costs is not None and tp_info is not None:
+            tp_info.append({"case": f"{label} decode batch {batch} ctx {context}", **asdict(costs),
+                            "collective_share": costs.collective_share})  # fmt: skip
         num_bytes = ceil.decode_bytes(model, arch, dtype, batch, context)
         roofline = num_bytes / bandwidth
         rows.append(Row(
@@ -229,9 +253,8 @@ def decode_rows(args, core: EngineCore, bandwidth: float, label: str) -> list[Ro
             f"{roofline * 1e3:.3f} ms ({num_bytes / 1e9:.3g} GB)", f"{step / roofline:.2f}x",
             step, roofline,
         ))  # fmt: skip
-        k = args.num_speculative_tokens
-        if k > 0 and core.spec is not None:
-            verify = decode_step_s(core, batch, context, args.steps, args.warmup_steps, k)
+        if (k := args.num_speculative_tokens) > 0 and core.spec is not None:
+            verify, _ = decode_step_s(core, batch, context, args.steps, args.warmup_steps, k)
             rows.append(Row(
                 f"{label} verify K={k} batch {batch} ctx {context}", f"{verify * 1e3:.3f} ms/step",
                 f"decode {step * 1e3:.3f} ms/step", f"{verify / step:.2f}x", verify, step,
@@ -253,7 +276,7 @@ def prefill_rows(args, core: EngineCore, gemm: float, label: str) -> list[Row]:
 def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
     lengths = [*args.contexts, args.floor_context]
     max_len = max(
-        max(lengths) + args.steps + args.warmup_steps + 8, max(args.prefill_lens, default=0) + 8
+        max(lengths) + 2 * args.steps + args.warmup_steps + 8, max(args.prefill_lens, default=0) + 8
     )
     device = resolve_device(args.device)
     # Ceilings first, while the memory is free (the engine's KV pool then takes most of it).
@@ -275,18 +298,23 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
         "bandwidth_GBps": bandwidth / 1e9, "gemm_TFLOPs": gemm / 1e12,
     }  # fmt: skip
     label = args.model.removeprefix("synthetic:")
-    rows = decode_rows(args, core, bandwidth, label) + prefill_rows(args, core, gemm, label)
+    info["tensor_parallel_size"] = args.tensor_parallel_size
+    info["tp"] = []
+    rows = decode_rows(args, core, bandwidth, label, info["tp"])
+    rows += prefill_rows(args, core, gemm, label)
+    core.close()
     del core, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.floor_model:
-        floor_len = args.floor_context + args.steps + args.warmup_steps + 8  # decode only
-        floor = make_engine(args, args.floor_model, floor_len, 8)
+        floor_len = args.floor_context + 2 * args.steps + args.warmup_steps + 8  # decode only
+        floor = make_engine(args, args.floor_model, floor_len, 8, one_rank=True)
         floor_args = argparse.Namespace(**{**vars(args), "contexts": [args.floor_context],
                                            "batch_sizes": [1]})  # fmt: skip
         floor_label = args.floor_model.removeprefix("synthetic:") + " floor"
         rows += decode_rows(floor_args, floor, bandwidth, floor_label)
+        floor.close()
     return rows, info
 
 
@@ -304,7 +332,7 @@ def format_table(rows: list[Row], info: dict) -> str:
     )  # fmt: skip
     lines = ["| case | measured | ceiling | ratio |", "|---|---|---|---|"]
     lines += [f"| {r.case} | {r.measured} | {r.ceiling} | {r.ratio} |" for r in rows]
-    return head + "\n".join(lines)
+    return head + "\n".join(lines) + tp_costs.format_table(info)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,7 @@ def load_prompts(llm: LLM, dataset: str, num_prompts: int, cap: int) -> list[tup
     for line in path.read_text(encoding="utf-8").splitlines()[:num_prompts]:
         entry = json.loads(line)
         messages = entry.get("messages") or [{"role": "user", "content": entry["prompt"]}]
-        ids = tokenizer.apply_chat_template(messages)
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages))  # as LLM.chat does
         prompts.append((ids, min(int(entry.get("max_tokens", cap)), cap)))
     return prompts
 

@@ -12,6 +12,7 @@ outcome beyond the tokens landed. The plain decode rows of the same engine opt o
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 
 from engine.engine_core import EngineCore
@@ -34,3 +35,19 @@ def use_fixed_drafts(core: EngineCore) -> None:
     if core.spec is None:
         raise ValueError("the engine was built without speculative decoding")
     core.spec.proposer = FixedDraftProposer()
+
+
+def add_spec_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="K > 0: also a verify step of K + 1 tokens per request at each batch and context",
+    )
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine's speculative knobs for `--num-speculative-tokens` (n-gram; the proposer is
+    then replaced by `use_fixed_drafts`)."""
+    k = args.num_speculative_tokens
+    return dict(speculative_method="ngram", num_speculative_tokens=k) if k > 0 else {}

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.transfer.spec import TransferSpec, synchronize
-from cache_transfer.packing import check_block_ids, pack_layer, unpack_layer
+from cache_transfer.packing.block_ids import check_block_ids
+from cache_transfer.packing.packed_layer import pack_layer, unpack_layer
 
 PERFTEST_TIMEOUT_S = 60.0
 _UCX_MBYTE = 1 << 20  # ucx_perftest's "MB"

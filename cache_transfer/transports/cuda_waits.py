@@ -37,7 +37,7 @@ _waiter: threading.Thread | None = None
 async def wait_event(event: torch.cuda.Event, timeout_s: float) -> None:
     """Until the work recorded by `event` is done; TimeoutError after `timeout_s` (the wait in
     the waiter thread goes on, harmlessly: it holds nothing). CUDA errors raise here."""
-    if event.query():
+    if event.query():  # type: ignore[no-untyped-call]  # torch leaves Event.query unannotated
         return
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
@@ -53,9 +53,14 @@ async def wait_for_stream(tensor: torch.Tensor, timeout_s: float) -> None:
     Nothing to wait for on the host."""
     if tensor.device.type != "cuda":
         return
-    event = torch.cuda.Event()
+    event = new_event()
     event.record(torch.cuda.current_stream(tensor.device))
     await wait_event(event, timeout_s)
+
+
+def new_event() -> torch.cuda.Event:
+    """A CUDA event on the current device (typed: torch leaves Event's constructor unannotated)."""
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 def _ensure_waiter() -> None:

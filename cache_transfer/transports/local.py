@@ -25,7 +25,7 @@ from cache_transfer.transports.base import (
 
 class LocalTransport(KVTransport):
     _endpoints: ClassVar[dict[str, LocalTransport]] = {}
-    _ids: ClassVar[itertools.count] = itertools.count()
+    _ids: ClassVar[itertools.count[int]] = itertools.count()
 
     def __init__(self) -> None:
         self._address = f"local://{next(self._ids)}"
@@ -53,6 +53,7 @@ class LocalTransport(KVTransport):
         for (header, payload), payload_bytes in zip(messages, sizes):
 
             def fill(dst: torch.Tensor, src: torch.Tensor | None = payload) -> None:
+                assert src is not None  # (filled only for a message with a payload)
                 dst.copy_(src)
 
             dispatch_message(peer._handler, self._address, bytes(header), payload_bytes, fill)

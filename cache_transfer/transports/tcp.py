@@ -188,6 +188,7 @@ class TcpTransport(KVTransport):
         payload = None if payload_frame is None else payload_frame.buffer
 
         def fill(dst: torch.Tensor) -> None:
+            assert payload is not None  # (filled only for a message with a payload)
             np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
 
         num_bytes = 0 if payload is None else payload.nbytes
@@ -207,8 +208,9 @@ def _frames(
             if len(messages) > 1:
                 frames.append(b"")  # no payload
         elif zero_copy:  # a frame over the tensor's memory, released when libzmq is done
-            frames.append(zmq.Frame(payload.numpy(), copy=False, track=True))
-            trackers.append(frames[-1].tracker)
+            frame = zmq.Frame(payload.numpy(), copy=False, track=True)
+            frames.append(frame)
+            trackers.append(frame.tracker)
         else:
             frames.append(payload.numpy())
     return frames, trackers

@@ -44,7 +44,13 @@ class SpecDecoder:
 
     @staticmethod
     def speculates(request: Request) -> bool:
-        return request.sampling_params.speculative
+        """Not when it opted out, nor when it is constrained (structured outputs): its drafts
+        are not checked against the grammar, so it decodes one token a step."""
+        return (
+            request.sampling_params.speculative
+            and request.grammar is None
+            and request.matcher is None
+        )
 
     def num_lookahead(self, request: Request, max_model_len: int) -> int:
         """Draft slots for a decoding request's next step: at most K, and no draft past the

@@ -36,11 +36,12 @@ def cluster_2p2d():
 @pytest.fixture(scope="module")
 def cluster_http():
     """1P1D with the OpenAI HTTP API and every node's /metrics on free ports; the shortest
-    prompts take the local-prefill route."""
+    prompts take the local-prefill route; both nodes keep a host KV tier."""
     clusters = _cluster(
         "--prefill", "1", "--decode", "1",
         "--http-port", str(free_ports(1)), "--metrics-port", str(free_ports(2)),
         "--local-prefill-max-tokens", str(HTTP_LOCAL_PREFILL_MAX_TOKENS),
+        "--kv-offload-memory", "64MiB",
     )  # fmt: skip
     for cluster in clusters:
         cluster.http_url = http_url(cluster)

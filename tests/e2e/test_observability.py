@@ -160,6 +160,16 @@ def test_node_metrics(traffic):
     assert d("decode-0", "pdserve_node_requests_finished_total") in (len(served) - 1, len(served))
     assert d("prefill-0", "pdserve_node_requests_finished_total") == num_disaggregated
     assert d("prefill-0", "pdserve_node_prefix_cache_hit_tokens_total") > 0  # the repeated prompt
+    # the host KV tier (--kv-offload-memory): the prefill node's cached prompts were demoted;
+    # the decode node's received KV is never cached without a cluster secret, so never demoted
+    for node, demoted in (("prefill-0", True), ("decode-0", False)):
+        host_blocks = scrapes.now(node, "pdserve_node_host_kv_blocks")
+        free_host_blocks = scrapes.now(node, "pdserve_node_host_kv_blocks_free")
+        assert host_blocks > 0 and (free_host_blocks < host_blocks) == demoted
+        assert (d(node, "pdserve_node_kv_offload_bytes_total") > 0) == demoted
+        # the device pool kept every prompt: no hit had to come from the host tier
+        assert d(node, "pdserve_node_prefix_cache_host_hit_tokens_total") == 0
+        assert d(node, "pdserve_node_kv_promotion_bytes_total") == 0
     assert d("decode-0", "pdserve_node_local_prefills_total") == 1
     assert scrapes.now("decode-0", "pdserve_node_kv_transfer_fallbacks_total") == 0
     for node, direction in (("prefill-0", "sent"), ("decode-0", "received")):

@@ -27,8 +27,10 @@ def cluster_colocated_spec():
 
 
 def test_speculating_nodes_equal_offline(
-    cluster_1p1d_spec, cluster_colocated_spec, offline_reference
-):  # noqa: F811
+    cluster_1p1d_spec,
+    cluster_colocated_spec,
+    offline_reference,  # noqa: F811
+):
     expected, _ = offline_reference
     for cluster in (cluster_colocated_spec, cluster_1p1d_spec):
         assert any("speculative=ngram K=4" in line for line in cluster.log)

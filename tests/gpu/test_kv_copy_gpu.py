@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cache_transfer import LayerBlocks, copy_layer, copy_layers, pack_layer, unpack_layer
-from cache_transfer.packing import check_block_ids
+from cache_transfer.packing.block_ids import check_block_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -121,8 +121,8 @@ class UcxOutbound:
     async def _deliver(self, seq: int, head: bytearray, messages: list[Message]) -> None:
         await asyncio.wait({self._connecting})
         by_device = {p.device: p for _, p in messages if p is not None}
-        for payload in by_device.values():  # one wait per device covers all its payloads
-            await wait_for_stream(payload, DEVICE_WAIT_TIMEOUT_S)
+        for on_device in by_device.values():  # one wait per device covers all its payloads
+            await wait_for_stream(on_device, DEVICE_WAIT_TIMEOUT_S)
         if self.failed or self._endpoint is None or self._endpoint.closed:
             raise self._fail("not connected")
         sends = [self._endpoint.send(head, tag=message_tag(seq, HEAD))]

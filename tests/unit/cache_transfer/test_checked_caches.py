@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from cache_transfer.checked_caches import derived
+from cache_transfer.packing.checked_caches import derived
 
 
 class Derived:

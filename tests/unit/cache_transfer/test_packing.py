@@ -8,7 +8,7 @@ import torch
 from transfer_helpers import SENTINEL, make_layout, random_caches, sentinel_caches
 
 from cache_transfer import LayerBlocks, copy_layer, pack_layer, unpack_layer
-from cache_transfer.packing import alloc_staging, check_kv_cache, packed_view
+from cache_transfer.packing.packed_layer import alloc_staging, check_kv_cache, packed_view
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_transfer.staging_pool import MIN_CLASS_BYTES, StagingPool
+from cache_transfer.packing.staging_pool import MIN_CLASS_BYTES, StagingPool
 
 CPU = torch.device("cpu")
 

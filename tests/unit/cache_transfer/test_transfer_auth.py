@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_transfer_validation import DST_BLOCK_IDS, LAYOUT, NUM_TOKENS, Forger, _no_marker
+from forger import DST_BLOCK_IDS, LAYOUT, NUM_TOKENS, Forger, no_marker
 from transfer_helpers import (
     make_layout,
     make_raw_peer,
@@ -106,7 +106,7 @@ def test_a_sender_without_the_secret_writes_nothing_even_with_a_real_ticket(back
         await forger.first_token()
         state = await receiver.wait()  # the deadline: the decode node then prefills itself
         replies = list(forger.peer.received)
-        clean = _no_marker(decode)
+        clean = no_marker(decode)
         await decode.close()
         await forger.peer.transport.close()
         return state, replies, clean, receiver.num_bytes_received
@@ -122,14 +122,14 @@ def test_a_handshake_proof_for_another_transfer_is_refused(backend: str):
         decode = _decode(backend)
         first = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=1.5)
         second = decode.create_receiver([0, 1, 3, 5], NUM_TOKENS, timeout_s=1.5)
-        from cache_transfer.ticket_auth import handshake_proof
+        from cache_transfer.tickets import handshake_proof
 
         forger = Forger(await make_raw_peer(backend), second)
         proof = handshake_proof(AUTH, first.ticket(), forger.peer.transport.address)
         await forger.handshake(proof=proof)  # a proof replayed onto another transfer
         await forger.layer(0)
         state = await second.wait()
-        clean = _no_marker(decode)
+        clean = no_marker(decode)
         first.abort("test over")
         await decode.close()
         await forger.peer.transport.close()
@@ -155,7 +155,7 @@ def test_no_secret_keeps_the_open_protocol(backend: str):
 def test_with_the_secret_only_a_proven_sender_takes_a_session_over(backend: str):
     """The prefill retry's takeover under a cluster secret: a handshake without a proof is
     ignored (the first sender keeps the session), one proving the secret takes it over."""
-    from cache_transfer.ticket_auth import handshake_proof
+    from cache_transfer.tickets import handshake_proof
 
     async def scenario():
         decode = _decode(backend)

@@ -1,107 +1,38 @@
 """KVReceiver refuses every message that does not fit its ticket, once per backend.
 
-A raw transport endpoint plays the prefill node and speaks transfer.proto by hand. Forged
-payloads are filled with MARKER, so "no block written" means no MARKER anywhere in the cache.
+A raw transport endpoint (forger.py) plays the prefill node and speaks transfer.proto by hand.
+Forged payloads are filled with MARKER, so "no block written" means no MARKER anywhere in the
+cache.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-
 import pytest
 import torch
+from forger import (
+    DST_BLOCK_IDS,
+    LAYOUT,
+    MARKER,
+    NUM_TOKENS,
+    Forger,
+    caches,
+    forged_session,
+    full_transfer,
+    no_marker,
+)
 from transfer_helpers import (
     SENTINEL,
-    RawPeer,
-    make_layout,
     make_raw_peer,
-    messages_handled,
     run,
     sentinel_caches,
     untouched,
     wait_until,
 )
 
-from cache_transfer import KVReceiver, KVTransferManager, TransferState, make_transport, protocol
+from cache_transfer import KVTransferManager, TransferState, make_transport, protocol
 from pdserve.v1 import transfer_pb2
 
 pytestmark = pytest.mark.timeout(60)
-
-MARKER = 99.0
-LAYOUT = make_layout(block_size=4)  # 3 layers
-NUM_TOKENS = 10  # 3 blocks of KV
-DST_BLOCK_IDS = [6, 2, 9, 4]
-
-
-@dataclass
-class Forger:
-    """A hand-driven prefill node talking to one receiver."""
-
-    peer: RawPeer
-    receiver: KVReceiver
-    seq: int = 0
-
-    async def send(
-        self,
-        payload: torch.Tensor | None = None,
-        *,
-        seq: int | None = None,
-        transfer_id: str | None = None,
-        **kind: object,
-    ) -> None:
-        transfer_id = transfer_id or self.receiver.transfer_id
-        header = protocol.encode(transfer_id, self.seq if seq is None else seq, **kind)
-        self.seq += 1
-        address = self.receiver.ticket().dst_address
-        await asyncio.wait_for(self.peer.transport.send(address, header, payload), 5)
-
-    async def handshake(self, **overrides: object) -> None:
-        fields: dict[str, object] = dict(
-            protocol_version=protocol.PROTOCOL_VERSION,
-            layout_hash=LAYOUT.layout_hash(),
-            src_address=self.peer.transport.address,
-            num_layers=LAYOUT.num_layers,
-            num_tokens=NUM_TOKENS,
-            num_blocks=3,
-        )
-        await self.send(handshake=transfer_pb2.TransferHandshake(**{**fields, **overrides}))
-
-    async def layer(
-        self,
-        layer_idx: int,
-        value: float = MARKER,
-        payload_blocks: int = 3,
-        seq: int | None = None,
-        transfer_id: str | None = None,
-        **overrides: object,
-    ) -> None:
-        fields: dict[str, object] = dict(
-            layer_idx=layer_idx,
-            block_offset=0,
-            num_blocks=3,
-            num_bytes=LAYOUT.layer_bytes(3),
-            token_end=NUM_TOKENS,
-        )
-        manifest = transfer_pb2.LayerManifest(**{**fields, **overrides})  # type: ignore[arg-type]
-        payload = torch.full((2, payload_blocks, *LAYOUT.block_shape), value).view(torch.uint8)
-        await self.send(
-            payload.flatten(), seq=seq, transfer_id=transfer_id, layer_manifest=manifest
-        )
-
-    async def first_token(self) -> None:
-        await self.send(first_token=transfer_pb2.FirstToken(token_id=5))
-
-
-Script = Callable[[Forger], Awaitable[None]]
-
-
-async def _full_transfer(f: Forger) -> None:
-    await f.handshake()
-    for layer_idx in range(LAYOUT.num_layers):
-        await f.layer(layer_idx, value=1.0)
-    await f.first_token()
 
 
 async def _wrong_layer_index(f: Forger) -> None:
@@ -166,27 +97,12 @@ REFUSED = {
 }
 
 
-async def _setup(backend: str) -> tuple[KVTransferManager, KVReceiver, Forger]:
-    caches = sentinel_caches(LAYOUT, num_blocks=12)
-    manager = KVTransferManager(make_transport(backend), LAYOUT, caches)
-    receiver = manager.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
-    return manager, receiver, Forger(await make_raw_peer(backend), receiver)
-
-
-def _caches(manager: KVTransferManager) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(manager._kv_caches or [])
-
-
-def _no_marker(manager: KVTransferManager) -> bool:
-    return not any(bool((k == MARKER).any() or (v == MARKER).any()) for k, v in _caches(manager))
-
-
 def test_the_hand_driven_protocol_succeeds_when_honest(backend: str) -> None:
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
-        await _full_transfer(forger)
+        manager, receiver, forger = await forged_session(backend)
+        await full_transfer(forger)
         assert await receiver.wait(timeout_s=5) == TransferState.SUCCESS
-        k_cache, _ = _caches(manager)[0]
+        k_cache, _ = caches(manager)[0]
         assert bool((k_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
         assert bool((k_cache[DST_BLOCK_IDS[3]] == SENTINEL).all())
         await wait_until(lambda: len(forger.peer.received) == 2)  # ack, then result ok
@@ -205,13 +121,13 @@ def test_a_forged_message_fails_the_session_and_writes_nothing(backend: str, cas
     script, reason = REFUSED[case]
 
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
+        manager, receiver, forger = await forged_session(backend)
         await script(forger)
         assert await receiver.wait(timeout_s=5) == TransferState.FAILED
         assert reason in (receiver.error or ""), receiver.error
-        assert _no_marker(manager)
+        assert no_marker(manager)
         if case != "first-token-too-early":  # that one landed an honest layer first
-            assert untouched(_caches(manager))
+            assert untouched(caches(manager))
         assert manager.num_pending == 0 and manager.num_failed == 1
         await manager.close()
         await forger.peer.transport.close()
@@ -221,7 +137,7 @@ def test_a_forged_message_fails_the_session_and_writes_nothing(backend: str, cas
 
 def test_a_refused_handshake_is_answered_with_the_reason(backend: str) -> None:
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
+        manager, receiver, forger = await forged_session(backend)
         await forger.handshake(layout_hash="f" * 64)
         await wait_until(lambda: len(forger.peer.received) == 1)
         ack = protocol.decode(forger.peer.received[0][1]).handshake_ack
@@ -235,7 +151,7 @@ def test_a_refused_handshake_is_answered_with_the_reason(backend: str) -> None:
 
 def test_a_repeated_layer_is_refused_and_the_first_copy_stays(backend: str) -> None:
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
+        manager, receiver, forger = await forged_session(backend)
         await forger.handshake()
         await forger.layer(0, value=1.0)
         # Landed before the repeat is refused (ucx lands payloads while reading later heads:
@@ -244,10 +160,10 @@ def test_a_repeated_layer_is_refused_and_the_first_copy_stays(backend: str) -> N
         await forger.layer(0, value=MARKER)
         assert await receiver.wait(timeout_s=5) == TransferState.FAILED
         assert "token_end 10 must exceed 10" in (receiver.error or "")
-        k_cache, v_cache = _caches(manager)[0]
+        k_cache, v_cache = caches(manager)[0]
         assert bool((k_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
         assert bool((v_cache[DST_BLOCK_IDS[:3]] == 1.0).all())
-        assert _no_marker(manager)
+        assert no_marker(manager)
         await manager.close()
         await forger.peer.transport.close()
 
@@ -258,7 +174,7 @@ def test_unknown_transfer_ids_and_garbage_are_refused_without_touching_sessions(
     backend: str,
 ) -> None:
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
+        manager, receiver, forger = await forged_session(backend)
         await forger.handshake()
         await forger.layer(0, transfer_id="not-a-transfer", seq=1)
         address = receiver.ticket().dst_address
@@ -267,8 +183,8 @@ def test_unknown_transfer_ids_and_garbage_are_refused_without_touching_sessions(
         await forger.layer(1, value=1.0)
 
         await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
-        assert _no_marker(manager)
-        assert untouched([_caches(manager)[0], _caches(manager)[2]])
+        assert no_marker(manager)
+        assert untouched([caches(manager)[0], caches(manager)[2]])
         assert manager.num_pending == 1 and manager.num_failed == 0
         await manager.close()
         await forger.peer.transport.close()
@@ -278,14 +194,14 @@ def test_unknown_transfer_ids_and_garbage_are_refused_without_touching_sessions(
 
 def test_a_second_peer_cannot_join_a_session(backend: str) -> None:
     async def scenario() -> None:
-        manager, receiver, forger = await _setup(backend)
+        manager, receiver, forger = await forged_session(backend)
         await forger.handshake()
         intruder = Forger(await make_raw_peer(backend), receiver, seq=1)
         await intruder.layer(0)
 
         assert await receiver.wait(timeout_s=5) == TransferState.FAILED
         assert "not from the peer that handshook" in (receiver.error or "")
-        assert untouched(_caches(manager))
+        assert untouched(caches(manager))
         # The real peer is told the transfer failed.
         await wait_until(lambda: len(forger.peer.received) == 2)
         result = protocol.decode(forger.peer.received[1][1]).result
@@ -321,7 +237,7 @@ def test_a_payload_landing_after_the_session_failed_is_not_written() -> None:
     receives concurrently): the receiver must drop it, not scatter it."""
 
     async def scenario() -> None:
-        manager, receiver, forger = await _setup("local")
+        manager, receiver, forger = await forged_session("local")
         await forger.handshake()
         manifest = transfer_pb2.LayerManifest(
             layer_idx=0, num_blocks=3, num_bytes=LAYOUT.layer_bytes(3), token_end=NUM_TOKENS
@@ -337,64 +253,8 @@ def test_a_payload_landing_after_the_session_failed_is_not_written() -> None:
         receiver.complete(peer_id, msg, dst)
 
         assert receiver.state == TransferState.FAILED
-        assert untouched(_caches(manager))
+        assert untouched(caches(manager))
         await manager.close()
         await forger.peer.transport.close()
 
     run(scenario())
-
-
-def test_a_retried_sender_takes_over_a_waiting_session(backend: str) -> None:
-    """The router's prefill retry: a second sender's handshake (same ticket) takes over from
-    one that sent a layer and went silent; its KV lands, the first one's late layer is dropped."""
-
-    async def scenario() -> tuple[TransferState, str | None, bool, list]:
-        manager, receiver, first = await _setup(backend)
-        retry = Forger(await make_raw_peer(backend), receiver)
-        try:
-            await first.handshake()
-            await first.layer(0, value=1.0)
-            await wait_until(lambda: receiver.state == TransferState.TRANSFERRING)
-            await retry.handshake()
-            await wait_until(lambda: len(retry.peer.received) == 1, 10.0)  # taken over: acked
-            await first.layer(1, value=MARKER)  # the first sender, late: dropped
-            for layer_idx in range(LAYOUT.num_layers):
-                await retry.layer(layer_idx, value=2.0)
-            await retry.first_token()
-            state = await receiver.wait(timeout_s=5)
-            done = [(k[DST_BLOCK_IDS[:3]], v[DST_BLOCK_IDS[:3]]) for k, v in _caches(manager)]
-            landed = all(bool((k == 2.0).all() and (v == 2.0).all()) for k, v in done)
-            await wait_until(lambda: len(retry.peer.received) >= 2, 10.0)  # ack, result
-            return state, receiver.error, landed, [h for _, h in retry.peer.received]
-        finally:
-            await manager.close()
-            for forger in (first, retry):
-                await forger.peer.transport.close()
-
-    state, error, landed, headers = run(scenario())
-    assert state == TransferState.SUCCESS, error
-    assert landed, "every block holds the retried sender's KV"
-    replies = [protocol.decode(header) for header in headers]
-    assert [m.seq for m in replies] == [0, 1] and replies[1].result.ok
-
-
-def test_no_takeover_once_the_first_token_came(backend: str) -> None:
-    """A session that succeeded: a late handshake and layer from anyone change nothing."""
-
-    async def scenario() -> tuple[TransferState, bool]:
-        manager, receiver, first = await _setup(backend)
-        late = Forger(await make_raw_peer(backend), receiver)
-        try:
-            await _full_transfer(first)
-            assert await receiver.wait(timeout_s=5) == TransferState.SUCCESS
-            handled = messages_handled(manager)
-            await late.handshake()
-            await late.layer(0, value=MARKER)
-            await wait_until(lambda: handled == ["complete", "refused"], 10.0)  # handshake, layer
-            return receiver.state, _no_marker(manager)
-        finally:
-            await manager.close()
-            for forger in (first, late):
-                await forger.peer.transport.close()
-
-    assert run(scenario()) == (TransferState.SUCCESS, True)

@@ -19,7 +19,7 @@ from cache_transfer import (
     make_transport,
     pack_layer,
 )
-from cache_transfer import receiver as receiver_module
+from cache_transfer.in_place import receiver_grant
 from cache_transfer.sender import KVSender
 from pdserve.v1 import transfer_pb2
 
@@ -200,7 +200,7 @@ def test_a_failed_in_place_transfer_is_quarantined_until_the_sender_drained() ->
 def test_a_silent_failed_sender_is_presumed_done_after_its_deadline(monkeypatch) -> None:
     """No drained notice ever comes (the sender is gone): the quarantine ends once the
     sender's own deadline (its handshake's timeout_s) is past by the margin, not before."""
-    monkeypatch.setattr(receiver_module, "QUARANTINE_MARGIN_S", 0.2)
+    monkeypatch.setattr(receiver_grant, "QUARANTINE_MARGIN_S", 0.2)
 
     async def never_notify(self, reason: str) -> None:
         return None
@@ -230,7 +230,7 @@ def test_a_receiver_refuses_in_place_writes_it_did_not_grant() -> None:
         sender = prefill.create_sender(receiver.ticket(), timeout_s=10)
         sender.start()
         await wait_until(lambda: sender.state == TransferState.WAITING)
-        manifest = sender._manifest(0, 0, 4, NUM_TOKENS)
+        manifest = sender._spans.manifest(0, 0, 4, NUM_TOKENS)
         manifest.written_in_place = True
         await sender._send(layer_manifest=manifest)  # a forged claim: nothing was granted
         assert await receiver.wait() == TransferState.FAILED

@@ -106,7 +106,7 @@ class Nodes:
             while not all(whole(s) for s in await self.stats()):
                 await asyncio.sleep(0.01)
         for server in (self.prefill, self.decode):
-            await server.engine.call(lambda core: core.check_no_leaks())
+            await server.engine.check_no_leaks()
 
 
 @contextlib.asynccontextmanager

@@ -18,34 +18,27 @@ pytestmark = pytest.mark.timeout(60)
 BLOCK_SIZE = 4
 
 
-class _Core:
-    def __init__(self, num_free_blocks: int, max_num_seqs: int) -> None:
-        self.num_free_blocks = num_free_blocks
-        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
+class _Engine:
+    """A stand-in `AsyncEngine` whose answers come a loop turn after the question (as the engine
+    thread's do), so two callers can both hold an answer before either acts on it."""
 
-    def stats(self) -> SimpleNamespace:
+    def __init__(self, num_free_blocks: int) -> None:
+        self.num_free_blocks = num_free_blocks
+
+    async def stats(self) -> SimpleNamespace:
+        await asyncio.sleep(0)
         return SimpleNamespace(num_free_blocks=self.num_free_blocks, num_running=0, num_waiting=0)
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+    async def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        await asyncio.sleep(0)
         raise NoFreeBlocksError(f"no room for {request_id}")
 
 
-class _Engine:
-    """`call` runs `fn` at once (the engine thread) and hands the result back a loop turn later,
-    so two callers can both hold an answer before either acts on it."""
-
-    def __init__(self, core: _Core) -> None:
-        self.core = core
-
-    async def call(self, fn: Any, timeout_s: float = 30.0) -> Any:
-        result = fn(self.core)
-        await asyncio.sleep(0)
-        return result
-
-
 def _admission(num_free_blocks: int, max_num_seqs: int = 8, queue_timeout_s: float = 30.0):
-    engine = _Engine(_Core(num_free_blocks, max_num_seqs))
-    return KVAdmission(engine, BLOCK_SIZE, max_queued=4, queue_timeout_s=queue_timeout_s)
+    engine: Any = _Engine(num_free_blocks)
+    return KVAdmission(
+        engine, BLOCK_SIZE, max_num_seqs, max_queued=4, queue_timeout_s=queue_timeout_s
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,20 @@
 """A cancelled call racing the engine's pick-up never leaves the request in the engine.
 
 The race (issue 15's cancel storm): `AsyncEngine.generate` queues `add_request` for the engine
-thread and awaits it; the caller is cancelled while the command waits. The command still runs,
-the prefill-only engine prefills the request and holds it PREFILLED with its blocks, and nobody
-is left to release it. The order is forced with a threading.Event that holds the engine thread,
-not with sleeps."""
+thread; the caller is cancelled while the command waits. The command still runs, the
+prefill-only engine prefills the request and holds it PREFILLED with its blocks, and nobody is
+left to release it. The order is forced by holding the engine thread (`engine.testing`), not
+with sleeps."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore
+from engine.testing import hold_engine_thread, num_queued_commands, on_engine_thread
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.sampling_params import SamplingParams
 
@@ -31,22 +31,9 @@ def _core(prefill_only: bool) -> EngineCore:
     )
 
 
-async def _engine_thread_held(engine: AsyncEngine) -> threading.Event:
-    """Park the engine thread inside a command until the returned event is set."""
-    entered, release = threading.Event(), threading.Event()
-
-    def hold(_core: EngineCore) -> None:
-        entered.set()
-        release.wait(WAIT_S)
-
-    engine.post(hold)
-    assert await asyncio.to_thread(entered.wait, WAIT_S)
-    return release
-
-
 async def _until_queued(engine: AsyncEngine, num_commands: int) -> None:
     async with asyncio.timeout(WAIT_S):
-        while engine._commands.qsize() < num_commands:
+        while num_queued_commands(engine) < num_commands:
             await asyncio.sleep(0)
 
 
@@ -58,7 +45,7 @@ def test_generate_cancelled_before_pick_up_frees_everything(prefill_only):
         engine = AsyncEngine(core)
         engine.start()
         try:
-            release = await _engine_thread_held(engine)
+            release = await hold_engine_thread(engine, WAIT_S)
             request = core.make_request(
                 "r1", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True)
             )
@@ -74,8 +61,8 @@ def test_generate_cancelled_before_pick_up_frees_everything(prefill_only):
                 await task
             release.set()  # add_request runs now, after its caller is gone
             for _ in range(3):  # let the engine step whatever it holds
-                stats = await engine.call(lambda c: c.stats())
-            return stats, await engine.call(lambda c: c.get_request("r1"))
+                stats = await engine.stats()
+            return stats, await on_engine_thread(engine, lambda c: c.get_request("r1"))
         finally:
             await engine.stop()
 
@@ -95,16 +82,21 @@ def test_a_reused_id_is_not_aborted_by_a_cancelled_duplicate():
         try:
             params = SamplingParams(max_tokens=4, ignore_eos=True)
             first = core.make_request("same", list(range(3, 20)), params)
-            release = await _engine_thread_held(engine)
-            engine.post(lambda c: c.add_request(first))  # another call holds the id
+            release = await hold_engine_thread(engine, WAIT_S)
+            on_engine_thread(engine, lambda c: c.add_request(first))  # another call holds the id
             duplicate = core.make_request("same", list(range(3, 20)), params)
-            add = asyncio.create_task(engine._add(duplicate, lambda c: c.add_request(duplicate)))
+
+            async def consume() -> None:
+                async for _ in engine.generate(duplicate):
+                    pass
+
+            add = asyncio.create_task(consume())
             await _until_queued(engine, 2)
             add.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await add
             release.set()
-            return await engine.call(lambda c: c.get_request("same"))
+            return await on_engine_thread(engine, lambda c: c.get_request("same"))
         finally:
             await engine.stop()
 

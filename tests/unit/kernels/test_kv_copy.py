@@ -15,10 +15,10 @@ from tests.child_env import child_env  # noqa: E402
 
 SCRIPT = r"""
 import torch
-from cache_transfer.packing import (
-    CheckedIds, LayerBlocks, _as_rows, check_block_ids, copy_layer, copy_layers, pack_layer,
-    unpack_layer,
-)
+from cache_transfer.packing.block_copy import LayerBlocks, copy_layer, copy_layers
+from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
+from cache_transfer.packing.packed_layer import pack_layer, unpack_layer
+from cache_transfer.packing.rows import as_rows as _as_rows
 from kernels.kv_copy import layers_table
 
 torch.manual_seed(0)

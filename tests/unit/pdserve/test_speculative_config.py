@@ -37,6 +37,17 @@ def test_bad_settings_say_what_to_fix(kwargs, message) -> None:
         SpeculativeConfig(**kwargs)
 
 
+def test_speculation_under_tensor_parallelism_is_refused_naming_both_knobs() -> None:
+    args = build_parser("decode").parse_args(
+        ["--speculative-method", "ngram", "--tensor-parallel-size", "2"]
+    )
+    with pytest.raises(ValueError, match="--speculative-method ngram.*--tensor-parallel-size 2"):
+        engine_config(args)
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        EngineConfig.from_kwargs(speculative_method="ngram", tensor_parallel_size=2)
+    assert EngineConfig.from_kwargs(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
+
+
 def test_the_opt_out_crosses_the_wire() -> None:
     assert SamplingParams().speculative is True
     for message_type in (generation_pb2.SamplingParams, node_pb2.NodeSamplingParams):

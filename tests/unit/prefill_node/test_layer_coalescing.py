@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from cache_transfer.transports import ucx_available
+from engine.testing import hold_engine_thread, num_queued_commands
 from tests.unit.decode_node import node_harness as harness
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +38,21 @@ def count_layer_messages(kv_transport) -> list[int]:
         await real_send_many(peer_address, messages)
 
     kv_transport.send_many = counting_send_many
+    return batches
+
+
+def record_messages_with_layers(kv_transport, computed: list[int]) -> list[tuple[int, int]]:
+    """From now on, for each message `kv_transport` sends with a layer payload: (its messages,
+    how many layers were computed by then)."""
+    batches: list[tuple[int, int]] = []
+    real_send_many = kv_transport.send_many
+
+    async def recording_send_many(peer_address, messages):
+        if any(payload is not None for _, payload in messages):
+            batches.append((len(messages), len(computed)))
+        await real_send_many(peer_address, messages)
+
+    kv_transport.send_many = recording_send_many
     return batches
 
 
@@ -102,6 +118,7 @@ def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alon
             num_layers = nodes.prefill.layout.num_layers
             real_hook = streamer.on_layer_done
             computed: list[int] = []  # layers whose hook ran
+            batches = record_messages_with_layers(nodes.prefill.manager._transport, computed)
 
             def hook(layer_idx, chunks):  # engine thread
                 computed.append(layer_idx)
@@ -113,16 +130,6 @@ def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alon
                     asyncio.run_coroutine_threadsafe(went, loop).result(HOLD_S)
 
             nodes.prefill.core.on_layer_done = hook
-            batches: list[tuple[int, int]] = []  # (layers in the message, layers computed)
-            kv_transport = nodes.prefill.manager._transport
-            real_send_many = kv_transport.send_many
-
-            async def recording_send_many(peer_address, messages):
-                if any(payload is not None for _, payload in messages):
-                    batches.append((len(messages), len(computed)))
-                await real_send_many(peer_address, messages)
-
-            kv_transport.send_many = recording_send_many
             streamer._kv_device = "GPU-shared"
             handoff = await harness.run_disaggregated(nodes, "pd", prompt_ids)
             assert handoff.transfer_result.ok, handoff.transfer_result.error
@@ -139,6 +146,34 @@ def test_a_receiver_on_the_same_gpu_gets_the_layers_held_back_then_the_last_alon
     harness.run(main())
 
 
+def hold_the_batch(nodes, step_sizes: list[int]) -> None:
+    """Install a prefill hook that records each step's batch size and, after layer 0, waits
+    until every sender is acknowledged, then holds the event loop until the last layer."""
+    from cache_transfer import TransferState
+
+    loop = asyncio.get_running_loop()
+    streamer = nodes.prefill.streamer
+    num_layers = nodes.prefill.layout.num_layers
+    last_layer_done = threading.Event()
+    real_hook = streamer.on_layer_done
+
+    def acked() -> bool:
+        senders = [o.sender for o in streamer._outgoing.values()]
+        return all(s is not None and s.state >= TransferState.WAITING for s in senders)
+
+    def hook(layer_idx, chunks):  # engine thread
+        real_hook(layer_idx, chunks)
+        if layer_idx == 0:
+            step_sizes.append(len(chunks))
+            waiting = harness.wait_until(acked, HOLD_S)
+            asyncio.run_coroutine_threadsafe(waiting, loop).result(HOLD_S)
+            loop.call_soon_threadsafe(last_layer_done.wait, HOLD_S)  # hold the loop
+        if layer_idx == num_layers - 1:
+            last_layer_done.set()
+
+    nodes.prefill.core.on_layer_done = hook
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_batchs_layers_to_one_decode_node_go_as_one_message(transport: str) -> None:
     """Requests prefilled in one step, all to one decode node: the layers that are packed by
@@ -146,45 +181,23 @@ def test_a_batchs_layers_to_one_decode_node_go_as_one_message(transport: str) ->
     transfers' own sends join in `CoalescingTransport`), and every hand-off stays byte-exact.
     (The engine thread is held until all requests are queued, so they share a step; layer 0
     goes while the handshakes are answered; the loop is then held until the last layer.)"""
-    from cache_transfer import TransferState
-
     num_requests = 4
     prompts = [harness.prompt(21 + 6 * i, seed=20 + i) for i in range(num_requests)]
 
     async def main() -> None:
         async with harness.running_nodes(transport) as nodes:
-            loop = asyncio.get_running_loop()
-            streamer, engine = nodes.prefill.streamer, nodes.prefill.engine
+            engine = nodes.prefill.engine
             num_layers = nodes.prefill.layout.num_layers
             step_sizes: list[int] = []
-            last_layer_done = threading.Event()
-            real_hook = streamer.on_layer_done
-
-            def acked() -> bool:
-                senders = [o.sender for o in streamer._outgoing.values()]
-                return all(s is not None and s.state >= TransferState.WAITING for s in senders)
-
-            def hook(layer_idx, chunks):  # engine thread
-                real_hook(layer_idx, chunks)
-                if layer_idx == 0:
-                    step_sizes.append(len(chunks))
-                    waiting = harness.wait_until(acked, HOLD_S)
-                    asyncio.run_coroutine_threadsafe(waiting, loop).result(HOLD_S)
-                    loop.call_soon_threadsafe(last_layer_done.wait, HOLD_S)  # hold the loop
-                if layer_idx == num_layers - 1:
-                    last_layer_done.set()
-
-            nodes.prefill.core.on_layer_done = hook
+            hold_the_batch(nodes, step_sizes)
             # layers in each message the wire carried (below the coalescing)
             batches = count_layer_messages(nodes.prefill.manager._transport.inner)
-            gate = threading.Event()
-            held = asyncio.ensure_future(engine.call(lambda core: gate.wait(HOLD_S), HOLD_S))
+            release = await hold_engine_thread(engine, HOLD_S)
             handoffs = asyncio.gather(
                 *(harness.run_disaggregated(nodes, f"r{i}", p) for i, p in enumerate(prompts))
             )
-            await harness.wait_until(lambda: engine._commands.qsize() >= num_requests, HOLD_S)
-            gate.set()
-            await held
+            await harness.wait_until(lambda: num_queued_commands(engine) >= num_requests, HOLD_S)
+            release.set()
             results = await handoffs
             assert step_sizes == [num_requests]  # one prefill step
             assert all(r.transfer_result.ok for r in results), [r.transfer_result for r in results]

@@ -1,6 +1,6 @@
 """Issue 15: with a cluster secret, every node RPC without a valid proof ends UNAUTHENTICATED
 (health stays open), the router's NodeClient proves the secret without sending it, and a
-malformed request ends INVALID_ARGUMENT instead of UNKNOWN. A real NodeServer on loopback
+malformed request ends INVALID_ARGUMENT instead of UNKNOWN. A real GrpcNodeServer on loopback
 over a fake backend (no engine)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from node_common.node_server import NodeServer
+from node_common.grpc_node_server import GrpcNodeServer
 from pdserve.security import AUTH_METADATA_KEY, ClusterAuth
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.node_client import NodeClient
@@ -36,8 +36,8 @@ class FakeBackend:
         return True
 
 
-def _serve(backend: FakeBackend, auth: ClusterAuth | None) -> NodeServer:
-    return NodeServer(
+def _serve(backend: FakeBackend, auth: ClusterAuth | None) -> GrpcNodeServer:
+    return GrpcNodeServer(
         "127.0.0.1", 0, backend, "pdserve.v1.DecodeNode", lambda server: None, auth=auth
     )
 

@@ -71,7 +71,7 @@ def test_a_transfer_failing_mid_way_caches_nothing_and_a_later_request_is_right(
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
             reference = await run_local(nodes, "reference", PROMPT)  # then drop its cache
-            await nodes.decode.engine.call(lambda core: core.kv_cache_manager.reset_prefix_cache())
+            assert await nodes.decode.engine.reset_prefix_cache()
             peer = RawPeer.start("tcp")
             try:
                 call = nodes.decode_stub.Decode(

@@ -1,13 +1,18 @@
 """The real default model (SmolLM2-135M, fp32 on CPU) with prompt lookup on an input-grounded
 prompt: the greedy tokens of the engine without speculation, most of them from accepted
-drafts; a stop string that completes inside an accepted run ends the output there."""
+drafts; a stop string that completes inside an accepted run ends the output there; a
+constrained request beside it is not speculated."""
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.outputs import StepOutput
+from pdserve.structured_output import StructuredOutputParams
 
 pytestmark = pytest.mark.slow
 
@@ -79,4 +84,30 @@ def test_a_stop_string_inside_an_accepted_run(plain: LLM, spec: LLM) -> None:
     assert sum(len(o.new_token_ids) for o in steps) > len(got.token_ids), (
         "the run that completed the stop string had tokens after it, dropped"
     )
+    spec.engine.check_no_leaks()
+
+
+def test_a_constrained_request_is_not_speculated(plain: LLM, spec: LLM) -> None:
+    """Structured outputs and speculation in one batch: the constrained request decodes one
+    token a step (no drafts: they are not checked against its grammar), with the plain
+    engine's tokens, while the free one beside it still verifies drafts."""
+    regex = r"def moving_average\(values: list\[float\], window: int\) -> list\[float\]:"
+    constrained = SamplingParams(**GREEDY, structured_output=StructuredOutputParams.regex(regex))
+    prompts = [MESSAGES, MESSAGES]
+    params = [constrained, SamplingParams(**GREEDY)]
+    expected = [o.token_ids for o in plain.chat(prompts, params)]
+    steps = recorded(spec)
+    before = dataclasses.replace(spec.engine.stats().spec_decode)
+    got = spec.chat(prompts, params)
+    assert [o.token_ids for o in got] == expected
+    assert re.fullmatch(regex, got[0].text), got[0].text
+    runs: dict[str, list[list[int]]] = {}
+    for out in steps:
+        runs.setdefault(out.request_id, []).append(out.new_token_ids)
+    (constrained_runs,) = [r for r in runs.values() if sum(r, []) == got[0].token_ids]
+    (free_runs,) = [r for r in runs.values() if sum(r, []) == got[1].token_ids]
+    assert all(len(run) <= 1 for run in constrained_runs)
+    assert any(len(run) > 1 for run in free_runs)
+    after = spec.engine.stats().spec_decode
+    assert after.num_verifies > before.num_verifies
     spec.engine.check_no_leaks()

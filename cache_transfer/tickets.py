@@ -1,0 +1,141 @@
+"""A transfer's ticket: issued by the receiver, checked by the sender, proved in the handshake.
+
+```
+decode node   issue_ticket(...)                       a receiver's ticket (signed with a secret)
+prefill node  ticket_misfit(layout, ticket) -> why    the ticket does not fit this node's KV
+with a cluster secret (pdserve.security):
+decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst address, block
+                                                      ids, layout hash, token count, expiry
+prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
+              handshake_for(ticket, ...)              the handshake, with its proof:
+              handshake_proof(auth, ticket, src)      TransferHandshake.proof
+decode node   check_handshake(auth, ticket, hs)       before any byte of KV is accepted
+```
+
+A ticket that does not verify makes the prefill node contact nobody (no failure notice to
+its dst_address either), so a forged ticket cannot aim a prefill node at an arbitrary address.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Sequence
+
+from cache_transfer.layout import KVLayout
+from cache_transfer.protocol import PROTOCOL_VERSION
+from pdserve.security import ClusterAuth
+from pdserve.v1 import node_pb2, transfer_pb2
+
+
+def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple[str | int, ...]:
+    return (
+        ticket.transfer_id,
+        ticket.dst_address,
+        ",".join(map(str, ticket.dst_block_ids)),
+        ticket.layout_hash,
+        ticket.num_tokens,
+        repr(ticket.expires_at_unix_s),
+        ticket.kv_device,
+    )
+
+
+def issue_ticket(
+    auth: ClusterAuth | None,
+    timeout_s: float,
+    transfer_id: str,
+    dst_address: str,
+    dst_block_ids: Sequence[int],
+    layout_hash: str,
+    num_tokens: int,
+    kv_device: str,
+) -> node_pb2.TransferTicket:
+    """What a receiver hands the prefill node (through the router): where and into which
+    blocks to send its KV; signed (valid `timeout_s`) when there is a cluster secret."""
+    ticket = node_pb2.TransferTicket(
+        transfer_id=transfer_id,
+        dst_address=dst_address,
+        dst_block_ids=dst_block_ids,
+        layout_hash=layout_hash,
+        num_tokens=num_tokens,
+        kv_device=kv_device,
+    )
+    if auth is not None:
+        sign_ticket(auth, ticket, timeout_s)
+    return ticket
+
+
+def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | None:
+    """Why a sender of `layout` cannot send what `ticket` asks for, or None."""
+    num_blocks = layout.num_blocks_for(ticket.num_tokens)
+    if not ticket.dst_address:
+        return "no dst_address"
+    if ticket.layout_hash != layout.layout_hash():
+        return f"layout_hash {ticket.layout_hash!r} differs from this node's {layout}"
+    if ticket.num_tokens <= 0:
+        return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
+    if len(ticket.dst_block_ids) < num_blocks:
+        return f"{len(ticket.dst_block_ids)} dst blocks for {num_blocks} blocks of KV"
+    return None
+
+
+def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
+    """Set the ticket's expiry (`timeout_s` from now) and signature, in place."""
+    ticket.expires_at_unix_s = round(time.time() + timeout_s, 3)
+    ticket.signature = auth.sign("kv-ticket", *_ticket_parts(ticket))
+
+
+def check_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket) -> str | None:
+    """None when a node holding the secret issued `ticket` and it has not expired."""
+    if not ticket.signature:
+        return "the ticket is unsigned (this cluster has a secret)"
+    if not auth.verify(ticket.signature, "kv-ticket", *_ticket_parts(ticket)):
+        return "the ticket's signature does not verify (forged or altered)"
+    if time.time() > ticket.expires_at_unix_s + auth.window_s:
+        return "the ticket expired"
+    return None
+
+
+def handshake_for(
+    ticket: node_pb2.TransferTicket,
+    layout: KVLayout,
+    src_address: str,
+    auth: ClusterAuth | None,
+    kv_device: str,
+    write_in_place: bool,
+    timeout_s: float,
+) -> transfer_pb2.TransferHandshake:
+    """The sender's handshake for `ticket`: what the receiver checks it against, where to
+    answer, whether it asks to write in place, its deadline; with a secret, proving it."""
+    handshake = transfer_pb2.TransferHandshake(
+        protocol_version=PROTOCOL_VERSION,
+        layout_hash=layout.layout_hash(),
+        src_address=src_address,
+        num_layers=layout.num_layers,
+        num_tokens=ticket.num_tokens,
+        num_blocks=layout.num_blocks_for(ticket.num_tokens),
+        kv_device=kv_device,
+        write_in_place=write_in_place,
+        timeout_s=timeout_s,
+    )
+    if auth is not None:
+        handshake.proof = handshake_proof(auth, ticket, src_address)
+    return handshake
+
+
+def handshake_proof(auth: ClusterAuth, ticket: node_pb2.TransferTicket, src_address: str) -> bytes:
+    return auth.sign(
+        "kv-handshake", ticket.transfer_id, src_address, ticket.layout_hash, ticket.num_tokens,
+        ticket.signature,
+    )  # fmt: skip
+
+
+def check_handshake(
+    auth: ClusterAuth, ticket: node_pb2.TransferTicket, handshake: transfer_pb2.TransferHandshake
+) -> str | None:
+    if not handshake.proof:
+        return "the handshake carries no proof of the cluster secret"
+    expected = handshake_proof(auth, ticket, handshake.src_address)
+    if not hmac.compare_digest(handshake.proof, expected):
+        return "the handshake's proof does not verify (a sender without the cluster secret)"
+    return None

@@ -1,0 +1,246 @@
+"""`NodeBase`: what a prefill or a decode node is, less what its role does.
+
+```
+NodeBase(core, config)     inside the event loop: AsyncEngine around the EngineCore, KV layout,
+                           KV transport + KVTransferManager, the role's servicer, NodeInfo,
+                           tokenizer files, GrpcNodeServer (Node + the role's service + health)
+start()                    engine thread, then serve (and register, with a registry); /metrics
+                           on config.metrics_port unless 0 (NodeMetrics)
+stop()                     stop serving (in-flight calls get grace_s, then are cancelled and
+                           free what they hold), stop the engine thread, close the transport
+                           (live transfers fail, peers are told). Idempotent.
+```
+
+A role subclass says which service it serves (`role`, `role_service`, `prefill_only`), builds
+its servicer (`make_servicer`), registers it (`add_servicer`), and answers `abort`; it may add
+to the load report (`role_stats`) and receive KV into the engine's cache (`receive_into`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+import grpc
+import torch
+
+from cache_transfer import CudaIpcSharing, KVLayout, KVTransferManager, make_transport
+from engine.async_engine import AsyncEngine
+from engine.engine_core import EngineCore, EngineStats
+from engine.kv_offload import KVOffloadStats
+from node_common.grpc_node_server import GrpcNodeServer
+from node_common.node_messages import read_tokenizer_files
+from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
+from node_common.role_servicer import RoleServicer
+from pdserve.config import NodeConfig
+from pdserve.sampling_defaults import defaults_to_proto
+from pdserve.security import load_cluster_auth
+from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import node_pb2, transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class NodeBase(abc.ABC):
+    """One node. Construct it inside the event loop it will serve on."""
+
+    role: ClassVar[node_pb2.NodeRole]  # node_pb2.NODE_ROLE_*
+    role_service: ClassVar[str]  # the full name of the role's gRPC service
+    prefill_only: ClassVar[bool]  # the role's EngineCore runs in prefill-only mode
+
+    def __init__(self, core: EngineCore, config: NodeConfig) -> None:
+        if core.config.scheduler.prefill_only != self.prefill_only:
+            build = "with" if self.prefill_only else "without"
+            raise ValueError(
+                f"a {self.role_name} node needs an EngineCore "
+                f"{'in prefill-only mode' if self.prefill_only else 'that decodes'}: build it "
+                f"{build} SchedulerConfig(prefill_only=True)"
+            )
+        self.core = core
+        self.config = config
+        self.layout = KVLayout.from_dtype(
+            core.dtype,
+            model=core.loaded.name,
+            block_size=core.config.cache.block_size,
+            **core.arch.layout_fields(),
+        )
+        self.engine = AsyncEngine(core)
+        self.auth = load_cluster_auth(config.security)
+        self.metrics = NodeMetrics(
+            self.role_name,
+            core.loaded.name,
+            loop_stats_reader(asyncio.get_running_loop(), self._metric_stats),
+        )
+        self.manager = self._make_manager()
+        self.servicer: RoleServicer = self.make_servicer()
+        self._node_info = self._make_node_info()
+        tokenizer_dir = core.loaded.tokenizer_dir
+        chat_template = Tokenizer.from_dir(tokenizer_dir).chat_template if tokenizer_dir else None
+        self._tokenizer_files = read_tokenizer_files(tokenizer_dir, chat_template)
+        self._server = GrpcNodeServer(
+            config.host, config.port, self, self.role_service, self.add_servicer,
+            registry=config.registry, advertise_host=config.advertise_host,
+            security=config.security, auth=self.auth,
+        )  # fmt: skip
+        self._engine_started = False
+        self._stopped = False
+
+    def _make_manager(self) -> KVTransferManager:
+        """The KV transport (where peers reach this node) and its transfer manager."""
+        config = self.config
+        transport = make_transport(
+            config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
+        )
+        kv_device = self.core.pool.buffer.device
+        sharing = (
+            CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
+        )
+        return KVTransferManager(
+            transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
+            kv_device=kv_device,
+        )  # fmt: skip
+
+    # ---- what a role provides -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def make_servicer(self) -> RoleServicer:
+        """The role's servicer (built once the engine and the transfer manager exist)."""
+
+    @abc.abstractmethod
+    def add_servicer(self, server: grpc.aio.Server) -> None:
+        """Register `self.servicer` on `server`."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """`Node.Abort`: end the request wherever it is on this node; False when unknown."""
+
+    def receive_into(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The KV caches incoming transfers land in (the decode role); None: sends only."""
+        return None
+
+    def role_stats(self, stats: EngineStats) -> dict[str, int]:
+        """NodeStats fields the role reports on top of the shared ones."""
+        return {}
+
+    def last_transfer(self) -> node_pb2.LayerTimeline | None:
+        """The most recent KV hand-off's per-layer timeline on this node, if any."""
+        return None
+
+    def role_metric_counters(self) -> dict[str, int]:
+        """Counters the role exports as metrics beyond NodeStats (node_metrics._COUNTERS)."""
+        return {}
+
+    # ---- NodeBackend ----------------------------------------------------------------------
+
+    @property
+    def role_name(self) -> str:
+        return "prefill" if self.prefill_only else "decode"
+
+    @property
+    def address(self) -> str:
+        """The gRPC HOST:PORT (the bound port once started)."""
+        return self._server.address
+
+    @property
+    def kv_address(self) -> str:
+        """The KV transport address peers reach this node at."""
+        return self.manager.address
+
+    @property
+    def node_info(self) -> node_pb2.NodeInfo:
+        return self._node_info
+
+    @property
+    def tokenizer_files(self) -> node_pb2.TokenizerFiles:
+        return self._tokenizer_files
+
+    async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
+        """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
+        the engine thread (a long prefill step must not delay a registry heartbeat)."""
+        if fresh:
+            stats = await self.engine.stats()
+        else:
+            stats = self.engine.last_stats
+        counters = self.servicer.counters
+        fields: dict[str, Any] = {
+            "num_kv_blocks": stats.num_total_blocks,
+            "num_free_kv_blocks": stats.num_free_blocks,
+            "num_running_requests": stats.num_running,
+            "num_waiting_requests": stats.num_waiting,
+            "num_pending_transfers": self.manager.num_pending,
+            "num_finished_requests": counters.num_finished_requests,
+            "num_failed_transfers": self.manager.num_failed,
+            "num_in_place_transfers": self.manager.num_in_place,
+            "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "num_prefilled_tokens": stats.prompt_tokens_computed,
+            "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
+            **_host_tier_fields(stats.kv_offload),
+        }
+        reply = node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
+        timeline = self.last_transfer()
+        if timeline is not None:
+            reply.last_transfer.CopyFrom(timeline)
+        return reply
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine thread, then serve. Raises OSError when the port is taken."""
+        self.engine.start()
+        self._engine_started = True
+        await self._server.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
+            logger.info("Prometheus metrics on %s", self.metrics.url)
+        logger.info(
+            "%s node serving on %s (kv %s): model %s, layout %s",
+            self.role_name, self.address, self.kv_address, self.core.loaded.name,
+            self.layout.layout_hash()[:12],
+        )  # fmt: skip
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop serving (in-flight calls get `grace_s`, default config.grace_s), then the engine
+        thread and the transport. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.metrics.stop()
+        if self._engine_started:
+            await self.engine.stop()
+        await self.manager.close()
+
+    async def _metric_stats(self) -> dict[str, int]:
+        fields = stats_fields(await self.stats())
+        if self.prefill_only:
+            fields.pop("num_local_prefills")
+        return {**fields, **self.role_metric_counters()}
+
+    def _make_node_info(self) -> node_pb2.NodeInfo:
+        arch = self.core.arch
+        return node_pb2.NodeInfo(
+            role=self.role,
+            model_name=self.core.loaded.name,
+            layout_hash=self.layout.layout_hash(),
+            max_model_len=self.core.max_model_len,
+            vocab_size=arch.vocab_size,
+            eos_token_ids=arch.eos_token_ids,
+            block_size=self.layout.block_size,
+            kv_transport=self.kv_address.split("://", 1)[0],
+            protocol_version=transfer_pb2.PROTOCOL_VERSION_CURRENT,
+            max_num_seqs=self.core.config.scheduler.max_num_seqs,
+            default_sampling=defaults_to_proto(self.core.loaded.sampling_defaults),
+        )
+
+
+def _host_tier_fields(tier: KVOffloadStats) -> dict[str, int]:
+    """NodeStats fields of the host KV tier (engine/kv_offload; zeros when it is off)."""
+    return {
+        "num_host_kv_blocks": tier.num_host_blocks,
+        "num_free_host_kv_blocks": tier.num_free_host_blocks,
+        "num_host_prefix_cache_hit_tokens": tier.host_hit_tokens,
+        "num_kv_offload_bytes": tier.offload_bytes,
+        "num_kv_promotion_bytes": tier.promotion_bytes,
+    }

@@ -1,0 +1,103 @@
+"""A hand-driven prefill node: a raw transport endpoint that speaks transfer.proto to one
+receiver, honestly or not (tests of what the receiver refuses, takeovers, authentication).
+Forged payloads are filled with MARKER, so "no block written" means no MARKER anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+from transfer_helpers import RawPeer, make_layout, make_raw_peer, sentinel_caches
+
+from cache_transfer import KVReceiver, KVTransferManager, make_transport, protocol
+from pdserve.v1 import transfer_pb2
+
+MARKER = 99.0
+LAYOUT = make_layout(block_size=4)  # 3 layers
+NUM_TOKENS = 10  # 3 blocks of KV
+DST_BLOCK_IDS = [6, 2, 9, 4]
+
+
+@dataclass
+class Forger:
+    """A hand-driven prefill node talking to one receiver."""
+
+    peer: RawPeer
+    receiver: KVReceiver
+    seq: int = 0
+
+    async def send(
+        self,
+        payload: torch.Tensor | None = None,
+        *,
+        seq: int | None = None,
+        transfer_id: str | None = None,
+        **kind: object,
+    ) -> None:
+        transfer_id = transfer_id or self.receiver.transfer_id
+        header = protocol.encode(transfer_id, self.seq if seq is None else seq, **kind)
+        self.seq += 1
+        address = self.receiver.ticket().dst_address
+        await asyncio.wait_for(self.peer.transport.send(address, header, payload), 5)
+
+    async def handshake(self, **overrides: object) -> None:
+        fields: dict[str, object] = dict(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            layout_hash=LAYOUT.layout_hash(),
+            src_address=self.peer.transport.address,
+            num_layers=LAYOUT.num_layers,
+            num_tokens=NUM_TOKENS,
+            num_blocks=3,
+        )
+        await self.send(handshake=transfer_pb2.TransferHandshake(**{**fields, **overrides}))
+
+    async def layer(
+        self,
+        layer_idx: int,
+        value: float = MARKER,
+        payload_blocks: int = 3,
+        seq: int | None = None,
+        transfer_id: str | None = None,
+        **overrides: object,
+    ) -> None:
+        fields: dict[str, object] = dict(
+            layer_idx=layer_idx,
+            block_offset=0,
+            num_blocks=3,
+            num_bytes=LAYOUT.layer_bytes(3),
+            token_end=NUM_TOKENS,
+        )
+        manifest = transfer_pb2.LayerManifest(**{**fields, **overrides})  # type: ignore[arg-type]
+        payload = torch.full((2, payload_blocks, *LAYOUT.block_shape), value).view(torch.uint8)
+        await self.send(
+            payload.flatten(), seq=seq, transfer_id=transfer_id, layer_manifest=manifest
+        )
+
+    async def first_token(self) -> None:
+        await self.send(first_token=transfer_pb2.FirstToken(token_id=5))
+
+
+async def full_transfer(f: Forger) -> None:
+    await f.handshake()
+    for layer_idx in range(LAYOUT.num_layers):
+        await f.layer(layer_idx, value=1.0)
+    await f.first_token()
+
+
+async def forged_session(backend: str) -> tuple[KVTransferManager, KVReceiver, Forger]:
+    """A decode node's manager, one receiver of it, and a forger speaking to that receiver."""
+    dst = sentinel_caches(LAYOUT, num_blocks=12)
+    manager = KVTransferManager(make_transport(backend), LAYOUT, dst)
+    receiver = manager.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
+    return manager, receiver, Forger(await make_raw_peer(backend), receiver)
+
+
+def caches(manager: KVTransferManager) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The manager's KV caches (where received KV lands)."""
+    return list(manager._kv_caches or [])
+
+
+def no_marker(manager: KVTransferManager) -> bool:
+    """No forged byte landed anywhere in the manager's caches."""
+    return not any(bool((k == MARKER).any() or (v == MARKER).any()) for k, v in caches(manager))
