@@ -130,7 +130,11 @@ def refusal(
             error = f"refused the handshake from {peer_id}: {reason}"
             return Refusal(reason, error, of_handshake=True)
     elif reason is None:  # a first token or a result: refused in words of their own
-        own = first_token_refusal(r) if kind == "first_token" else result_refusal(msg.result)
+        own = (
+            first_token_refusal(r, msg.first_token)
+            if kind == "first_token"
+            else result_refusal(msg.result)
+        )
         return None if own is None else Refusal(own, own)
     if reason is None:
         return None
@@ -246,10 +250,19 @@ def layer_refusal(
     return None
 
 
-def first_token_refusal(r: ReceiverView) -> str | None:
-    """The first token comes once, after every layer's KV of every token."""
+MAX_DRAFT_TOKENS = 16  # SpeculativeConfig.num_speculative_tokens' bound
+
+
+def first_token_refusal(r: ReceiverView, first: transfer_pb2.FirstToken) -> str | None:
+    """The first token comes once, after every layer's KV of every token, with at most
+    `MAX_DRAFT_TOKENS` drafts (speculative decoding)."""
     if r.first_token is not None:
         return "refused a second first token"
+    if len(first.draft_token_ids) > MAX_DRAFT_TOKENS:
+        return (
+            f"refused the first token: {len(first.draft_token_ids)} draft tokens, at most "
+            f"{MAX_DRAFT_TOKENS}"
+        )
     missing = [i for i, end in enumerate(r.layer_token_end) if end != r.num_tokens]
     if missing:
         return f"refused the first token: layers {missing[:8]} are incomplete"

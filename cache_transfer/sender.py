@@ -2,9 +2,8 @@
 
     created from the ticket ── handshake (at once: queued or computing) ──► BOOTSTRAPPING
         ── ack ──► WAITING
-    beat(n) while the prefill node's engine makes progress (queued behind other prompts, or
-    computing this one): a Progress message when nothing else went out for beat_interval_s
-    start() when the engine starts this prefill (marks elapsed_s)
+    beat(n) as the engine makes progress (queued or computing): a Progress message when nothing
+    else went out for beat_interval_s; start() when the engine starts this prefill (elapsed_s)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
@@ -202,9 +201,10 @@ class KVSender(TransferSession):
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
+        draft_token_ids: Sequence[int] = (),
     ) -> None:
-        """Send the sampled first token once every layer's message is handed to the transport
-        (which delivers in that order), not once sent. A no-op once finished."""
+        """Send the sampled first token (and its drafts) once every layer's message is handed
+        to the transport (which delivers in order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -214,10 +214,10 @@ class KVSender(TransferSession):
         if self._unsubmitted:
             await asyncio.wait(set(self._unsubmitted), timeout=self.remaining_s)
         if not self.finished:
-            first_token = transfer_pb2.FirstToken(
-                token_id=token_id, logprob=logprob, finish_reason=finish_reason
-            )
-            await self._send(first_token=first_token)
+            await self._send(first_token=transfer_pb2.FirstToken(
+                token_id=token_id, logprob=logprob, finish_reason=finish_reason,
+                draft_token_ids=draft_token_ids,
+            ))  # fmt: skip
 
     def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
         """A header-only message from the receiver: the handshake's ack or the result (the

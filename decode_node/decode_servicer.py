@@ -238,7 +238,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if first_token.HasField("logprob"):
             first.logprobs.append(first_token.logprob)
         yield first
-        outputs = self._engine.resume(request, block_ids, first_token.token_id)
+        drafts = first_token.draft_token_ids  # its first step verifies them
+        outputs = self._engine.resume(request, block_ids, first_token.token_id, drafts)
         async for chunk in self._chunks(job, outputs, next_index=1):
             yield chunk
 

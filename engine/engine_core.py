@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from engine.cuda_graphs import decode_graph_reserve_bytes, make_decode_graphs
 from engine.distributed import TensorParallel, WorkerInit
 from engine.engine_settings import async_scheduling_on, with_backend_block_size
+from engine.engine_stats import EngineStats
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.kv_offload import KVOffload, KVOffloadStats
@@ -39,6 +39,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode import SpecDecodeParts, SpecDecodeStats
+from engine.spec_decode.handoff_drafts import checked_drafts
 from engine.structured import CompiledGrammar, StructuredOutputManager
 from kernels.attention import get_attention_backend
 from pdserve import envs
@@ -50,23 +51,6 @@ logger = logging.getLogger(__name__)
 
 class NoFreeBlocksError(RuntimeError):
     """The KV pool cannot hold the tokens asked for right now (retry later or elsewhere)."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_prefilled_held: int
-    num_reserved: int
-    num_total_blocks: int
-    num_free_blocks: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
-    # speculative decoding since start (all 0 when off): engine/spec_decode/stats.py
-    spec_decode: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
-    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
-    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
-    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
@@ -223,8 +207,8 @@ class EngineCore:
     ) -> None:
         """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
         the first token sampled elsewhere; it continues decoding from position prompt_len.
-        `draft_token_ids`: drafts proposed after the first token (speculative decoding: the
-        first step verifies them; ignored when this engine does not speculate)."""
+        `draft_token_ids`: drafts proposed after the first token (the first step verifies them;
+        spec_decode/handoff_drafts.py)."""
         reserved = self._reservations.pop(request.request_id, None)
         if reserved is None or list(block_ids) != reserved:
             if reserved is not None:
@@ -235,8 +219,8 @@ class EngineCore:
         request.block_ids = list(block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
-        speculates = self.spec is not None and self.spec.speculates(request)
-        request.draft_token_ids = list(draft_token_ids) if speculates else []
+        if self.spec is not None and self.spec.speculates(request):
+            request.draft_token_ids = checked_drafts(draft_token_ids, self.spec, self.arch)
         try:
             self.structured.start_matcher(request)  # advanced by the first token (or raises)
             self.scheduler.add_prefilled(request)

@@ -182,16 +182,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_result: _Optional[_Union[PrefillTransferResult, _Mapping]] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens")
+    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens", "draft_token_ids")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generation_pb2.TokenLogprob
     finish_reason: str
     num_cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillTransferResult(_message.Message):
     __slots__ = ("ok", "error", "num_bytes", "elapsed_s")

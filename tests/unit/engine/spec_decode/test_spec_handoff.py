@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.engine_core import EngineCore
+from engine.request import Request
+from engine.spec_decode.handoff_drafts import checked_drafts, first_drafts
 from pdserve.config import (
     CacheConfig,
     EngineConfig,
@@ -77,3 +79,31 @@ def test_handed_in_drafts_verify_on_the_first_decode_step(tiny_checkpoints, draf
     rest = [t for o in out for t in o.new_token_ids] + drain(decode)
     assert [first_token] + rest == expected
     decode.check_no_leaks()
+
+
+def test_first_drafts_are_the_prompt_lookup_after_the_first_token() -> None:
+    """What a prefill node sends (spec_decode/handoff_drafts.py): the n-gram lookup over the
+    prompt and the first token, capped by K and max_tokens; none when not speculating."""
+    config = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=3)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    request = Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20), (2,))
+    assert first_drafts(config, request, 7) == [8, 9, 10]  # "5 6 7" seen: what followed it
+    assert first_drafts(config, request, 42) == []  # no match
+    assert first_drafts(config, request, 2) == []  # the first token is EOS: nothing follows
+    short = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=3), (2,))
+    assert first_drafts(config, short, 7) == [8]  # two tokens left: one draft + the target's
+    opted_out = Request("o", prompt, SamplingParams(max_tokens=20, speculative=False))
+    assert first_drafts(config, opted_out, 7) == []
+    assert first_drafts(SpeculativeConfig(), request, 7) == []  # speculation off
+    draft_model = SpeculativeConfig(speculative_method="draft", speculative_model="x")
+    assert first_drafts(draft_model, request, 7) == []  # its KV hand-off is not built
+
+
+def test_handed_in_drafts_are_checked(tiny_checkpoints) -> None:
+    """At most K are kept; any id outside the vocabulary drops them all (drafts are hints)."""
+    decode = make_engine(tiny_checkpoints["llama"], speculative_method="ngram")
+    assert decode.spec is not None
+    k, vocab = decode.spec.num_speculative_tokens, decode.arch.vocab_size
+    assert checked_drafts(list(range(1, 30)), decode.spec, decode.arch) == list(range(1, k + 1))
+    assert checked_drafts([1, vocab], decode.spec, decode.arch) == []
+    assert checked_drafts([1, -1], decode.spec, decode.arch) == []
