@@ -32,13 +32,17 @@ import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from engine.block_hash import request_token_ids
 from engine.in_flight_steps import InFlightSteps
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus, TokenLogprobs
-from engine.request_checks import check_admissible, check_scheduler_config, stop_status
-from engine.scheduler_output import PENDING, ScheduledChunk, SchedulerOutput
+from engine.request_checks import (
+    check_admissible,
+    check_prefilled,
+    check_scheduler_config,
+    stop_status,
+)
+from engine.scheduler_output import SchedulerOutput, next_chunk
 from engine.spec_decode.landing import land_verified
 from engine.spec_decode.spec_decoder import SpecDecoder
 from pdserve.config import SchedulerConfig
@@ -103,21 +107,10 @@ class Scheduler:
         self._waiting.append(request)
 
     def add_prefilled(self, request: Request) -> None:
-        """Admit a request whose prompt KV already sits in `request.block_ids`, with
-        `num_computed_tokens` covering every token but its last (the first sampled one).
-
-        If that first token already finishes the request, it finishes at once; its
-        StepOutput (no new tokens) comes with the next step's outputs.
-        """
-        num_kv_slots = len(request.block_ids) * self.kv_cache_manager.block_size
-        if request.num_computed_tokens != request.num_tokens - 1 or num_kv_slots < (
-            request.num_computed_tokens
-        ):
-            raise ValueError(
-                f"request {request.request_id!r}: add_prefilled needs num_computed_tokens == "
-                f"num_tokens - 1 and block_ids covering them; got {request.num_computed_tokens} "
-                f"computed of {request.num_tokens} tokens, {len(request.block_ids)} blocks"
-            )
+        """Admit a request whose prompt KV already sits in `request.block_ids`, every token but
+        its last (the first sampled one) computed. If that token already finishes it, it
+        finishes at once; its StepOutput (no new tokens) comes with the next step's outputs."""
+        check_prefilled(request, self.kv_cache_manager.block_size)
         check_admissible(request, self._requests, self.max_model_len, self.kv_cache_manager)
         self._requests[request.request_id] = request
         self.kv_cache_manager.cache_full_blocks(request)
@@ -267,7 +260,7 @@ class Scheduler:
                     return None
             elif not lookahead and not self._allocate_or_preempt(request, num_new_tokens, output):
                 break
-            output.chunks.append(self._make_chunk(request, num_new_tokens, lookahead))
+            output.chunks.append(next_chunk(request, num_new_tokens, lookahead))
             budget -= num_new_tokens + lookahead
         return budget
 
@@ -314,27 +307,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self._running[request.request_id] = request
-            output.chunks.append(self._make_chunk(request, num_new_tokens))
+            output.chunks.append(next_chunk(request, num_new_tokens))
             budget -= num_new_tokens
-
-    def _make_chunk(
-        self, request: Request, num_new_tokens: int, num_lookahead: int = 0
-    ) -> ScheduledChunk:
-        """The next `num_new_tokens` of `request` (and `num_lookahead` draft slots after them);
-        a token still pending on the device (at most one, the last: `schedule_ahead`) is
-        `PENDING`."""
-        start_pos = request.num_computed_tokens
-        end_pos = start_pos + num_new_tokens
-        token_ids = request_token_ids(request, start_pos, end_pos)
-        token_ids += [PENDING] * (num_new_tokens - len(token_ids))
-        return ScheduledChunk(
-            request=request,
-            token_ids=token_ids,
-            start_pos=start_pos,
-            block_ids=request.block_ids,  # not copied: only appended to until the step ends
-            sample=end_pos == request.num_tokens + request.num_pending_tokens,
-            num_lookahead_tokens=num_lookahead,
-        )
 
     # ---- request transitions --------------------------------------------------------------
 

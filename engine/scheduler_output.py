@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.block_hash import request_token_ids
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -81,3 +82,21 @@ class SchedulerOutput:
     def has_grammar(self) -> bool:
         """A chunk samples under a grammar (structured outputs: its mask needs the matcher)."""
         return any(c.sample and c.request.matcher is not None for c in self.chunks)
+
+
+def next_chunk(request: Request, num_new_tokens: int, num_lookahead: int = 0) -> ScheduledChunk:
+    """The next `num_new_tokens` of `request` (and `num_lookahead` draft slots after them), as
+    the scheduler hands them out; a token still pending on the device (at most one, the last:
+    `Scheduler.schedule_ahead`) is `PENDING`."""
+    start_pos = request.num_computed_tokens
+    end_pos = start_pos + num_new_tokens
+    token_ids = request_token_ids(request, start_pos, end_pos)
+    token_ids += [PENDING] * (num_new_tokens - len(token_ids))
+    return ScheduledChunk(
+        request=request,
+        token_ids=token_ids,
+        start_pos=start_pos,
+        block_ids=request.block_ids,  # not copied: only appended to until the step ends
+        sample=end_pos == request.num_tokens + request.num_pending_tokens,
+        num_lookahead_tokens=num_lookahead,
+    )
