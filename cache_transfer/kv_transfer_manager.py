@@ -8,12 +8,13 @@
                   per layer; await sender.send_first_token(...); await sender.wait();
                   release the blocks either way
 
-Incoming messages are decoded once and routed to their session by transfer id and kind.
-Headers that do not decode, or name no live session, are refused and logged (at DEBUG when
-they are late for a session that ended here: a race, not an attack); no session is touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
-finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
-manager owns).
+Incoming messages are decoded once and routed to their session by transfer id and kind
+(with their bytes: a MAC covers them). Headers that do not decode, or name no live session,
+are refused and logged (at DEBUG when they are late for a session that ended here: a race, not
+an attack); no session is touched. A session leaves the manager the moment it finishes. A
+hello or handshake for a receiver that finished already (e.g. it was cancelled) is answered
+with a refusal, so its sender fails at once instead of at its deadline (`FinishedReceivers`,
+which the manager owns).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -33,6 +34,7 @@ from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
 from cache_transfer.packing.packed_layer import check_kv_cache
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.receiver import KVReceiver
+from cache_transfer.route_slice import ROUTE_SEPARATOR, RouteSlice
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
 
 S = TypeVar("S", KVReceiver, KVSender)
+# Makes the receiver of an unknown route's first message (from peer_id), or None (refused).
+RouteAcceptor = Callable[[str, protocol.TransferMessage], KVReceiver | None]
 
 
 class KVTransferManager:
@@ -59,6 +63,7 @@ class KVTransferManager:
         sharing: PoolSharing | None = None,
         kv_device: torch.device | None = None,
         kv_device_name: str | None = None,
+        encrypt: bool = False,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
@@ -67,13 +72,14 @@ class KVTransferManager:
         signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
-        write into a receiver there."""
+        write into a receiver there. `encrypt` (needs `auth`; host payloads): senders encrypt
+        their payloads and first token, receivers take encrypted transfers only."""
+        if encrypt and auth is None:
+            raise ValueError("encrypted KV frames (--kv-encrypt) need a cluster secret")
         if kv_caches is not None:
             _check_caches(layout, kv_caches)
-        self.layout = layout
-        self.auth = auth
-        self.num_succeeded = 0
-        self.num_failed = 0
+        self.layout, self.auth, self.encrypt = layout, auth, encrypt
+        self.num_succeeded = self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
@@ -92,6 +98,8 @@ class KVTransferManager:
         self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
         self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
+        self._acceptors: dict[str, RouteAcceptor] = {}  # TP hand-offs' routes, by transfer id
+        self._retired: set[str] = set()  # receivers ended unused (not counted)
         self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -122,18 +130,23 @@ class KVTransferManager:
         transfer_id: str | None = None,
         max_ceiling_s: float | None = None,
         log_id: str = "",
+        route: RouteSlice | None = None,
     ) -> KVReceiver:
         """A session receiving `num_tokens` tokens of KV into blocks reserved for it: it fails
         after `timeout_s` without progress, or at the sender's ceiling (at most
-        `max_ceiling_s`, default `timeout_s`). `log_id`: the request id its log lines carry."""
+        `max_ceiling_s`, default `timeout_s`). `log_id`: the request id its log lines carry.
+        `route`: a TP hand-off's (tp/fan_in.py): into a head slice, never in place."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
         self._check_new(transfer_id)
+        layout = route.layout if route else self.layout
+        kv_caches = route.kv_caches if route else self._kv_caches
         receiver = KVReceiver(
-            self._transport, self._staging, self.layout, self._kv_caches, transfer_id,
-            dst_block_ids, num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
-            pool_export=self._pool_export, kv_device=self._kv_device_name, log_id=log_id,
+            self._transport, self._staging, layout, kv_caches, transfer_id, dst_block_ids,
+            num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
+            pool_export=None if route else self._pool_export, kv_device=self._kv_device_name,
+            require_encryption=self.encrypt, log_id=log_id, route=route.receiver if route else None,
         )  # fmt: skip
         return self._register(receiver, self._receivers)
 
@@ -143,18 +156,33 @@ class KVTransferManager:
         timeout_s: float,
         ceiling_s: float | None = None,
         log_id: str = "",
+        route: RouteSlice | None = None,
     ) -> KVSender:
         """A session sending to the receiver that issued `ticket` (FAILED at once, and the
         receiver told, when the ticket does not match this node's layout); it handshakes at
         once, fails after `timeout_s` without progress or at `ceiling_s` (default
-        `timeout_s`) from now."""
+        `timeout_s`) from now. `route`: a TP hand-off's (tp/fan_out.py), never in place."""
         self._check_new(ticket.transfer_id)
         sender = KVSender(
-            self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth,
-            ceiling_s=ceiling_s, sharing=self._sharing, kv_device=self._sender_kv_device,
-            device=self._kv_device, log_id=log_id,
+            self._transport, self._staging, route.layout if route else self.layout, ticket,
+            timeout_s, auth=self.auth, ceiling_s=ceiling_s,
+            sharing=None if route else self._sharing, kv_device=self._sender_kv_device,
+            device=self._kv_device, encrypt=self.encrypt, log_id=log_id, route=route,
         )  # fmt: skip
         return self._register(sender, self._senders)
+
+    def accept_routes(self, transfer_id: str, acceptor: RouteAcceptor | None) -> None:
+        """`acceptor` may make the receiver of a TP hand-off's unknown route `<transfer_id>:...`
+        on its first message (cache_transfer/tp/); None: no more."""
+        self._acceptors.pop(transfer_id, None)
+        if acceptor is not None:
+            self._acceptors[transfer_id] = acceptor
+
+    def retire(self, receiver: KVReceiver, reason: str) -> None:
+        """End a receiver no sender used (the hand-off went another way): not counted, not told."""
+        if self._receivers.get(receiver.transfer_id) is receiver and receiver.sender_id is None:
+            self._retired.add(receiver.transfer_id)
+            receiver.fail(f"retired: {reason}", notify_peer=False, level=logging.INFO)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
         return self._receivers.get(transfer_id) or self._senders.get(transfer_id)
@@ -189,7 +217,7 @@ class KVTransferManager:
         routed = self._route(peer_id, header)
         if routed is not None:
             session, msg = routed
-            session.complete(peer_id, msg, payload)
+            session.complete(peer_id, msg, payload, header)
         elif payload is not None:  # its receiver finished while the payload was landing
             self._staging.give_back(payload)
 
@@ -227,20 +255,30 @@ class KVTransferManager:
             session = self._senders.get(msg.transfer_id)
         if session is None and kind == "result" and msg.result.writes_drained:
             session = self._quarantined.get(msg.transfer_id)
+        if session is None and kind in protocol.TO_RECEIVER_KINDS and self._acceptors:
+            session = self._accept_route(peer_id, msg)
         if session is None:
             self._refuse_stray(peer_id, msg)
             return None
         return session, msg
+
+    def _accept_route(self, peer_id: str, msg: protocol.TransferMessage) -> KVReceiver | None:
+        """The receiver a TP hand-off's acceptor makes for a route's first message, or None."""
+        acceptor = self._acceptors.get(msg.transfer_id.split(ROUTE_SEPARATOR, 1)[0])
+        return acceptor(peer_id, msg) if acceptor is not None else None
 
     def _refuse_stray(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """A message for no live session of its kind: the session it names fails (it came to
         the wrong side), a late handshake is answered, the rest is dropped (logged)."""
         kind = protocol.kind_of(msg)
         stray = self.get(msg.transfer_id)
-        if stray is not None:
+        if stray is not None and self.auth is not None:  # nobody's we could tell: dropped
+            logger.warning("dropped a %s message from %s for %s %s", kind, peer_id,
+                           stray.role, msg.transfer_id)  # fmt: skip
+        elif stray is not None:
             stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
-        elif kind == "handshake" and msg.transfer_id in self._finished:
-            self._finished.refuse_handshake(peer_id, msg)
+        elif kind in ("hello", "handshake") and msg.transfer_id in self._finished:
+            self._finished.refuse(peer_id, msg)
         else:
             # late for a session that ended here (a race: e.g. the request finished while a
             # result, an ack or a layer was on its way), or for none at all
@@ -263,12 +301,15 @@ class KVTransferManager:
 
     def _on_finish(self, session: S, table: dict[str, S]) -> None:
         table.pop(session.transfer_id, None)
+        if session.transfer_id in self._retired:
+            self._retired.discard(session.transfer_id)
+            return
         self._count(session)
         if isinstance(session, KVReceiver):
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished.remember(session.transfer_id, why, session.ticket(), session.log_id)
+            self._finished.remember(session, why)
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""

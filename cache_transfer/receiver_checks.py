@@ -4,19 +4,27 @@ A message reaches `KVReceiver.prepare` (it carries a payload, which lands only i
 here) or `KVReceiver.complete` (header only; a payload that landed is not checked again):
 
     1. unproven_sender      with a cluster secret, only the sender whose handshake proved it
+                            (its proof covers the nonce this receiver challenged that
+                            connection with, taken: it proves one handshake only)
+       forged (the receiver's FrameSealer): that handshake's MAC under the key its proof
+                            brings, every later message's under the sender's key (a payload's
+                            once it landed in staging, before it is unpacked)
     2. superseded_sender    not a sender that a retried one took over from
-       ─► failing 1 or 2: not heard (logged, dropped); the session goes on
+       ─► failing 1 or 2 (or a handshake's MAC): not heard (logged, dropped); the session
+       goes on. A message of the sender whose MAC fails: the session fails
        (then, header only: a drained notice after the end settles the writes in place; a
        handshake from another sender may take the session over: takeover_allowed)
     3. refusal(...)
        sender_refusal       the session is live, the handshake comes first and then everything
                             from the peer that sent it, each with the next sequence number
        by kind:
-       handshake            handshake_refusal: version, layout, layers, tokens, blocks, address
+       handshake            handshake_refusal: version, layout, layers, tokens, blocks, kv
+                            heads and rank, address, encryption
        progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
-       first_token          first_token_refusal: once, after every layer is complete
+       first_token          first_token_refusal: once, after every layer is complete;
+                            opened (FrameSealer), bounded_drafts: at most 16 drafts
        result               result_refusal: only the receiver reports success
        ─► refused: the session fails and the peer is told (a handshake: a refused ack)
 
@@ -29,7 +37,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.state import TransferState
 from cache_transfer.tickets import check_handshake
@@ -62,6 +70,14 @@ class ReceiverView(Protocol):
     def first_token(self) -> transfer_pb2.FirstToken | None: ...
     @property
     def in_place(self) -> bool: ...  # the sender was granted writes in place
+    @property
+    def heads(self) -> HeadSlice: ...  # the kv heads (and sending rank) the session carries
+    @property
+    def expects_first_token(self) -> bool: ...  # False: a TP route that ends with its layers
+    @property
+    def authenticated(self) -> bool: ...  # a cluster secret: handshakes prove it
+    @property
+    def requires_encryption(self) -> bool: ...  # --kv-encrypt: only encrypted transfers
 
 
 @dataclass(frozen=True)
@@ -77,13 +93,15 @@ def unproven_sender(
     ticket: node_pb2.TransferTicket,
     peer_id: str,
     msg: TransferMessage,
+    nonce: bytes | None,
 ) -> str | None:
     """1. With a cluster secret: why `msg` comes from anyone but a sender that proved it (its
-    handshake's proof verifies, and later messages come from that same peer), or None."""
+    handshake's proof verifies for the `nonce` this receiver challenged `peer_id` with, and
+    later messages come from that same peer), or None."""
     if auth is None or r.state.finished or peer_id == r.sender_id:
         return None
     if kind_of(msg) == "handshake":  # the first, or a takeover
-        return check_handshake(auth, ticket, msg.handshake)
+        return check_handshake(auth, ticket, msg.handshake, nonce, peer_id)
     return f"a {kind_of(msg)} message from a peer that proved no cluster secret"
 
 
@@ -130,11 +148,7 @@ def refusal(
             error = f"refused the handshake from {peer_id}: {reason}"
             return Refusal(reason, error, of_handshake=True)
     elif reason is None:  # a first token or a result: refused in words of their own
-        own = (
-            first_token_refusal(r, msg.first_token)
-            if kind == "first_token"
-            else result_refusal(msg.result)
-        )
+        own = first_token_refusal(r) if kind == "first_token" else result_refusal(msg.result)
         return None if own is None else Refusal(own, own)
     if reason is None:
         return None
@@ -170,8 +184,20 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
         got = getattr(handshake, field)
         if got != want:
             return f"{field} is {got!r}, this receiver expects {want!r}"
+    sent = HeadSlice(  # unset (proto3 zeros): a TP 1 sender, every head of the layout
+        handshake.kv_head_start,
+        handshake.kv_head_end or handshake.kv_head_start + r.layout.num_kv_heads,
+        handshake.tp_size or 1,
+        handshake.rank,
+    )
+    if sent != r.heads:
+        return f"the sender carries {sent.describe()}; this receiver takes {r.heads.describe()}"
     if not handshake.src_address:
         return "no src_address to reply to"
+    if r.requires_encryption and not handshake.encrypted:
+        return "this receiver takes encrypted KV frames only (--kv-encrypt on both nodes)"
+    if handshake.encrypted and not r.authenticated:
+        return "encrypted KV frames need a cluster secret (the key comes from it)"
     return None
 
 
@@ -253,20 +279,26 @@ def layer_refusal(
 MAX_DRAFT_TOKENS = 16  # SpeculativeConfig.num_speculative_tokens' bound
 
 
-def first_token_refusal(r: ReceiverView, first: transfer_pb2.FirstToken) -> str | None:
-    """The first token comes once, after every layer's KV of every token, with at most
-    `MAX_DRAFT_TOKENS` drafts (speculative decoding)."""
+def first_token_refusal(r: ReceiverView) -> str | None:
+    """The first token comes once, after every layer's KV of every token, on the session
+    that expects it (a tensor-parallel hand-off's other routes end with their layers)."""
+    if not r.expects_first_token:
+        return f"refused a first token: this session carries {r.heads.describe()} only"
     if r.first_token is not None:
         return "refused a second first token"
-    if len(first.draft_token_ids) > MAX_DRAFT_TOKENS:
-        return (
-            f"refused the first token: {len(first.draft_token_ids)} draft tokens, at most "
-            f"{MAX_DRAFT_TOKENS}"
-        )
     missing = [i for i, end in enumerate(r.layer_token_end) if end != r.num_tokens]
     if missing:
         return f"refused the first token: layers {missing[:8]} are incomplete"
     return None
+
+
+def bounded_drafts(first: transfer_pb2.FirstToken) -> transfer_pb2.FirstToken:
+    """The first token as sent (opened, when sealed: its drafts too), with at most
+    `MAX_DRAFT_TOKENS` drafts (speculative decoding); ValueError otherwise."""
+    if len(first.draft_token_ids) > MAX_DRAFT_TOKENS:
+        num = len(first.draft_token_ids)
+        raise ValueError(f"{num} draft tokens, at most {MAX_DRAFT_TOKENS}")
+    return first
 
 
 def result_refusal(result: transfer_pb2.TransferResult) -> str | None:

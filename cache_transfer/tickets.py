@@ -5,11 +5,14 @@ decode node   issue_ticket(...)                       a receiver's ticket (signe
 prefill node  ticket_misfit(layout, ticket) -> why    the ticket does not fit this node's KV
 with a cluster secret (pdserve.security):
 decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst address, block
-                                                      ids, layout hash, token count, expiry
+                                                      ids, layout hash, token count, expiry,
+                                                      a TP node's ranks (addresses, kv heads)
 prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
               handshake_for(ticket, ...)              the handshake, with its proof:
-              handshake_proof(auth, ticket, src)      TransferHandshake.proof
-decode node   check_handshake(auth, ticket, hs)       before any byte of KV is accepted
+              handshake_proof(auth, ticket, src,      TransferHandshake.proof: bound to the
+                              nonce, connection)      challenge's nonce and the connection
+decode node   check_handshake(auth, ticket, hs,       before any byte of KV is accepted (the
+                              nonce, connection)      nonce it issued to that connection, once)
 ```
 
 A ticket that does not verify makes the prefill node contact nobody (no failure notice to
@@ -22,7 +25,7 @@ import hmac
 import time
 from collections.abc import Sequence
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.protocol import PROTOCOL_VERSION
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -37,7 +40,20 @@ def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple[str | int, ...]:
         ticket.num_tokens,
         repr(ticket.expires_at_unix_s),
         ticket.kv_device,
+        *_rank_parts(ticket),
     )
+
+
+def _rank_parts(ticket: node_pb2.TransferTicket) -> tuple[str, ...]:
+    """A tensor-parallel decode node's ranks (nothing for a TP 1 ticket, whose signed bytes
+    stay what they were)."""
+    if ticket.tp_size <= 1 and not ticket.ranks:
+        return ()
+    ranks = ";".join(
+        f"{r.rank},{r.address},{r.kv_head_start},{r.kv_head_end},{r.kv_device}"
+        for r in ticket.ranks
+    )
+    return (f"tp={ticket.tp_size}", ranks)
 
 
 def issue_ticket(
@@ -49,9 +65,11 @@ def issue_ticket(
     layout_hash: str,
     num_tokens: int,
     kv_device: str,
+    ranks: Sequence[node_pb2.RankEndpoint] = (),
 ) -> node_pb2.TransferTicket:
     """What a receiver hands the prefill node (through the router): where and into which
-    blocks to send its KV; signed (valid `timeout_s`) when there is a cluster secret."""
+    blocks to send its KV (a tensor-parallel node: each of its `ranks`' endpoint and kv
+    heads); signed (valid `timeout_s`) when there is a cluster secret."""
     ticket = node_pb2.TransferTicket(
         transfer_id=transfer_id,
         dst_address=dst_address,
@@ -59,6 +77,8 @@ def issue_ticket(
         layout_hash=layout_hash,
         num_tokens=num_tokens,
         kv_device=kv_device,
+        tp_size=len(ranks) if ranks else 0,
+        ranks=ranks,
     )
     if auth is not None:
         sign_ticket(auth, ticket, timeout_s)
@@ -82,6 +102,13 @@ def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | No
 def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
     """Set the ticket's expiry (`timeout_s` from now) and signature, in place."""
     ticket.expires_at_unix_s = round(time.time() + timeout_s, 3)
+    seal_ticket(auth, ticket)
+
+
+def seal_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket) -> None:
+    """Sign `ticket` as it is, expiry included, in place: both ends of a tensor-parallel
+    route derive its ticket from the signed whole and so compute the same signature
+    (cache_transfer/tp/route_tickets.py)."""
     ticket.signature = auth.sign("kv-ticket", *_ticket_parts(ticket))
 
 
@@ -104,9 +131,16 @@ def handshake_for(
     kv_device: str,
     write_in_place: bool,
     timeout_s: float,
+    nonce: bytes = b"",
+    connection: str = "",
+    encrypted: bool = False,
+    heads: HeadSlice | None = None,
 ) -> transfer_pb2.TransferHandshake:
     """The sender's handshake for `ticket`: what the receiver checks it against, where to
-    answer, whether it asks to write in place, its deadline; with a secret, proving it."""
+    answer, whether it asks to write in place, its deadline; with a secret, proving it on
+    `connection` (our transport's peer id there) in answer to the challenge's `nonce`; `heads`: the kv heads it carries from which
+    rank (default: every head, TP 1)."""
+    heads = heads or HeadSlice.whole(layout.num_kv_heads)
     handshake = transfer_pb2.TransferHandshake(
         protocol_version=PROTOCOL_VERSION,
         layout_hash=layout.layout_hash(),
@@ -117,25 +151,50 @@ def handshake_for(
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,
+        tp_size=heads.tp_size,
+        rank=heads.rank,
+        kv_head_start=heads.kv_head_start,
+        kv_head_end=heads.kv_head_end,
+        encrypted=encrypted,
     )
     if auth is not None:
-        handshake.proof = handshake_proof(auth, ticket, src_address)
+        handshake.proof = handshake_proof(auth, ticket, src_address, nonce, connection)
     return handshake
 
 
-def handshake_proof(auth: ClusterAuth, ticket: node_pb2.TransferTicket, src_address: str) -> bytes:
+def handshake_proof(
+    auth: ClusterAuth,
+    ticket: node_pb2.TransferTicket,
+    src_address: str,
+    nonce: bytes,
+    connection: str,
+) -> bytes:
     return auth.sign(
-        "kv-handshake", ticket.transfer_id, src_address, ticket.layout_hash, ticket.num_tokens,
-        ticket.signature,
+        "kv-handshake", ticket.transfer_id, nonce, connection, src_address, ticket.layout_hash,
+        ticket.num_tokens, ticket.signature,
     )  # fmt: skip
 
 
 def check_handshake(
-    auth: ClusterAuth, ticket: node_pb2.TransferTicket, handshake: transfer_pb2.TransferHandshake
+    auth: ClusterAuth,
+    ticket: node_pb2.TransferTicket,
+    handshake: transfer_pb2.TransferHandshake,
+    nonce: bytes | None,
+    connection: str,
 ) -> str | None:
+    """None when `handshake`, received on `connection`, proves the secret in answer to the
+    `nonce` this receiver issued to that connection (None: it issued none, or it was used)."""
     if not handshake.proof:
         return "the handshake carries no proof of the cluster secret"
-    expected = handshake_proof(auth, ticket, handshake.src_address)
+    if nonce is None:
+        return (
+            "no challenge of this connection is outstanding (a handshake without a hello, or "
+            "a proof used already)"
+        )
+    expected = handshake_proof(auth, ticket, handshake.src_address, nonce, connection)
     if not hmac.compare_digest(handshake.proof, expected):
-        return "the handshake's proof does not verify (a sender without the cluster secret)"
+        return (
+            "the handshake's proof does not verify for this connection and its challenge (a "
+            "replayed handshake, or a sender without the cluster secret)"
+        )
     return None

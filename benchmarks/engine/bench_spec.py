@@ -26,7 +26,8 @@ from typing import Any
 
 from benchmarks.serve.report import write_json
 from engine import LLM, SamplingParams
-from pdserve.config import ASYNC_SCHEDULING, DTYPES, SPECULATIVE_METHODS, parse_size
+from pdserve.config import ASYNC_SCHEDULING, DTYPES, parse_size
+from pdserve.engine_config import SPECULATIVE_METHODS
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DATASETS = {

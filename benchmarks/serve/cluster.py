@@ -35,6 +35,7 @@ from typing import IO
 import grpc
 
 from pdserve import envs
+from pdserve.security import AUTH_METADATA_KEY, ClusterAuth, read_secret
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 
@@ -116,6 +117,9 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+_GET_STATS = "/pdserve.v1.Node/GetStats"
 
 
 def _given(flags: list[str], name: str) -> bool:
@@ -212,10 +216,24 @@ class BenchCluster:
         return kept[max(0, len(kept) - (self.num_log_lines - num_lines)) :]
 
     def node_stats(self, name: str, timeout_s: float = RPC_TIMEOUT_S) -> node_pb2.NodeStats:
-        """Node `name` ("decode-0")'s stats over gRPC."""
-        with grpc.insecure_channel(self.nodes[name]) as channel:
+        """Node `name` ("decode-0")'s stats over gRPC (proving the cluster secret pd-serve was
+        given, if any: `--cluster-secret-file` or PDSERVE_CLUSTER_SECRET_FILE)."""
+        address = self.nodes[name]
+        metadata = None
+        if (secret := self._secret_file()) is not None:
+            proof = ClusterAuth(read_secret(secret)).call_token(_GET_STATS, address)
+            metadata = ((AUTH_METADATA_KEY, proof),)
+        with grpc.insecure_channel(address) as channel:
             stub = node_pb2_grpc.NodeStub(channel)
-            return stub.GetStats(node_pb2.GetStatsRequest(), timeout=timeout_s)
+            return stub.GetStats(node_pb2.GetStatsRequest(), timeout=timeout_s, metadata=metadata)
+
+    def _secret_file(self) -> str | None:
+        for i, flag in enumerate(self.serve_flags):
+            if flag.startswith("--cluster-secret-file="):
+                return flag.split("=", 1)[1]
+            if flag == "--cluster-secret-file" and i + 1 < len(self.serve_flags):
+                return self.serve_flags[i + 1]
+        return envs.cluster_secret_file()
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = STOP_GRACE_S) -> list[int]:
         """Stop pd-serve with `sig` (it stops its nodes); return the pids it had started that

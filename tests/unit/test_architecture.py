@@ -39,7 +39,11 @@ LONG_FUNCTIONS_ALLOWED: dict[tuple[str, str], str] = {
         "builds the kernels' reference batch step by step; kernels/ code is exempt"
     ),
 }
-LONG_FILES_ALLOWED: dict[str, str] = {}
+LONG_FILES_ALLOWED: dict[str, str] = {
+    "cache_transfer/receiver.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
+    "cache_transfer/sender.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
+    "cache_transfer/kv_transfer_manager.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
+}
 
 
 def _listed(*patterns: str) -> list[str]:
