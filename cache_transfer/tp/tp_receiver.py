@@ -60,7 +60,8 @@ class TPReceiver:
         else:
             self._ticket = issue_ticket(
                 manager.auth, timeout_s, uuid.uuid4().hex, ranks[0].address, dst_block_ids,
-                layout.layout_hash(), num_tokens, ranks[0].kv_device, rank_endpoints(list(ranks)),
+                layout.layout_hash(), num_tokens, ranks[0].kv_device, layout.dtype,
+                rank_endpoints(list(ranks)),
             )  # fmt: skip
         self.transfer_id = self._ticket.transfer_id
         rank0 = DecodeRank(ranks[0].heads, self._ticket.dst_address, self._ticket.kv_device)

@@ -149,7 +149,7 @@ def test_rejects_heads_not_multiple_of_kv_heads() -> None:
 
 
 def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
-    from kernels.attention.torch_backend import MAX_DECODE_GROUPS, length_groups
+    from kernels.attention.torch_step_plan import MAX_DECODE_GROUPS, length_groups
 
     gen = torch.Generator().manual_seed(0)
     seq_lens = tuple(torch.randint(1, 500, (64,), generator=gen).tolist())
@@ -167,7 +167,7 @@ def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
 def test_lone_request_with_consecutive_blocks_reads_a_view(query_len: int) -> None:
     """One request whose blocks are consecutive attends over a view of the cache (no gather):
     exactly what the gather gives, and the reference's values."""
-    from kernels.attention.torch_backend import step_plan
+    from kernels.attention.torch_step_plan import step_plan
 
     batch = make_batch(
         [query_len], [37], int(query_len == 1), num_heads=6, num_kv_heads=2, head_dim=16,
