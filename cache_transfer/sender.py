@@ -9,7 +9,7 @@
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
-        ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
+        ──► TRANSFERRING ── send_first_token() (behind them: SendOrder) ── result ok ──► SUCCESS
     refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
     cancel(), or a failed result ──► FAILED
 
