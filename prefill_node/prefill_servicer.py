@@ -6,9 +6,8 @@ check the request, and its ticket if it carries one (layout hash: FAILED_PRECOND
     the first token is sampled under it
 LayerStreamer.open(request_id, prompt_len)
 hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the ticket
-    timeout: the router's, as long as it waits for D's reservation, capped by the node's
-    --ticket-timeout-s; none by then: DEADLINE_EXCEEDED; checked as an inline one; the KV
-    computed meanwhile waits, held) ─► PrefillHandOffs.sender(ticket,
+    timeout, the router's capped by --ticket-timeout-s, not the no-progress one: KV held
+    meanwhile; none: DEADLINE_EXCEEDED; checked as inline) ─► PrefillHandOffs.sender(ticket,
     the request's transfer_timeout_s capped by the node's: the no-progress timeout; the
     ceiling: that + the prompt tokens queued here, this one's included, /
     --min-prefill-tokens-per-s; one KVSender, or with tensor parallelism rank 0's routes and
@@ -191,10 +190,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         if not request.request_id:
             problem = "request_id is empty"
         for name in ("transfer_timeout_s", "ticket_timeout_s"):
-            if problem is None and not getattr(request, name) >= 0:
-                problem = (
-                    f"{name} must be >= 0 (0: the node's default), got {getattr(request, name)}"
-                )
+            value = getattr(request, name)
+            if problem is None and not value >= 0:
+                problem = f"{name} must be >= 0 (0: the node's default), got {value}"
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
         if request.HasField("ticket"):  # refused before any work
@@ -235,9 +233,8 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
 
     async def _attach(self, request: node_pb2.PrefillRequest, trace: TransferTrace) -> KVSink:
         """The request's sender, attached to the streamer: on its inline ticket, or on the one
-        AttachTicket brings within the ticket timeout (as long as the router waits for D's
-        reservation, which may queue; not the no-progress timeout); marked "ticket". Raises
-        TicketError."""
+        AttachTicket brings within the ticket timeout, as long as the router waits for D's
+        reservation, not the no-progress one (marked "ticket"). Raises TicketError."""
         request_id = request.request_id
         timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
         ticket = request.ticket
