@@ -31,6 +31,7 @@ from pdserve import envs
 
 logger = logging.getLogger(__name__)
 
+CONVERTER_VERSION = 1  # bump when the folder layout changes: old caches are then ignored
 LOCK_TIMEOUT_S = 3600.0  # a bound, not an expectation: an 8B model converts in minutes
 _WAIT_NOTICE_S = 1.0  # how long a lock may be busy before the wait is logged
 _CHUNK_BYTES = 1 << 22

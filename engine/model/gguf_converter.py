@@ -36,13 +36,11 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from engine.model.arch_config import RopeConfig
-from engine.model.convert_cache import conversion_lock, converted_folder
+from engine.model.convert_cache import CONVERTER_VERSION, conversion_lock, converted_folder
 from engine.model.rope import rope_inv_freq
 from pdserve.progress import still_working, track
 
 logger = logging.getLogger(__name__)
-
-CONVERTER_VERSION = 1  # bump when the folder layout changes: old caches are then ignored
 
 # general.architecture -> (HF architecture, HF model_type)
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {

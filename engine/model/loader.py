@@ -2,7 +2,8 @@
 
 ```
 ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
-  -> LlamaForCausalLM built directly on device, in dtype
+  -> LlamaForCausalLM built directly on device, in dtype (random initialisation skipped
+     when a checkpoint fills every parameter: `load_weights` refuses one that lacks any)
   -> layer ops (kernels/fused): Triton kernels with the triton/flash_attn backends on CUDA,
      else the torch reference (PDSERVE_SKINNY_GEMM_MAX_M > 0: small steps' projections on the
      Triton skinny GEMM, kernels/gemm)
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from engine.distributed import ModelPartition, TensorParallel
 from engine.model.arch_config import ModelArchConfig
@@ -107,7 +109,8 @@ def load_model(
     source = resolve_model_source(model_config.model)
     arch = source.arch
     rank_arch = arch if tp is None else _rank_arch(arch, tp.partition)
-    with _default_dtype(dtype), torch.device(device):
+    from_checkpoint = source.hf_dir is not None
+    with _default_dtype(dtype), torch.device(device), _random_init_skipped(from_checkpoint):
         model = LlamaForCausalLM(rank_arch, attn_backend)
     if tp is not None:
         model.set_tensor_parallel(tp.layers)
@@ -197,6 +200,33 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(model_dir / file_name, framework="pt", device="cpu") as tensors:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, tensors.get_tensor(name)
+
+
+class _SkipRandomInit(TorchFunctionMode):
+    """The layers' random initialisation (nn.Linear's kaiming_uniform_, nn.Embedding's
+    normal_) left out: their tensors keep what torch.empty gave them."""
+
+    _SKIPPED = frozenset({
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.nn.init.uniform_,
+        torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.trunc_normal_,
+    })  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in self._SKIPPED:  # the tensor to fill, left as it is
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _random_init_skipped(skip: bool) -> Iterator[None]:
+    """While the model is built for a checkpoint: random numbers for 135M parameters were
+    most of a CPU node's model load (the checkpoint overwrites them all)."""
+    if not skip:
+        yield
+        return
+    with _SkipRandomInit():
+        yield
 
 
 @contextmanager

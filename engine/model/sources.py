@@ -10,7 +10,7 @@ A source's `sampling_defaults`: its generation_config.json's (pdserve.sampling_p
 for an alias whose files carry none, what its model card recommends (pdserve.sampling_params
 ALIAS_SAMPLING).
 Paths win over aliases, as with Hugging Face hub ids. The GGUF converter (and its gguf and
-transformers imports) loads only when a GGUF file is used.
+transformers imports) loads only when a GGUF file is not converted yet.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.arch_config import ModelArchConfig
+from engine.model.convert_cache import CONVERTER_VERSION, converted_folder
 from engine.model.hf_config import read_arch_config
 from engine.model.synthetic import SHAPES, is_synthetic, parse_synthetic
 from pdserve.sampling_defaults import ALIAS_SAMPLING, SamplingDefaults, sampling_defaults
@@ -92,15 +93,24 @@ def resolve_model_source(model: str) -> ModelSource:
 
 def _local_source(path: Path, name: str | None) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
-        from engine.model.gguf_converter import convert_gguf
-
-        return ModelSource(name=name or path.stem, hf_dir=convert_gguf(path))
+        return ModelSource(name=name or path.stem, hf_dir=_converted(path))
     if path.is_dir():
         _check_hf_folder(path)
         return ModelSource(name=name or path.resolve().name, hf_dir=path)
     if not path.exists():
         raise FileNotFoundError(f"model file {path} does not exist")
     raise ValueError(f"{path} is neither a Hugging Face folder nor a .gguf file")
+
+
+def _converted(gguf_path: Path) -> Path:
+    """The GGUF file's converted folder, converting it first if the cache lacks it (the
+    converter, with its gguf and torch imports, loads only then)."""
+    folder = converted_folder(gguf_path.resolve(), CONVERTER_VERSION)
+    if folder.is_dir():
+        return folder
+    from engine.model.gguf_converter import convert_gguf
+
+    return convert_gguf(gguf_path)
 
 
 def _check_hf_folder(path: Path) -> None:

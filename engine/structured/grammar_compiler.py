@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from engine.structured.grammar_matcher import GrammarMatcher
@@ -119,7 +119,7 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
         if not template.is_error():  # the first mask: warms the lexer the copies share
             scratch = torch.empty((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
-            llguidance.torch.fill_next_token_bitmask(template, scratch, 0)
+            llguidance.numpy.fill_next_token_bitmask(template, scratch.numpy(), 0)
         error = template.get_error()
         if error:
             raise _refused(params.kind, error)

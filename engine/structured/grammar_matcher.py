@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 
@@ -80,4 +80,4 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (CPU int32 [rows, ceil(V/32)]:
         bit t % 32 of word t // 32 set = token t allowed)."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask.numpy(), row)

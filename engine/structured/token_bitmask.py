@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from engine.host_copy import on_device
@@ -85,10 +85,11 @@ class TokenBitmask:
 
     def _fill(self, host: torch.Tensor, live: list[tuple[llguidance.LLMatcher, int]]) -> None:
         if self._executor is not None and len(live) >= _PARALLEL_MIN_ROWS:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, host)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, host.numpy())
             return
+        bits = host.numpy()  # the same memory
         for matcher, row in live:
-            llguidance.torch.fill_next_token_bitmask(matcher, host, row)
+            llguidance.numpy.fill_next_token_bitmask(matcher, bits, row)
 
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:

@@ -16,6 +16,18 @@ REAL_MODEL_CLUSTERS = pytest.mark.xdist_group("real-model-clusters")
 # Prompts of at most this many tokens are prefilled on the decode node (the HTTP cluster's
 # local-prefill route); longer ones go through the prefill node.
 HTTP_LOCAL_PREFILL_MAX_TOKENS = 2
+# The greedy prompts the serving tests compare with the offline engine (`offline_reference`).
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Five facts about octopuses:\n1.",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics are",
+    "Translate to German: Good morning, how are you?",
+    "A haiku about the sea:",
+    "The best way to learn a programming language is",
+]
+MAX_TOKENS = 24
 
 
 def _cluster(*args: str, port_flags: Callable[[], list[str]] = list):
@@ -59,3 +71,15 @@ def cluster_http():
         cluster.http_url = http_url(cluster)
         cluster.metrics_urls = metrics_urls(cluster)
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def offline_reference():
+    """The offline engine's greedy tokens for PROMPTS, and its tokenizer: computed once per
+    worker for every module that compares a cluster with it (test_serving.py, the async and
+    per-transport modules), the engine freed after."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(MODEL, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [o.token_ids for o in outs], llm.tokenizer

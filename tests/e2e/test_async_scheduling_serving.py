@@ -7,11 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import REAL_MODEL_CLUSTERS, _cluster
-from tests.e2e.test_serving import (  # noqa: F401 (offline_reference: a fixture)
-    cancel_mid_stream,
-    greedy,
-    offline_reference,
-)
+from tests.e2e.test_serving import cancel_mid_stream, greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
@@ -30,7 +26,7 @@ def engine_lines(cluster) -> list[str]:
     return [line for line in cluster.log if "engine ready" in line]
 
 
-def test_async_nodes_equal_offline(cluster_1p1d_async, cluster_colocated_async, offline_reference):  # noqa: F811
+def test_async_nodes_equal_offline(cluster_1p1d_async, cluster_colocated_async, offline_reference):
     expected, _ = offline_reference
     # the decode engines run ahead; the prefill role never does, whatever the flag
     lines = engine_lines(cluster_1p1d_async)

@@ -10,21 +10,9 @@ import grpc
 import pytest
 
 from router.client import GenerationClient, GenerationResult
-from tests.e2e.conftest import REAL_MODEL_CLUSTERS
+from tests.e2e.conftest import MAX_TOKENS, PROMPTS, REAL_MODEL_CLUSTERS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Five facts about octopuses:\n1.",
-    "Once upon a time, in a small village,",
-    "The three laws of thermodynamics are",
-    "Translate to German: Good morning, how are you?",
-    "A haiku about the sea:",
-    "The best way to learn a programming language is",
-]
-MAX_TOKENS = 24
 
 
 def generate_many(address: str, prompts: list[str], **sampling) -> list[GenerationResult]:
@@ -35,15 +23,6 @@ def generate_many(address: str, prompts: list[str], **sampling) -> list[Generati
             )
 
     return asyncio.run(asyncio.wait_for(main(), 300))
-
-
-@pytest.fixture(scope="module")
-def offline_reference():
-    from engine import LLM, SamplingParams
-
-    llm = LLM("smollm2-135m", device="cpu", dtype="float32")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    return [o.token_ids for o in outs], llm.tokenizer
 
 
 def greedy(address: str) -> list[GenerationResult]:

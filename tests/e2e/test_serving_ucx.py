@@ -12,8 +12,8 @@ import pytest
 from cache_transfer.transports import ucx_available
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
-from tests.e2e.test_serving import MAX_TOKENS, PROMPTS, greedy
+from tests.e2e.conftest import MODEL, PROMPTS, REAL_MODEL_CLUSTERS, _cluster
+from tests.e2e.test_serving import greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
@@ -36,12 +36,10 @@ def cluster_1p1d_over(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="module")
-def offline_tokens() -> tuple[list[list[int]], object]:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(MODEL, device="cpu", dtype="float32")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    return [o.token_ids for o in outs], llm.tokenizer
+def cluster_colocated():
+    """One colocated cluster that both transports' 1P1D clusters are compared with (the
+    conftest's starts one per test)."""
+    yield from _cluster("--prefill", "0", "--decode", "1")
 
 
 def _kv_transport(cluster: Cluster, node: str) -> str:
@@ -53,10 +51,10 @@ def _kv_transport(cluster: Cluster, node: str) -> str:
 
 
 def test_1p1d_over_each_transport_equals_colocated_and_offline(
-    cluster_1p1d_over, cluster_colocated, offline_tokens
+    cluster_1p1d_over, cluster_colocated, offline_reference
 ):
     transport, cluster = cluster_1p1d_over
-    expected, tokenizer = offline_tokens
+    expected, tokenizer = offline_reference
     assert _kv_transport(cluster, "prefill-0") == _kv_transport(cluster, "decode-0") == transport
 
     disaggregated = greedy(cluster.router)

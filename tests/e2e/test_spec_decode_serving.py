@@ -9,13 +9,8 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import _cluster
-from tests.e2e.test_serving import (  # noqa: F401 (offline_reference: a fixture)
-    MAX_TOKENS,
-    PROMPTS,
-    generate_many,
-    offline_reference,
-)
+from tests.e2e.conftest import MAX_TOKENS, PROMPTS, _cluster
+from tests.e2e.test_serving import generate_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4")
@@ -50,7 +45,7 @@ def grounded_reference() -> list[int]:
 def test_speculating_nodes_equal_offline(
     cluster_1p1d_spec,
     cluster_colocated_spec,
-    offline_reference,  # noqa: F811
+    offline_reference,
     grounded_reference,
 ):
     expected = [*offline_reference[0], grounded_reference]

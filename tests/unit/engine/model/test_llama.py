@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from engine.model import LoadedModel, load_model
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import iter_safetensors
 from kernels.attention.torch_backend import TorchAttentionBackend
 from pdserve.config import ModelConfig
 from tests.unit.engine.model.conftest import (
@@ -166,3 +168,17 @@ def test_load_weights_stacks_fused_projections(hf_checkpoints):
     want = torch.cat([weights[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
     assert torch.equal(gate_up, want)
     assert model.lm_head is None  # tied: logits use the embedding
+
+
+def test_a_checkpoint_load_equals_random_init_then_load(hf_checkpoints):
+    """load_model builds the model without the layers' random initialisation (the checkpoint
+    overwrites every parameter): the same parameters and buffers as a model initialised at
+    random and then loaded."""
+    for variant in sorted(HF_VARIANTS):
+        loaded = load(hf_checkpoints[variant].path)
+        reference = LlamaForCausalLM(loaded.arch, TorchAttentionBackend())
+        reference.load_weights(iter_safetensors(hf_checkpoints[variant].path))
+        got, want = loaded.model.state_dict(), reference.state_dict()
+        assert got.keys() == want.keys(), variant
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), f"{variant}: {name}"
