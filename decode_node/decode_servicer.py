@@ -33,6 +33,7 @@ import grpc
 
 from cache_transfer import TransferState
 from cache_transfer.tp import TPReceiver
+from decode_node.decode_checks import check_decode_request
 from decode_node.decode_job import DecodeCounters, DecodeJob, Refused, refuse
 from decode_node.decode_trace import DecodeTraces
 from decode_node.hand_offs import HandOffs
@@ -41,10 +42,9 @@ from decode_node.transfer_caps import TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
-from node_common.node_messages import GrammarPrep, check_request, prompt_logprobs, token_logprob
+from node_common.node_messages import GrammarPrep, prompt_logprobs, token_logprob
 from node_common.role_servicer import RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
-from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[node_pb2.DecodeResponse, None]:
         set_request_id(request.request_id)  # this call's log lines carry the request id
-        params = await self._check(request, context)
+        params = await check_decode_request(self._engine, request, context)
         if request.request_id in self._jobs:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -133,31 +133,6 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return True
 
     # ---- phases of one Decode call ------------------------------------------------------
-
-    async def _check(
-        self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> SamplingParams:
-        modes = (node_pb2.DECODE_MODE_DISAGGREGATED, node_pb2.DECODE_MODE_LOCAL_PREFILL)
-        if request.mode not in modes:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"mode must be DECODE_MODE_DISAGGREGATED or DECODE_MODE_LOCAL_PREFILL, got "
-                f"{node_pb2.DecodeMode.Name(request.mode)}",
-            )
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if request.transfer_timeout_s < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"transfer_timeout_s must be >= 0 (0: the node's default), got "
-                f"{request.transfer_timeout_s}",
-            )
-        if request.output_token_ids and request.mode != node_pb2.DECODE_MODE_LOCAL_PREFILL:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "output_token_ids (a migrated request) needs DECODE_MODE_LOCAL_PREFILL",
-            )
-        return await check_request(self._engine, request, context, request.output_token_ids)
 
     async def _reserve(
         self,
@@ -235,7 +210,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if first_token.HasField("logprob"):
             first.logprobs.append(first_token.logprob)
         yield first
-        outputs = self._engine.resume(request, block_ids, first_token.token_id)
+        drafts = first_token.draft_token_ids  # its first step verifies them
+        outputs = self._engine.resume(request, block_ids, first_token.token_id, drafts)
         async for chunk in self._chunks(job, outputs, next_index=1):
             yield chunk
 

@@ -46,6 +46,7 @@ from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from engine.spec_decode.handoff_drafts import first_drafts
 from engine.structured import CompiledGrammar
 from pdserve.sampling_params import SamplingParams
 
@@ -127,14 +128,24 @@ class AsyncEngine:
             yield out
 
     async def resume(
-        self, request: Request, block_ids: Sequence[int], first_token: int
+        self,
+        request: Request,
+        block_ids: Sequence[int],
+        first_token: int,
+        drafts: Sequence[int] = (),
     ) -> AsyncIterator[StepOutput]:
-        """Admit a request whose prompt KV is in its reserved blocks; stream its outputs."""
+        """Admit a request whose prompt KV is in its reserved blocks (with the `drafts` its
+        prefill node proposed after the first token); stream its outputs."""
         stream = self._open(
-            request, lambda: self.core.add_prefilled(request, block_ids, first_token)
+            request, lambda: self.core.add_prefilled(request, block_ids, first_token, drafts)
         )
         async for out in self._drain(request, stream):
             yield out
+
+    def first_drafts(self, request: Request, first_token: int) -> list[int]:
+        """The drafts a prefill node sends with `first_token` (spec_decode/handoff_drafts.py);
+        reads only the fixed configuration: any thread may call it."""
+        return first_drafts(self.core.config.speculative, request, first_token)
 
     async def abort(self, request_id: str) -> bool:
         """Abort wherever the request is. Its stream, if any, ends at once with finish_reason

@@ -189,9 +189,11 @@ class LayerStreamer:
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None,
         finish_reason: str,
+        draft_token_ids: Sequence[int] = (),
     ) -> KVSink:
-        """Once every layer is in the sender's hands, send the first token (behind them) and
-        wait for the receiver's result (within the sender's deadline); the finished sender."""
+        """Once every layer is in the sender's hands, send the first token (behind them, with
+        any drafts) and wait for the receiver's result (within the sender's deadline); the
+        finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
         if sender is None:
@@ -201,7 +203,7 @@ class LayerStreamer:
             await asyncio.wait(set(outgoing.handing), timeout=sender.remaining_s)
         outgoing.trace.mark("layers_handed")  # the first token goes right behind them
         try:
-            await sender.send_first_token(token_id, logprob, finish_reason)
+            await sender.send_first_token(token_id, logprob, finish_reason, draft_token_ids)
         except ValueError as error:  # some layer never went out
             sender.abort(str(error))
         await sender.wait()
@@ -327,9 +329,7 @@ class LayerStreamer:
             sends = []  # both messages in flight at once
             if written:
                 sends.append(sender.send_written_layers([layer.layer_idx for layer in written]))
-            packed = [
-                (layer.layer_idx, layer.packed) for layer in batch if layer.packed is not None
-            ]
+            packed = [(ly.layer_idx, ly.packed) for ly in batch if ly.packed is not None]
             if packed:
                 sends.append(sender.send_packed_layers(packed))
             sending = asyncio.gather(*sends)

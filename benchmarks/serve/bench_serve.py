@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from benchmarks.serve import report as serve_report
+from benchmarks.serve import spec_stats
 from benchmarks.serve.cluster import BenchCluster, ClusterSpec
 from benchmarks.serve.datasets import DATASETS, DatasetSpec, SampleRequest, load_requests
 from benchmarks.serve.load import arrival_offsets_s, parse_rates, rate_label
@@ -195,8 +196,9 @@ def _warm_up(addr: str, requests: list[SampleRequest], options: SendOptions, num
 
 
 def run_sweep(addr: str, config: str, requests: list[SampleRequest], options: SendOptions,
-              args: argparse.Namespace) -> list[dict]:  # fmt: skip
-    """One run per request rate on the cluster at `addr`."""
+              args: argparse.Namespace, cluster: BenchCluster | None = None) -> list[dict]:  # fmt: skip
+    """One run per request rate on the cluster at `addr` (`cluster`: the one this tool
+    started, whose nodes it reads speculative decoding's counters from)."""
     from tqdm import tqdm
 
     _warm_up(addr, requests, options, args.num_warmups)
@@ -205,12 +207,14 @@ def run_sweep(addr: str, config: str, requests: list[SampleRequest], options: Se
         offsets = arrival_offsets_s(len(requests), rate, args.burstiness, args.seed)
         bar = tqdm(total=len(requests), desc=f"{config} @ {rate_label(rate)} req/s",
                    disable=args.no_progress, file=sys.stderr)  # fmt: skip
+        before = spec_stats.read_counters(cluster)
         with bar:
             records, duration_s = asyncio.run(run_requests(
                 addr, requests, offsets, options, args.max_concurrency, bar,
                 run_name=f"bench-{tag}-{rate_label(rate)}"))  # fmt: skip
+        spec = spec_stats.summary(before, spec_stats.read_counters(cluster))
         runs.append({"config": config, "request_rate": rate,
-                     "summary": summarize(records, duration_s, slo),
+                     "summary": {**summarize(records, duration_s, slo), **spec},
                      "requests": [r.to_dict() for r in records]})  # fmt: skip
     return runs
 
@@ -226,6 +230,8 @@ def report(runs: list[dict], args: argparse.Namespace, payload: dict) -> None:
     print(serve_report.throughput_table(runs))
     print()
     print(serve_report.latency_table(runs))
+    if spec := spec_stats.text(runs):
+        print(f"\n{spec}")
     if failures := serve_report.failures_text(runs):
         print(f"\nfailed requests:\n{failures}")
     if args.json:
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             addr = config = args.addr
         requests, options, payload["dataset"] = prepare(addr, args)
-        runs = run_sweep(addr, config, requests, options, args)
+        runs = run_sweep(addr, config, requests, options, args, cluster)
     except grpc.aio.AioRpcError as error:
         print(f"pd-bench serve: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1
