@@ -14,7 +14,8 @@ are refused and logged (at DEBUG when they are late for a session that ended her
 an attack); no session is touched. A session leaves the manager the moment it finishes. A
 hello or handshake for a receiver that finished already (e.g. it was cancelled) is answered
 with a refusal, so its sender fails at once instead of at its deadline (`FinishedReceivers`,
-which the manager owns).
+which the manager owns). The live sessions, and how their ends are counted: `LiveSessions`,
+which the manager owns too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 
@@ -31,13 +31,13 @@ from cache_transfer import protocol
 from cache_transfer.finished_receivers import FinishedReceivers
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
+from cache_transfer.live_sessions import LiveSessions
 from cache_transfer.packing.packed_layer import check_kv_cache
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.receiver import KVReceiver
 from cache_transfer.route_slice import ROUTE_SEPARATOR, RouteSlice
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S
-from cache_transfer.state import TransferState
 from cache_transfer.transports.base import KVTransport
 from cache_transfer.transports.coalescing import CoalescingTransport
 from pdserve.security import ClusterAuth
@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
 
-S = TypeVar("S", KVReceiver, KVSender)
 # Makes the receiver of an unknown route's first message (from peer_id), or None (refused).
 RouteAcceptor = Callable[[str, protocol.TransferMessage], KVReceiver | None]
 
@@ -79,16 +78,11 @@ class KVTransferManager:
         if kv_caches is not None:
             _check_caches(layout, kv_caches)
         self.layout, self.auth, self.encrypt = layout, auth, encrypt
-        self.num_succeeded = self.num_failed = 0
-        self.num_in_place = 0  # of num_succeeded: written in place
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
         self.transport_caveat = transport.caveat  # for the node's start-up warning
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
-        self._receivers: dict[str, KVReceiver] = {}
-        # failed receivers granted in place, until their sender's writes are settled
-        self._quarantined: dict[str, KVReceiver] = {}
         self._sharing = sharing
         self._kv_device = kv_device
         self._kv_device_name = kv_device_name  # None: the receivers' caches' (kv_device_id)
@@ -96,11 +90,10 @@ class KVTransferManager:
             kv_device_id(kv_device) if kv_device is not None else ""
         )
         self._pool_export = _export(sharing, kv_caches)
-        self._senders: dict[str, KVSender] = {}
         self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
+        self._sessions = LiveSessions(self._finished)  # the live ones, their ends counted
+        self._quarantined = self._sessions.quarantined  # (routed a sender's drained notice)
         self._acceptors: dict[str, RouteAcceptor] = {}  # TP hand-offs' routes, by transfer id
-        self._retired: set[str] = set()  # receivers ended unused (not counted)
-        self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
 
@@ -120,7 +113,20 @@ class KVTransferManager:
     @property
     def num_pending(self) -> int:
         """Transfers in flight: sending, or awaiting KV."""
-        return len(self._receivers) + len(self._senders)
+        return len(self._sessions)
+
+    @property
+    def num_succeeded(self) -> int:
+        return self._sessions.num_succeeded
+
+    @property
+    def num_failed(self) -> int:
+        return self._sessions.num_failed
+
+    @property
+    def num_in_place(self) -> int:
+        """Of num_succeeded: written in place."""
+        return self._sessions.num_in_place
 
     def create_receiver(
         self,
@@ -139,7 +145,7 @@ class KVTransferManager:
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
-        self._check_new(transfer_id)
+        self._sessions.check_new(transfer_id)
         layout = route.layout if route else self.layout
         kv_caches = route.kv_caches if route else self._kv_caches
         receiver = KVReceiver(
@@ -148,7 +154,7 @@ class KVTransferManager:
             pool_export=None if route else self._pool_export, kv_device=self._kv_device_name,
             require_encryption=self.encrypt, log_id=log_id, route=route.receiver if route else None,
         )  # fmt: skip
-        return self._register(receiver, self._receivers)
+        return self._sessions.add_receiver(receiver)
 
     def create_sender(
         self,
@@ -162,14 +168,14 @@ class KVTransferManager:
         receiver told, when the ticket does not match this node's layout); it handshakes at
         once, fails after `timeout_s` without progress or at `ceiling_s` (default
         `timeout_s`) from now. `route`: a TP hand-off's (tp/fan_out.py), never in place."""
-        self._check_new(ticket.transfer_id)
+        self._sessions.check_new(ticket.transfer_id)
         sender = KVSender(
             self._transport, self._staging, route.layout if route else self.layout, ticket,
             timeout_s, auth=self.auth, ceiling_s=ceiling_s,
             sharing=None if route else self._sharing, kv_device=self._sender_kv_device,
             device=self._kv_device, encrypt=self.encrypt, log_id=log_id, route=route,
         )  # fmt: skip
-        return self._register(sender, self._senders)
+        return self._sessions.add_sender(sender)
 
     def accept_routes(self, transfer_id: str, acceptor: RouteAcceptor | None) -> None:
         """`acceptor` may make the receiver of a TP hand-off's unknown route `<transfer_id>:...`
@@ -180,12 +186,10 @@ class KVTransferManager:
 
     def retire(self, receiver: KVReceiver, reason: str) -> None:
         """End a receiver no sender used (the hand-off went another way): not counted, not told."""
-        if self._receivers.get(receiver.transfer_id) is receiver and receiver.sender_id is None:
-            self._retired.add(receiver.transfer_id)
-            receiver.fail(f"retired: {reason}", notify_peer=False, level=logging.INFO)
+        self._sessions.retire(receiver, reason)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
-        return self._receivers.get(transfer_id) or self._senders.get(transfer_id)
+        return self._sessions.get(transfer_id)
 
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Fail a live transfer and tell its peer; False when none has that id."""
@@ -233,7 +237,7 @@ class KVTransferManager:
     async def close(self) -> None:
         """Fail every live transfer (peers are told, within NOTIFY_TIMEOUT_S), then close the
         transport."""
-        sessions = [*self._receivers.values(), *self._senders.values()]
+        sessions = self._sessions.all()
         for session in sessions:
             session.abort("the transfer manager is closing")
         await asyncio.gather(*(session.settle(NOTIFY_TIMEOUT_S) for session in sessions))
@@ -250,9 +254,9 @@ class KVTransferManager:
         kind = protocol.kind_of(msg)
         session: KVReceiver | KVSender | None = None
         if kind in protocol.TO_RECEIVER_KINDS:
-            session = self._receivers.get(msg.transfer_id)
+            session = self._sessions.receivers.get(msg.transfer_id)
         if session is None and kind in protocol.TO_SENDER_KINDS:
-            session = self._senders.get(msg.transfer_id)
+            session = self._sessions.senders.get(msg.transfer_id)
         if session is None and kind == "result" and msg.result.writes_drained:
             session = self._quarantined.get(msg.transfer_id)
         if session is None and kind in protocol.TO_RECEIVER_KINDS and self._acceptors:
@@ -286,49 +290,6 @@ class KVTransferManager:
             level = logging.DEBUG if late else logging.WARNING
             logger.log(level, "refused a %s message from %s: no live transfer %r", kind,
                        peer_id, msg.transfer_id)  # fmt: skip
-
-    def _check_new(self, transfer_id: str) -> None:
-        if self.get(transfer_id) is not None:
-            raise ValueError(f"transfer {transfer_id!r} is already in progress on this node")
-
-    def _register(self, session: S, table: dict[str, S]) -> S:
-        if session.finished:
-            self._count(session)
-            return session
-        table[session.transfer_id] = session
-        session.add_finish_callback(lambda _: self._on_finish(session, table))
-        return session
-
-    def _on_finish(self, session: S, table: dict[str, S]) -> None:
-        table.pop(session.transfer_id, None)
-        if session.transfer_id in self._retired:
-            self._retired.discard(session.transfer_id)
-            return
-        self._count(session)
-        if isinstance(session, KVReceiver):
-            if not session.writes_settled.is_set():
-                self._quarantine(session)
-            why = session.error or session.state.name
-            self._finished.remember(session, why)
-
-    def _quarantine(self, receiver: KVReceiver) -> None:
-        """Keep routing its sender's drained notice to it until its writes are settled."""
-        self._quarantined[receiver.transfer_id] = receiver
-
-        async def settled() -> None:
-            await receiver.writes_settled.wait()  # bounded: the receiver's quarantine timer
-            self._quarantined.pop(receiver.transfer_id, None)
-
-        task = asyncio.get_running_loop().create_task(settled())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _count(self, session: KVReceiver | KVSender) -> None:
-        if session.state == TransferState.SUCCESS:
-            self.num_succeeded += 1
-            self.num_in_place += session.in_place
-        else:
-            self.num_failed += 1
 
 
 def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> None:

@@ -13,7 +13,8 @@
     add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
 Every message is checked before its payload lands (receiver_checks.py: every check, in the
-order they run); payloads land only in this session's own `dst_block_ids`. With a cluster
+order they run); payloads land only in this session's own `dst_block_ids` (`LayerLanding`,
+which the receiver owns: staging, the payload's MAC, the unpack). With a cluster
 secret only the sender whose handshake proved its connection's challenge is heard, and each of
 its messages only if its MAC verifies (a payload's once it landed in staging, before it is
 unpacked; a GPU payload's through its device digest, off the event loop). A sender on this
@@ -25,7 +26,6 @@ ceiling stays the first handshake's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -33,11 +33,10 @@ import torch
 
 from cache_transfer import receiver_checks as checks
 from cache_transfer.frame_auth.challenges import Challenges
-from cache_transfer.frame_auth.frame_key import TO_SENDER, Chunk, FrameKey
+from cache_transfer.frame_auth.frame_key import TO_SENDER, FrameKey
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
+from cache_transfer.layer_landing import LayerLanding
 from cache_transfer.layout import HeadSlice, KVCaches, KVLayout, check_reservation, kv_device_id
-from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
-from cache_transfer.packing.packed_layer import unpack_layer
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.route_slice import ReceiverRoute
@@ -89,12 +88,10 @@ class KVReceiver(TransferSession):
         self.first_token: transfer_pb2.FirstToken | None = None
         self.num_computed_tokens = self.num_bytes_received = 0  # computed: as P last said
         self.layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
-        self.num_landing = 0  # payloads prepare() accepted whose bytes have not landed yet
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
-        self._kv_caches, self._staging = kv_caches, staging
-        self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
-        self._device = transport.buffer_device(kv_caches[0][0].device)
+        buffers = transport.buffer_device(kv_caches[0][0].device)  # where payloads land
+        self._landing = LayerLanding(self, self.frames, staging, kv_caches, dst_block_ids, buffers)
         self._layer_callbacks: list[LayerCallback] = []
         self._auth, self.authenticated = auth, auth is not None
         self.requires_encryption = require_encryption
@@ -117,6 +114,11 @@ class KVReceiver(TransferSession):
     def expects_first_token(self) -> bool:
         """False: a TP route that ends with its layers (the first token comes on another)."""
         return self.route is None or self.route.first_token
+
+    @property
+    def num_landing(self) -> int:
+        """Payloads prepare() accepted whose bytes have not landed yet."""
+        return self._landing.num_landing
 
     @property
     def in_place(self) -> bool:
@@ -147,8 +149,7 @@ class KVReceiver(TransferSession):
         self.touch()
         manifest = msg.layer_manifest
         self.layer_token_end[manifest.layer_idx] = manifest.token_end
-        self.num_landing += 1
-        return self._staging.take(payload_bytes, self._device)
+        return self._landing.take(payload_bytes)
 
     def complete(
         self,
@@ -160,7 +161,7 @@ class KVReceiver(TransferSession):
         """A whole message (its bytes: `header`): land a layer prepare() accepted once its MAC
         verifies, or act on a header-only one."""
         if payload is not None:
-            self._verify_then_land(msg, header, payload)
+            self._landing.land(msg, header, payload)
             return
         kind = kind_of(msg)
         if kind == "hello":  # a challenge for its connection (to its src_address)
@@ -188,8 +189,7 @@ class KVReceiver(TransferSession):
 
     def abandon(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor) -> None:
         """A layer prepare() accepted will never land: its connection broke mid-way."""
-        self.num_landing -= 1
-        self._staging.give_back(payload)
+        self._landing.abandon(payload)
         layer_idx = msg.layer_manifest.layer_idx
         self.fail(f"the connection from {peer_id} broke while layer {layer_idx} was landing")
 
@@ -283,65 +283,16 @@ class KVReceiver(TransferSession):
         self._in_place.grant(handshake, ack)
         self.spawn(self._send(handshake_ack=ack))
 
-    def _verify_then_land(self, msg: TransferMessage, header: bytes, payload: torch.Tensor) -> None:
-        """Unpack a landed payload once its MAC verifies: at once (no key; host bytes), or off
-        the loop (its digest computed on the GPU); one that fails fails the session, unread."""
-        if self.frames.key is None:
-            self._land_layer(msg.layer_manifest, payload)
-        elif msg.layer_manifest.payload_digest and payload.device.type == "cuda":
-            self.spawn(self._verify_on_device(msg, header, payload))
-        else:
-            self._land_checked(msg, header, payload, None)
-
-    async def _verify_on_device(
-        self, msg: TransferMessage, header: bytes, payload: torch.Tensor
-    ) -> None:
-        part = None
-        try:
-            part = await self.frames.device_part(payload)
-        except asyncio.CancelledError:  # (the manager closing): nothing lands
-            self.num_landing -= 1
-            self._staging.give_back(payload)
-            raise
-        except Exception as error:  # noqa: BLE001 - a CUDA error, or a hung device
-            self.fail(f"could not check layer {msg.layer_manifest.layer_idx}'s MAC: {error!r}")
-        self._land_checked(msg, header, payload, part)
-
-    def _land_checked(
-        self, msg: TransferMessage, header: bytes, payload: torch.Tensor, part: list[Chunk] | None
-    ) -> None:
-        if not self.finished:
-            payload, forged = self.frames.opened(msg, header, payload, part, self._staging)
-            if forged is not None:
-                self.fail(f"refused layer {msg.layer_manifest.layer_idx}: {forged}")
-        self._land_layer(msg.layer_manifest, payload)  # (a failed session writes nothing)
-
-    def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
-        self.num_landing -= 1
-        try:
-            if not self.finished:  # a failed session never writes, even bytes accepted earlier
-                k_cache, v_cache = self._kv_caches[manifest.layer_idx]
-                if self._dst_ids is None:
-                    self._dst_ids = check_block_ids(
-                        self.dst_block_ids, k_cache.shape[0], k_cache.device, unique=True
-                    )
-                first = manifest.block_offset
-                dst_ids = self._dst_ids[first : first + manifest.num_blocks]
-                unpack_layer(payload, k_cache, v_cache, dst_ids)
-                self._landed(manifest, [manifest.layer_idx])
-        finally:
-            self._staging.give_back(payload)
-
     def _land_in_place(self, manifest: transfer_pb2.LayerManifest) -> None:
         """Layers the sender wrote into our blocks itself (its writes completed before it
         sent the manifest)."""
         layer_ids = [manifest.layer_idx, *manifest.more_layer_ids]
         for layer_idx in layer_ids:
             self.layer_token_end[layer_idx] = manifest.token_end
-        self._landed(manifest, layer_ids)
+        self.on_landed(manifest, layer_ids)
 
-    def _landed(self, manifest: transfer_pb2.LayerManifest, layer_ids: list[int]) -> None:
-        """Layers are in our blocks (unpacked here, or written by the sender)."""
+    def on_landed(self, manifest: transfer_pb2.LayerManifest, layer_ids: list[int]) -> None:
+        """Layers are in our blocks (unpacked by `LayerLanding`, or written by the sender)."""
         self.num_bytes_received += manifest.num_bytes * len(layer_ids)
         self.start()  # (unless progress said so first)
         self._advance(TransferState.TRANSFERRING)

@@ -9,7 +9,7 @@
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
-        ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
+        ──► TRANSFERRING ── send_first_token() (behind them: SendOrder) ── result ok ──► SUCCESS
     refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
     cancel(), or a failed result ──► FAILED
 
@@ -38,6 +38,7 @@ from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
 from cache_transfer.route_slice import RouteSlice
+from cache_transfer.send_order import SendOrder
 from cache_transfer.sender_beats import SenderBeats
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
@@ -85,9 +86,7 @@ class KVSender(TransferSession):
         self._spans = LayerSpans(layout, ticket.num_tokens)
         self._first_token_sent = False
         self._beats = SenderBeats(self._loop, timeout_s)
-        # layer sends the transport has not numbered yet (send_first_token goes right behind
-        # them: the transport keeps that order, so it need not wait for them to complete)
-        self._unsubmitted: set[asyncio.Future[None]] = set()
+        self._order = SendOrder(self._loop)  # the first token right behind the layers
         self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
         forged = check_ticket(auth, ticket) if auth is not None else None
@@ -206,8 +205,7 @@ class KVSender(TransferSession):
             raise ValueError(f"transfer {self.transfer_id}: the first token was already sent")
         self._spans.check_complete(f"transfer {self.transfer_id}")
         self._first_token_sent = True
-        if self._unsubmitted:
-            await asyncio.wait(set(self._unsubmitted), timeout=self.remaining_s)
+        await self._order.behind_layers(self.remaining_s)
         if not self.finished:
             first_token = transfer_pb2.FirstToken(token_id=token_id, logprob=logprob,
                 finish_reason=finish_reason, draft_token_ids=draft_token_ids)  # fmt: skip
@@ -247,8 +245,8 @@ class KVSender(TransferSession):
             self.spawn(self._drain_then_notify(reason))
 
     async def _drain_then_notify(self, reason: str) -> None:
-        if await self._in_place.drain():  # (else D keeps its blocks until our deadline is past)
-            result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
+        result = await self._in_place.drained_notice(reason)  # (None: D keeps its blocks)
+        if result is not None:
             await self._notify(result=result)
 
     async def _send_layers(
@@ -260,8 +258,7 @@ class KVSender(TransferSession):
         """Once acked, hand layers over as one message: written in place (maybe already), or sent."""
         if self.finished:
             return
-        submitted = self._loop.create_future()
-        self._unsubmitted.add(submitted)
+        submitted = self._order.begin()
         try:
             if not await self._wait_acked():
                 return
@@ -271,9 +268,7 @@ class KVSender(TransferSession):
                 assert sources is not None
                 await self._send_payloads(manifests, sources, device, submitted)
         finally:
-            self._unsubmitted.discard(submitted)
-            if not submitted.done():  # nothing was sent (finished, refused, a failed write)
-                submitted.set_result(None)
+            self._order.end(submitted)
 
     async def _send_payloads(
         self,
@@ -307,13 +302,11 @@ class KVSender(TransferSession):
         through `in_place_writer`), then tell it in one message (header only: a manifest per
         token span, naming its layers)."""
         self._advance(TransferState.TRANSFERRING)
-        if sources is not None:
-            error = await self._in_place.write(manifests, sources, self.remaining_s)
-            if error is not None:
-                self.fail(error)
-                return
+        announced = await self._in_place.land(manifests, sources, self.remaining_s)
+        if isinstance(announced, str):
+            self.fail(announced)
+            return
         self.num_bytes_sent += sum(m.num_bytes for m in manifests)  # as in _send_payloads
-        announced = self._in_place.announcements(manifests)
         await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
     def _refused(self, what: str, reason: str) -> None:
@@ -324,11 +317,11 @@ class KVSender(TransferSession):
     async def _open(self) -> None:
         """The hello at once (an unreachable receiver fails the transfer now), then, once
         challenged, the handshake, proving the challenge's nonce on our connection."""
-        unreachable = await self._hello.say(self._ticket.dst_address, self.timeout_s)
-        if unreachable is not None:
-            self.fail(unreachable, notify_peer=False)
-        elif not await self._hello.wait(self._hello.answered, self.remaining_s):
-            self.fail("no challenge from the receiver before the deadline")
+        failed = await self._hello.open(
+            self._ticket.dst_address, self.timeout_s, lambda: self.remaining_s
+        )
+        if failed is not None:
+            self.fail(failed[0], notify_peer=failed[1])
         if not self.finished:
             kv_device, asks = self._in_place.kv_device, self.may_write_in_place
             await self._send(handshake=self._hello.handshake(self.layout, kv_device, asks,

@@ -74,8 +74,8 @@ class HandOffs:
     ) -> None:
         transfer_id = receiver.transfer_id
         for worker in tp_ranks.workers:
-            receiver.add_remote(tp_ranks.remote_part(transfer_id, worker.heads.rank))
-        receiver.seal()
+            receiver.whole.add_remote(tp_ranks.remote_part(transfer_id, worker.heads.rank))
+        receiver.whole.seal()
         opening = OpenFanIn(receiver.ticket().SerializeToString(), *timeouts_s, request_id)
         calls = [tp_ranks.call(w.heads.rank, opening) for w in tp_ranks.workers]
         for result in await asyncio.gather(*calls, return_exceptions=True):

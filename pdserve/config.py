@@ -19,7 +19,6 @@ nothing here reads the environment (see `pdserve.envs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.engine_config import (
     ASYNC_SCHEDULING,
@@ -34,7 +33,14 @@ from pdserve.engine_config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from pdserve.knobs import knob, parse_size, prefix_cache_salt_knob
+from pdserve.knobs import (
+    knob,
+    parse_size,
+    prefill_rate_knob,
+    prefix_cache_salt_knob,
+    ticket_timeout_knob,
+    transfer_timeout_knob,
+)
 from pdserve.net import redact_url
 
 __all__ = [
@@ -126,28 +132,6 @@ class SecurityConfig:
         return self.tls_cert is not None
 
 
-def transfer_timeout_knob() -> Any:
-    """The one KV hand-off timeout: how long it may go without progress (router, prefill and
-    decode alike; see router/README.md)."""
-    return knob(
-        30.0,
-        "a KV hand-off fails after this long without progress (the prefill node reports it "
-        "while it computes this prompt or those queued ahead of it), and the decode node "
-        "prefills the prompt itself (prefill nodes cap the router's at theirs)",
-    )
-
-
-def prefill_rate_knob() -> Any:
-    """The slowest prefill that hand-offs and the router wait for (one knob, every role)."""
-    return knob(
-        20.0,
-        "the slowest prefill, in prompt tokens per second, that KV hand-offs and the router's "
-        "wait for a first token allow for: behind N prompt tokens (its own and those queued "
-        "ahead of it on the prefill node) a hand-off that keeps making progress may take "
-        "--transfer-timeout-s + N / this",
-    )
-
-
 @dataclass(frozen=True)
 class NodeConfig:
     """Where a node listens and how it hands KV over (both roles)."""
@@ -163,6 +147,7 @@ class NodeConfig:
         "listening on 0.0.0.0)",
     )
     transfer_timeout_s: float = transfer_timeout_knob()
+    ticket_timeout_s: float = ticket_timeout_knob()
     min_prefill_tokens_per_s: float = prefill_rate_knob()
     kv_write_in_place: bool = knob(
         True,
@@ -230,7 +215,8 @@ class NodeConfig:
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
-        for name in ("transfer_timeout_s", "min_prefill_tokens_per_s", "max_handoff_s"):
+        waits = ("transfer_timeout_s", "ticket_timeout_s", "min_prefill_tokens_per_s")
+        for name in (*waits, "max_handoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.grace_s >= 0:
@@ -271,7 +257,7 @@ class RouterConfig:
     )
     node_wait_s: float = knob(60.0, "how long to wait at start for nodes that are not up yet")
     node_rpc_timeout_s: float = knob(5.0, "deadline of GetNodeInfo, GetTokenizer, Abort calls")
-    ticket_timeout_s: float = knob(30.0, "how long a decode node may take to reserve KV blocks")
+    ticket_timeout_s: float = ticket_timeout_knob()
     transfer_timeout_s: float = transfer_timeout_knob()
     min_prefill_tokens_per_s: float = prefill_rate_knob()
     token_timeout_s: float = knob(

@@ -46,3 +46,37 @@ def prefix_cache_salt_knob() -> Any:
         "salt of the prefix cache's sha256 block hashes: deployments that must not share cached "
         "prefixes never do (default: PDSERVE_PREFIX_CACHE_SALT); the same on router and nodes",
     )
+
+
+def transfer_timeout_knob() -> Any:
+    """The one KV hand-off timeout: how long it may go without progress (router, prefill and
+    decode alike; see router/README.md)."""
+    return knob(
+        30.0,
+        "a KV hand-off fails after this long without progress (the prefill node reports it "
+        "while it computes this prompt or those queued ahead of it), and the decode node "
+        "prefills the prompt itself (prefill nodes cap the router's at theirs)",
+    )
+
+
+def ticket_timeout_knob() -> Any:
+    """How long a decode node may take to reserve a hand-off's KV blocks (router and prefill
+    alike; see router/README.md)."""
+    return knob(
+        30.0,
+        "how long a decode node may take to reserve a hand-off's KV blocks (its reservation may "
+        "queue for free blocks): the router waits this long for its ticket, and a prefill node, "
+        "which starts the prompt before it, holds the computed KV this long for it (prefill "
+        "nodes cap the router's at theirs)",
+    )
+
+
+def prefill_rate_knob() -> Any:
+    """The slowest prefill that hand-offs and the router wait for (one knob, every role)."""
+    return knob(
+        20.0,
+        "the slowest prefill, in prompt tokens per second, that KV hand-offs and the router's "
+        "wait for a first token allow for: behind N prompt tokens (its own and those queued "
+        "ahead of it on the prefill node) a hand-off that keeps making progress may take "
+        "--transfer-timeout-s + N / this",
+    )

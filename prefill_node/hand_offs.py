@@ -58,9 +58,9 @@ class PrefillHandOffs:
         if tp_ranks is not None:
             data = ticket.SerializeToString()
             for rank in sorted({route.src_rank for route in fan_out.plan} - {0}):
-                fan_out.add_remote(tp_ranks.remote_part(ticket.transfer_id, rank))
+                fan_out.whole.add_remote(tp_ranks.remote_part(ticket.transfer_id, rank))
                 tp_ranks.note(rank, SendKV(request_id, data, timeout_s, ceiling_s))
-        fan_out.seal()
+        fan_out.whole.seal()
         return fan_out
 
     def close(self, request_id: str, reason: str) -> None:

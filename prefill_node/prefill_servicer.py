@@ -5,8 +5,9 @@ check the request, and its ticket if it carries one (layout hash: FAILED_PRECOND
     grammar compiled first (refused: INVALID_ARGUMENT; too many compiling: RESOURCE_EXHAUSTED):
     the first token is sampled under it
 LayerStreamer.open(request_id, prompt_len)
-hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
-    timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► PrefillHandOffs.sender(ticket,
+hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the ticket
+    timeout, the router's capped by --ticket-timeout-s, not the no-progress one: KV held
+    meanwhile; none: DEADLINE_EXCEEDED; checked as inline) ─► PrefillHandOffs.sender(ticket,
     the request's transfer_timeout_s capped by the node's: the no-progress timeout; the
     ceiling: that + the prompt tokens queued here, this one's included, /
     --min-prefill-tokens-per-s; one KVSender, or with tensor parallelism rank 0's routes and
@@ -75,6 +76,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
         self._tickets = TicketBox()
+        self._ticket_timeout_s = node.config.ticket_timeout_s
 
     @property
     def num_tickets_held(self) -> int:
@@ -187,11 +189,10 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         problem = None
         if not request.request_id:
             problem = "request_id is empty"
-        elif not request.transfer_timeout_s >= 0:
-            problem = (
-                f"transfer_timeout_s must be >= 0 (0: the node's default), got "
-                f"{request.transfer_timeout_s}"
-            )
+        for name in ("transfer_timeout_s", "ticket_timeout_s"):
+            value = getattr(request, name)
+            if problem is None and not value >= 0:
+                problem = f"{name} must be >= 0 (0: the node's default), got {value}"
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
         if request.HasField("ticket"):  # refused before any work
@@ -232,18 +233,21 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
 
     async def _attach(self, request: node_pb2.PrefillRequest, trace: TransferTrace) -> KVSink:
         """The request's sender, attached to the streamer: on its inline ticket, or on the one
-        AttachTicket brings within the transfer timeout (marked "ticket"). Raises TicketError."""
+        AttachTicket brings within the ticket timeout, as long as the router waits for D's
+        reservation, not the no-progress one (marked "ticket"). Raises TicketError."""
         request_id = request.request_id
         timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
         ticket = request.ticket
         if not request.HasField("ticket"):
+            wait_s = min(request.ticket_timeout_s or math.inf, self._ticket_timeout_s)
             try:
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout(wait_s):
                     ticket = await self._tickets.expect(request_id)
             except TimeoutError:
                 raise TicketError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
+                    f"request {request_id}: no AttachTicket within {wait_s:.3g} s (the decode "
+                    "node did not reserve in time)",
                 ) from None
             self._check_ticket(request, ticket)
         trace.mark("ticket")

@@ -3,7 +3,9 @@
 ```
 start(P)         P.Prefill(request) without its ticket, and the reader task, at once: P
                  computes while D reserves, and P's first token reaches the client the moment
-                 it comes (it waits neither for D's ticket nor for AttachTicket)
+                 it comes (it waits neither for D's ticket nor for AttachTicket); P holds the
+                 computed KV for its ticket as long as this router waits for D's reservation
+                 (ticket_timeout_s, sent in the request; the call's deadline covers it)
 attach(ticket)   D's ticket is in (the decode reader hands it over): P.AttachTicket
                  (node_rpc_timeout_s); a failed AttachTicket fails the leg (P's call cancelled)
 reader task      PrefillFirstToken (with the prompt logprobs asked for) -> emit(NodeTokens(0)),
@@ -130,10 +132,12 @@ class PrefillLeg:
         self._prefill = prefill
         self._work = prefill.load.track(self._request.prompt_len)
         # P's ceiling (transfer_timeout_s + the prompt tokens it has in flight at
-        # min_prefill_tokens_per_s) and one transfer_timeout_s more: the call outlives neither.
+        # min_prefill_tokens_per_s) and one transfer_timeout_s more: the call outlives neither;
+        # without its ticket, P also waits for D's reservation (ticket_timeout_s) before it
         config = self._config
         timeout_s = 2 * config.transfer_timeout_s
         timeout_s += self.tokens_in_flight / config.min_prefill_tokens_per_s
+        timeout_s += config.ticket_timeout_s if ticket is None else 0.0
         if self._timeout_s is not None:
             timeout_s = min(timeout_s, self._timeout_s)
         self._call = prefill.prefill_stub.Prefill(
@@ -144,6 +148,7 @@ class PrefillLeg:
                 ticket=ticket,
                 transfer_timeout_s=self._config.transfer_timeout_s,
                 cache_salt=self._request.cache_salt,
+                ticket_timeout_s=self._config.ticket_timeout_s,  # P's wait for AttachTicket
             ),
             timeout=timeout_s,
         )

@@ -158,7 +158,7 @@ class RankSide:
             dst_ids = self._rng.sample(range(spec.num_pool_blocks), spec.num_blocks)
             receiver = TPReceiver(self._manager, spec.layout, decode_ranks, self._caches,
                                   dst_ids, spec.num_tokens, timeouts)  # fmt: skip
-            receiver.seal()
+            receiver.whole.seal()
             self._receiving, self._dst_ids = receiver, dst_ids
             group = receiver.group
         else:
@@ -176,7 +176,7 @@ class RankSide:
         parsed = node_pb2.TransferTicket.FromString(ticket)
         fan_out = FanOutSender.create(self._manager, parsed, self.spec.layout, self.heads, src,
                                       TIMEOUT_S)  # fmt: skip
-        fan_out.seal()  # (rank 0: the other ranks' shares are this benchmark's to gather)
+        fan_out.whole.seal()  # (rank 0: the other ranks' shares are this benchmark's to gather)
         self._fan_out = fan_out
         self._packed = []
         for layer_idx, (k, v) in enumerate(self._caches):

@@ -1,6 +1,7 @@
 """`SenderHello`: the part of a `KVSender` before its handshake.
 
 ```
+open(): hello, then the challenge awaited (why the transfer fails, or None: `handshake()` may go)
 created (ticket verified) ──► hello {src_address} to the ticket's dst_address, at once: the
     receiver is reached (or found unreachable: the transfer fails) while the prefill queues
 challenge for our connection ──► nonce (with a secret: its proof verified; the transfer's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from cache_transfer import protocol
 from cache_transfer.frame_auth.challenges import challenge_misfit
@@ -64,6 +66,19 @@ class SenderHello:
                 await self._transport.send(peer_address, header)
         except (TimeoutError, TransportError) as error:
             return f"could not reach the receiver at {peer_address}: {error or 'timed out'}"
+        return None
+
+    async def open(
+        self, peer_address: str, timeout_s: float, remaining_s: Callable[[], float]
+    ) -> tuple[str, bool] | None:
+        """`say` (within `timeout_s`), then wait for our challenge (within `remaining_s()`, the
+        session's): None once answered, else why the transfer fails and whether the receiver
+        may be told so (not if it could not be reached)."""
+        unreachable = await self.say(peer_address, timeout_s)
+        if unreachable is not None:
+            return unreachable, False
+        if not await self.wait(self.answered, remaining_s()):
+            return "no challenge from the receiver before the deadline", True
         return None
 
     def session_ended(self) -> None:

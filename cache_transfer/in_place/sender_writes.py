@@ -5,7 +5,10 @@
     writes_to(device)             granted and mapped: a cache on `device` is written in place
     await write(manifests, sources, timeout_s)   the layers into the receiver's blocks, waited for
     announcements(manifests)      what tells the receiver: header only, one per token span
+    await land(manifests, sources, timeout_s)    both: written (sources None: by the caller,
+                                  through `writer`), then the announcements, or why not
     await drain()                 the transfer failed: every write launched is done (or not)
+    await drained_notice(reason)  ... and the failed result that says so (writes_drained)
 
 It never talks to the receiver nor ends the session: the sender sends what it returns and
 fails with the reasons it returns.
@@ -84,6 +87,27 @@ class InPlaceWrites:
         except Exception as error:  # the session fails with it
             return f"an in-place write did not complete: {error!r}"
         return None
+
+    async def land(
+        self,
+        manifests: Sequence[transfer_pb2.LayerManifest],
+        sources: Sequence[LayerSource] | None,
+        timeout_s: float,
+    ) -> list[transfer_pb2.LayerManifest] | str:
+        """`write` (unless `sources` is None: the caller wrote them), then `announcements`;
+        or why the layers were not written."""
+        if sources is not None:
+            error = await self.write(manifests, sources, timeout_s)
+            if error is not None:
+                return error
+        return self.announcements(manifests)
+
+    async def drained_notice(self, reason: str) -> transfer_pb2.TransferResult | None:
+        """The failed result (`reason`) to tell the receiver once every write launched is
+        done, or None when one did not drain (it keeps its blocks until our deadline is past)."""
+        if not await self.drain():
+            return None
+        return transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
 
     async def drain(self) -> bool:
         """Stop writing; True once every write launched has completed (nothing was mapped: at

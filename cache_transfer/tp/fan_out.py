@@ -14,8 +14,9 @@ send_packed_layers(layers)    each route sends the layers as packed (all of this
                               or its head slice of them (slice_packed)
 send_first_token(...)         on the route to decode rank 0 (rank 0 only), once that route's
                               layer sends completed; the other routes end with their layers
-add_remote(part), seal()      rank 0: the other ranks' shares (their reports), so `state`,
-                              `wait()` and the result are the whole hand-off's
+whole.add_remote(part), whole.seal()
+                              rank 0: the other ranks' shares (their reports), so `state`,
+                              `wait()` and the result are the whole hand-off's (WholeHandOff)
 abort() / cancel()            every route (cancel: nobody needs it, DEBUG) and every share
 ```
 
@@ -38,7 +39,7 @@ from cache_transfer.tickets import check_ticket, ticket_misfit
 from cache_transfer.tp.head_routes import RankHeads, Route, plan_routes
 from cache_transfer.tp.head_slices import slice_packed
 from cache_transfer.tp.route_tickets import decode_ranks, route_ticket
-from cache_transfer.tp.session_group import RemotePart, SessionGroup
+from cache_transfer.tp.whole_hand_off import WholeHandOff
 from pdserve.v1 import generation_pb2, node_pb2
 
 GROUP_MARGIN_S = 5.0  # the group's own deadline lies past every route's by this
@@ -65,8 +66,8 @@ class FanOutSender:
         self.routes = routes
         self.num_tokens = ticket.num_tokens
         self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
-        self.group = SessionGroup(ticket.transfer_id, group_timeout_s)
-        self.remote: list[RemotePart] = []
+        self.whole = WholeHandOff(self, ticket.transfer_id, group_timeout_s)  # + other ranks'
+        self.group = self.whole.group  # this rank's routes
         self.plan: list[Route] = [route for route, _ in routes]  # every rank's (create)
         self._own = own
         self._rank_layout = layout.with_heads(own.kv_head_end - own.kv_head_start)
@@ -110,31 +111,22 @@ class FanOutSender:
         fan_out = cls(ticket, senders, own, layout, group_timeout_s, log_id)
         fan_out.plan = routes
         if own.rank != 0:
-            fan_out.seal()  # rank 0 seals once the other ranks' shares joined
+            fan_out.whole.seal()  # rank 0 seals once the other ranks' shares joined
         return fan_out
 
-    # ---- the whole hand-off (rank 0) ------------------------------------------------------
-
-    def add_remote(self, part: RemotePart) -> None:
-        self.remote.append(part)
-        self.group.add(part)
-
-    def seal(self) -> None:
-        self.group.seal()
-
-    # ---- what LayerStreamer and the prefill servicer use of a sender ----------------------
+    # ---- what LayerStreamer and the prefill servicer use of a sender (the whole's) --------
 
     @property
     def state(self) -> TransferState:
-        return self.group.state
+        return self.whole.state
 
     @property
     def error(self) -> str | None:
-        return self.group.error
+        return self.whole.error
 
     @property
     def finished(self) -> bool:
-        return self.group.finished
+        return self.whole.finished
 
     @property
     def remaining_s(self) -> float:
@@ -142,12 +134,11 @@ class FanOutSender:
 
     @property
     def elapsed_s(self) -> float:
-        return self.group.elapsed_s
+        return self.whole.elapsed_s
 
     @property
     def num_bytes_sent(self) -> int:
-        local = sum(s.num_bytes_sent for _, s in self.routes)
-        return local + sum(p.num_bytes for p in self.remote)
+        return sum(s.num_bytes_sent for _, s in self.routes) + self.whole.remote_bytes
 
     @property
     def dst_kv_device(self) -> str:
@@ -166,16 +157,16 @@ class FanOutSender:
             sender.beat(num_computed_tokens)
 
     def abort(self, reason: str) -> None:
-        self.group.abort(reason)
+        self.whole.abort(reason)
 
     def cancel(self, reason: str) -> None:
-        self.group.cancel(reason)
+        self.whole.cancel(reason)
 
     def add_finish_callback(self, callback: Callable[[FanOutSender], None]) -> None:
-        self.group.add_finish_callback(lambda _: callback(self))
+        self.whole.add_finish_callback(callback)
 
     async def wait(self) -> TransferState:
-        return await self.group.wait()
+        return await self.whole.wait()
 
     async def send_packed_layers(
         self, layers: Sequence[tuple[int, torch.Tensor]], token_end: int | None = None

@@ -7,8 +7,8 @@ decode TP 1   the KVReceiver of a TP 1 hand-off (today's: its ticket, its bytes,
               route retires the KVReceiver (unused: counted nowhere, nobody told), and the
               FanIn's routes are the hand-off
 decode TP b   the ticket lists every rank (address, kv heads; signed); rank 0's FanIn, and one
-              RemotePart per other rank (add_remote: the node opens that rank's FanIn and
-              carries its report), sealed once all joined
+              RemotePart per other rank (whole.add_remote: the node opens that rank's FanIn
+              and carries its report), sealed once all joined (WholeHandOff)
 ```
 
 SUCCESS once every part succeeded and rank 0 holds the first token; any part failing fails the
@@ -29,7 +29,7 @@ from cache_transfer.state import TransferState
 from cache_transfer.tickets import issue_ticket
 from cache_transfer.tp.fan_in import FanIn
 from cache_transfer.tp.route_tickets import DecodeRank, rank_endpoints
-from cache_transfer.tp.session_group import RemotePart, SessionGroup
+from cache_transfer.tp.whole_hand_off import WholeHandOff
 from pdserve.v1 import node_pb2, transfer_pb2
 
 
@@ -71,11 +71,11 @@ class TPReceiver:
             on_first_route=self._take_routes if self.direct is not None else None,
         )  # fmt: skip
         ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
-        self.group = SessionGroup(self.transfer_id, timeout_s + ceiling_s)
+        self.whole = WholeHandOff(self, self.transfer_id, timeout_s + ceiling_s)  # + other ranks'
+        self.group = self.whole.group  # this rank's part: the direct receiver or the fan-in
         self.group.add(self.direct if self.direct is not None else self.fan_in.group)
-        self.remote: list[RemotePart] = []
         if self.direct is not None:
-            self.group.seal()
+            self.whole.seal()
         # the hand-off over (the TP 1 receiver's, say): the fan-in takes no route any more
         self.group.add_finish_callback(lambda _: self.fan_in.group.abort("the hand-off ended"))
 
@@ -84,29 +84,21 @@ class TPReceiver:
         ticket.CopyFrom(self._ticket)
         return ticket
 
-    def add_remote(self, part: RemotePart) -> None:
-        """Another rank's share (decode TP > 1); `seal` once every rank's joined."""
-        self.remote.append(part)
-        self.group.add(part)
-
-    def seal(self) -> None:
-        self.group.seal()
-
     @property
     def state(self) -> TransferState:
-        return self.group.state
+        return self.whole.state
 
     @property
     def error(self) -> str | None:
-        return self.group.error
+        return self.whole.error
 
     @property
     def finished(self) -> bool:
-        return self.group.finished
+        return self.whole.finished
 
     @property
     def elapsed_s(self) -> float:
-        return self.group.elapsed_s
+        return self.whole.elapsed_s
 
     @property
     def writes_settled(self) -> asyncio.Event:
@@ -123,7 +115,7 @@ class TPReceiver:
         local = self.fan_in.num_bytes_received
         if self.direct is not None:
             local += self.direct.num_bytes_received
-        return local + sum(p.num_bytes for p in self.remote)
+        return local + self.whole.remote_bytes
 
     def add_layer_callback(self, callback: LayerCallback) -> None:
         if self.direct is not None:
@@ -131,19 +123,19 @@ class TPReceiver:
         self.fan_in.add_layer_callback(callback)
 
     def add_finish_callback(self, callback: Callable[[TPReceiver], None]) -> None:
-        self.group.add_finish_callback(lambda _: callback(self))
+        self.whole.add_finish_callback(callback)
 
     def abort(self, reason: str) -> None:
-        self.group.abort(reason)
+        self.whole.abort(reason)
         self.fan_in.group.abort(reason)  # (the routes it may still take: none)
 
     def cancel(self, reason: str) -> None:
         """`abort`, for a hand-off nobody needs any more (logged at DEBUG)."""
-        self.group.cancel(reason)
+        self.whole.cancel(reason)
         self.fan_in.group.cancel(reason)
 
     async def wait(self) -> TransferState:
-        return await self.group.wait()
+        return await self.whole.wait()
 
     def _direct_unused(self) -> bool:
         return self.direct is None or self.direct.sender_id is None

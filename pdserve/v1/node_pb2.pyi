@@ -170,20 +170,22 @@ class CancelTransferResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket", "transfer_timeout_s", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket", "transfer_timeout_s", "cache_salt", "ticket_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: NodeSamplingParams
     ticket: TransferTicket
     transfer_timeout_s: float
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    ticket_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[TransferTicket, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., cache_salt: _Optional[str] = ..., ticket_timeout_s: _Optional[float] = ...) -> None: ...
 
 class AttachTicketRequest(_message.Message):
     __slots__ = ("request_id", "ticket")

@@ -270,7 +270,8 @@ class PrefillNodeServicer:
         """The ticket of a Prefill call sent without one: the router starts the prefill at once and
         hands the decode node's ticket over when it has it, so the reservation's round trip hides
         behind the forward (layers computed before it wait, packed). A ticket for a call not yet
-        seen waits for it briefly; the call waits for its ticket up to its transfer timeout.
+        seen waits for it briefly; the call waits for its ticket as long as the decode node may
+        take to reserve (PrefillRequest.ticket_timeout_s), not the hand-off's no-progress timeout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -33,10 +33,13 @@ from tests.unit.decode_node.node_harness import (
 pytestmark = pytest.mark.timeout(120)
 
 
-def prefill_without_ticket(nodes: Nodes, prompt_ids: list[int], request_id: str):
+def prefill_without_ticket(
+    nodes: Nodes, prompt_ids: list[int], request_id: str, ticket_timeout_s: float = 0.0
+):
     request = node_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt_ids, sampling=GREEDY
-    )
+        request_id=request_id, prompt_token_ids=prompt_ids, sampling=GREEDY,
+        ticket_timeout_s=ticket_timeout_s,
+    )  # fmt: skip
     return nodes.prefill_stub.Prefill(request, timeout=RPC_TIMEOUT_S)
 
 
@@ -75,16 +78,59 @@ def test_attached_ticket_hands_off_token_exact(order: str) -> None:
     run(main())
 
 
-def test_no_ticket_in_time_is_deadline_exceeded_and_frees_blocks() -> None:
+@pytest.mark.parametrize("bound", ["request", "node"])
+def test_no_ticket_in_time_is_deadline_exceeded_and_frees_blocks(bound: str) -> None:
+    """The wait is the request's ticket_timeout_s (the router's), capped by the node's."""
     prompt_ids = prompt(20, seed=12)
+    request_s, node_s = (0.5, 60.0) if bound == "request" else (60.0, 0.5)
 
     async def main() -> None:
-        async with running_nodes("local", transfer_timeout_s=0.5) as nodes:
-            call = prefill_without_ticket(nodes, prompt_ids, "late")
+        async with running_nodes("local", ticket_timeout_s=node_s) as nodes:
+            call = prefill_without_ticket(nodes, prompt_ids, "late", ticket_timeout_s=request_s)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await read_prefill(call)
             assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "no AttachTicket within" in error.value.details()
+            assert "no AttachTicket within 0.5 s" in error.value.details()
+
+    run(main())
+
+
+NO_PROGRESS_S = 1.0
+
+
+def test_a_ticket_later_than_the_no_progress_timeout_still_hands_off() -> None:
+    """The decode node's reservation queued (its pool full): the ticket comes after the
+    hand-off's no-progress timeout, within the ticket timeout, and the KV lands."""
+    prompt_ids = prompt(20, seed=15)
+
+    async def main() -> None:
+        async with running_nodes("tcp", transfer_timeout_s=NO_PROGRESS_S) as nodes:
+            call = prefill_without_ticket(nodes, prompt_ids, "slow", ticket_timeout_s=30.0)
+            first = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)  # computed meanwhile
+            assert first.WhichOneof("kind") == "first_token"
+            await asyncio.sleep(2 * NO_PROGRESS_S)  # P still waits for its ticket
+            assert nodes.prefill.servicer.num_tickets_held == 1
+            decode = nodes.decode_stub.Decode(
+                decode_request("slow", prompt_ids), timeout=RPC_TIMEOUT_S
+            )
+            await attach(nodes, "slow", await read_ticket(decode))
+            result = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+            assert result.transfer_result.ok, result.transfer_result.error
+            chunks = await read_chunks(decode)
+            assert tokens_of(chunks)[0] == first.first_token.token_id
+            assert not any(c.prefilled_here for c in chunks)  # D resumed from the KV
+
+    run(main())
+
+
+def test_a_negative_ticket_timeout_is_invalid_argument() -> None:
+    async def main() -> None:
+        async with running_nodes("local") as nodes:
+            call = prefill_without_ticket(nodes, prompt(8, seed=16), "neg", ticket_timeout_s=-1)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await read_prefill(call)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "ticket_timeout_s must be >= 0" in error.value.details()
 
     run(main())
 

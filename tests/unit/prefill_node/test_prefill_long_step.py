@@ -31,6 +31,8 @@ from tests.unit.decode_node.node_harness import (
 pytestmark = pytest.mark.timeout(120)
 
 TRANSFER_TIMEOUT_S = 600.0  # no transfer deadline falls inside the clock's jump
+# (nor the wait for an AttachTicket: --ticket-timeout-s)
+TIMEOUTS = dict(transfer_timeout_s=TRANSFER_TIMEOUT_S, ticket_timeout_s=TRANSFER_TIMEOUT_S)
 
 
 def prefill_call(nodes: Nodes, request_id: str, seed: int) -> grpc.aio.UnaryStreamCall:
@@ -62,7 +64,7 @@ def test_a_prefill_whose_hand_off_ends_during_a_long_step_ends_ok() -> None:
     """... and a GetStats during the step waits for it, then answers."""
 
     async def main() -> None:
-        async with running_nodes("tcp", transfer_timeout_s=TRANSFER_TIMEOUT_S) as nodes:
+        async with running_nodes("tcp", **TIMEOUTS) as nodes:
             done = prefill_call(nodes, "done", seed=1)  # prefilled before the long step
             first = await asyncio.wait_for(done.read(), RPC_TIMEOUT_S)
             assert first.WhichOneof("kind") == "first_token"
@@ -96,7 +98,7 @@ def test_requests_aborted_during_a_long_step_end_at_once() -> None:
     their calls end ABORTED while the step still runs; the engine frees both after it."""
 
     async def main() -> None:
-        async with running_nodes("tcp", transfer_timeout_s=TRANSFER_TIMEOUT_S) as nodes:
+        async with running_nodes("tcp", **TIMEOUTS) as nodes:
             held = HeldStep(nodes.prefill, "long")
             long = prefill_call(nodes, "long", seed=2)
             try:

@@ -135,3 +135,33 @@ def test_the_decode_nodes_index_0_waits_for_the_first_token_carrying_prompt_logp
     assert [lp.token_id for lp in chunks[0].prompt_logprobs] == prompt_ids[1:]
     assert all(not c.prompt_logprobs for c in chunks[1:])
     assert [t for c in chunks for t in c.token_ids] == output_ids[:4]
+
+
+def test_p_waits_for_its_ticket_as_long_as_d_may_take_to_reserve(
+    tokenizer_files, output_ids
+) -> None:
+    """D's reservation queues well past the hand-off's no-progress timeout (and past the Prefill
+    call's deadline as the no-progress timeout alone would set it): P is told how long the
+    router waits for D's ticket, its call lasts that long, and the request hands off."""
+    no_progress_s = 0.1
+
+    async def body():
+        async with RouterHarness(
+            tokenizer_files, output_ids, transfer_timeout_s=no_progress_s, ticket_timeout_s=20.0
+        ) as h:
+            h.prefill[0].first_before_ticket = True
+            h.decode[0].ticket_gate.clear()  # D's reservation waits for blocks
+            stream = h.client.generate("hello", max_tokens=4)
+            first = await asyncio.wait_for(anext(stream), TEST_TIMEOUT_S)
+            await asyncio.sleep(10 * no_progress_s)
+            h.decode[0].ticket_gate.set()
+            rest = [c async for c in stream]
+            return first, rest, h
+
+    first, rest, h = run(body())
+
+    assert [t for c in (first, *rest) for t in c.token_ids] == output_ids[:4]
+    (prefill_request,) = h.prefill[0].requests
+    assert prefill_request.ticket_timeout_s == 20.0
+    assert h.prefill[0].cancelled == [] and len(h.prefill[0].attached) == 1
+    assert h.router.stats.num_prefill_failures == 0 and h.decode[0].cancelled_transfers == []

@@ -106,8 +106,10 @@ class TPPair:
         for rank, dst in zip(self.decode[1:], self.decode_ranks()[1:], strict=True):
             rank.fan_in = FanIn(rank.manager, ticket, dst, rank.caches, self.layout,
                                 (TIMEOUT_S, None))  # fmt: skip
-            receiver.add_remote(_remote(ticket.transfer_id, rank.heads.rank, rank.fan_in.group))
-        receiver.seal()
+            receiver.whole.add_remote(
+                _remote(ticket.transfer_id, rank.heads.rank, rank.fan_in.group)
+            )
+        receiver.whole.seal()
         self.receiver = receiver
         return receiver
 
@@ -123,8 +125,8 @@ class TPPair:
                 sending.append(rank)
         head = self.prefill[0].fan_out
         for rank in sending[1:]:
-            head.add_remote(_remote(ticket.transfer_id, rank.heads.rank, rank.fan_out.group))
-        head.seal()
+            head.whole.add_remote(_remote(ticket.transfer_id, rank.heads.rank, rank.fan_out.group))
+        head.whole.seal()
         return sending
 
     async def send_all(
