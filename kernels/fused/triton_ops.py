@@ -12,7 +12,9 @@ silu_and_mul  grid (T, cdiv(d, BLOCK)): silu(gate) * up
 ```
 
 The intermediate roundings follow the torch reference (`reference.py`) step by step, so in
-float16/bfloat16 results match it up to the order of the norm's sum.
+float16/bfloat16 results match it up to the order of the norm's sum. The rotary kernel is
+bit-exact with it, its FP8 KV write included: compiled without FP fusion
+(`ROTARY_COMPILE_OPTIONS`: no fma skips a product's rounding) and quantizing with IEEE division.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from kernels import pdl
 
 _MAX_NORM_DIM = 1 << 16  # one program holds a whole row
 _ACT_BLOCK = 1024  # SwiGLU elements per program
+# The rotary kernel rounds each product to the dtype before the sum, as torch does. With FP
+# fusion on (Triton 3.9's default) the backend contracts `x1 * cos - x2 * sin` into one
+# fma.rn.bf16, which skips the product's rounding: a bf16 k one ulp off the reference's, and
+# another FP8 byte wherever that ulp crosses an e4m3 rounding boundary.
+ROTARY_COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -160,7 +167,8 @@ def _rotary_kernel(
 
 @triton.jit
 def _to_fp8(x, scale, cache_ptr):
-    scaled = x.to(tl.float32) / scale
+    # IEEE division, as torch's: Triton's `/` on float32 is the approximate div.full.f32.
+    scaled = tl.math.div_rn(x.to(tl.float32), scale)
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     return scaled.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
 
@@ -219,7 +227,8 @@ def _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slots, stride_slot, stri
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), stride_slot, stride_head,
             HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE_KV=write_kv,
-            FP8=kv_scales is not None, num_warps=1, **pdl.options(num_tokens),
+            FP8=kv_scales is not None, num_warps=1, **ROTARY_COMPILE_OPTIONS,
+            **pdl.options(num_tokens),
         )  # fmt: skip
 
 

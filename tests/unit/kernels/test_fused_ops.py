@@ -135,10 +135,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.fused import triton_ops as t
 
-def compile_(fn, sig, consts):
+def compile_(fn, sig, consts, options=None):
     sig = {**sig, **{name: "constexpr" for name in consts}}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32))
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 for dt, pdl in (("bf16", True), ("fp16", False), ("fp32", False)):  # pdl: launched with PDL
     ptrs = lambda *names: {n: "*" + dt for n in names}
@@ -149,13 +149,17 @@ for dt, pdl in (("bf16", True), ("fp16", False), ("fp32", False)):  # pdl: launc
              {"HAS_RESIDUAL": True, "BLOCK": 4096, "USE_PDL": pdl})
     for write_kv, fp8 in ((True, False), (False, False), (True, True)):  # fp8: an FP8 cache
         cache = "*fp8e4nv" if fp8 else "*" + dt
-        compile_(t._rotary_kernel,
+        ptx = compile_(t._rotary_kernel,
                  {**ptrs("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr"), "k_cache_ptr": cache,
                   "v_cache_ptr": cache, "slot_ptr": "*i64", "scale_ptr": "*fp32",
                   **ints("num_q_heads", "num_kv_heads", "stride_q_tok", "stride_q_head",
                          "stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head",
                          "stride_cos", "stride_sin", "stride_cache_slot", "stride_cache_head")},
-                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv, "FP8": fp8, "USE_PDL": pdl})
+                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv, "FP8": fp8, "USE_PDL": pdl},
+                 t.ROTARY_COMPILE_OPTIONS)
+        # torch's roundings: no fma skips a product's rounding; the FP8 quantize divides IEEE
+        assert "fma." not in ptx, (dt, write_kv, fp8)
+        assert not fp8 or ("div.rn.f32" in ptx and "div.full" not in ptx), (dt, fp8)
     compile_(t._silu_and_mul_kernel,
              {**ptrs("out_ptr", "x_ptr"), **ints("d", "stride_out", "stride_x")},
              {"BLOCK": 1024, "USE_PDL": pdl})
@@ -166,7 +170,8 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs the compiled kernels")
 def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     """The interpreter runs Python semantics; the compiler is stricter (branch types, constexpr
-    use). Compile every kernel to a sm_90 cubin (Triton's bundled ptxas), no GPU needed."""
+    use). Compile every kernel to a sm_90 cubin (Triton's bundled ptxas), no GPU needed; the
+    rotary kernel's PTX keeps the reference's roundings (tests/gpu checks its bytes)."""
     env = child_env(drop=("TRITON_INTERPRET",))
     done = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
