@@ -2,8 +2,8 @@
 # pd-serve); `make test` sets up, then
 # runs the checks (`make lint`: ruff; `make typecheck`: mypy, configured in pyproject.toml) and
 # the tests (installing redis-server from Debian's packages when it is missing: the registry
-# tests start one) in TEST_WORKERS parallel pytest-xdist workers (tests that share a module's or
-# package's cluster stay on one worker: tests/conftest.py), printing the slowest 15. `.ci/run`
+# tests start one) in TEST_WORKERS parallel pytest-xdist workers (README "Tests and benchmarks"
+# says how they are scheduled), printing the slowest 15. `.ci/run`
 # runs exactly `make test`. Both create ./.venv on first use (torch pinned to the CPU build on
 # CPU hosts).
 PYTHON ?= python3

@@ -9,7 +9,9 @@ Parallel runs (`make test`: pytest-xdist, `--dist loadgroup`): tests that share 
 package-scoped fixture (a cluster of node processes, a loaded model), directly or through another
 test, form one group, so one worker builds each such fixture once and runs all the tests that use
 it; a module may also name its group (tests/e2e/conftest.py's REAL_MODEL_CLUSTERS); every other
-test goes to whichever worker is free. A test whose worker dies fails once (not again on the next
+test goes to whichever worker is free. With pytest 9.2 and pytest-xdist 3.8 the groups do not
+reach the scheduler (xdist appends them to `item._nodeid`, which pytest 9 ignores): every test is
+scheduled alone (README, "Tests and benchmarks"). A test whose worker dies fails once (not again on the next
 worker). The fault table (tests/e2e/faults/table.py) is started afresh and printed by the
 controlling process, which is also where a serial run does it.
 """
