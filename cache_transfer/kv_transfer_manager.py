@@ -118,9 +118,11 @@ class KVTransferManager:
         timeout_s: float,
         transfer_id: str | None = None,
         start_timeout_s: float | None = None,
+        num_cached_blocks: int = 0,
     ) -> KVReceiver:
         """A session receiving `num_tokens` tokens of KV into blocks reserved for it (its
-        deadline from the sender's handshake, given `start_timeout_s`)."""
+        deadline from the sender's handshake, given `start_timeout_s`); the prompt's first
+        `num_cached_blocks` blocks are held here already and not sent (`KVSuffix`)."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
@@ -138,6 +140,7 @@ class KVTransferManager:
             start_timeout_s=start_timeout_s,
             pool_export=self._pool_export,
             kv_device=self._kv_device_name,
+            num_cached_blocks=num_cached_blocks,
         )
         return self._register(receiver, self._receivers)
 

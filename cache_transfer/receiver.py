@@ -32,6 +32,7 @@ from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.session import TransferSession
 from cache_transfer.state import TransferState
+from cache_transfer.suffix import KVSuffix
 from cache_transfer.tickets import issue_ticket
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
@@ -59,21 +60,28 @@ class KVReceiver(TransferSession):
         start_timeout_s: float | None = None,
         pool_export: transfer_pb2.KVPoolExport | None = None,
         kv_device: str | None = None,
+        num_cached_blocks: int = 0,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
-        block_size) receive the KV). `pool_export`: grant writes in place to a sender on
+        block_size) - `num_cached_blocks` receive the KV: the prompt's first
+        `num_cached_blocks` blocks are held here already, `KVSuffix`, and not sent).
+        `pool_export`: grant writes in place to a sender on
         `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is signed and
         only a handshake proving the secret is heard. With `start_timeout_s` the handshake
         must come within it, and `timeout_s` counts from the handshake."""
-        check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
+        self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
+        check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
         super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
         self.layout = layout
         self.dst_block_ids = list(dst_block_ids)
         self.num_tokens = num_tokens
-        self.num_blocks = layout.num_blocks_for(num_tokens)
+        self.num_blocks = self.suffix.num_blocks  # blocks per layer the KV fills
         self.first_token: transfer_pb2.FirstToken | None = None
         self.num_bytes_received = 0
-        self.layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
+        # KV bytes of the prompt not sent: held here already
+        self.num_bytes_skipped = layout.layer_bytes(num_cached_blocks) * layout.num_layers
+        # tokens of each layer accepted so far (the held prefix counts)
+        self.layer_token_end = [self.suffix.cached_tokens] * layout.num_layers
         self.num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
@@ -86,7 +94,7 @@ class KVReceiver(TransferSession):
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self._ticket = issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
-            layout.layout_hash(), num_tokens, kv_device,
+            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
         )  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device)
         # set once no write of the sender can land any more: the blocks may be reused
@@ -190,7 +198,7 @@ class KVReceiver(TransferSession):
         assert self.sender_id is not None
         self.superseded.add(self.sender_id)
         self.sender_id = None
-        self.layer_token_end = [0] * self.layout.num_layers
+        self.layer_token_end = [self.suffix.cached_tokens] * self.layout.num_layers
         self._send_seq = self._recv_seq = 0
 
     def _on_handshake(

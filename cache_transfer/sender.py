@@ -32,6 +32,7 @@ from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
+from cache_transfer.suffix import KVSuffix
 from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
@@ -64,10 +65,12 @@ class KVSender(TransferSession):
         self._ticket = ticket
         self.layout = layout
         self.num_tokens = ticket.num_tokens
-        self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
+        self.suffix = _suffix_of(layout, ticket)  # what the receiver lacks (None: misfit)
+        # blocks per layer to send (the receiver holds the prompt's first num_cached_blocks)
+        self.num_blocks = self.suffix.num_blocks if self.suffix else 0
         self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
-        self._spans = LayerSpans(layout, ticket.num_tokens)
+        self._spans = LayerSpans(layout, self.suffix or KVSuffix(layout.block_size, 1))
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
@@ -85,6 +88,12 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {reason}")
         elif self.started:
             self.spawn(self._handshake())
+
+    @property
+    def num_bytes_skipped(self) -> int:
+        """KV bytes of the prompt not sent: the receiver held them already."""
+        num_cached = self.suffix.num_cached_blocks if self.suffix else 0
+        return self.layout.layer_bytes(num_cached) * self.layout.num_layers
 
     @property
     def dst_kv_device(self) -> str:
@@ -315,3 +324,12 @@ class KVSender(TransferSession):
                 return
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
+
+
+def _suffix_of(layout: KVLayout, ticket: node_pb2.TransferTicket) -> KVSuffix | None:
+    """The part of the prompt's KV `ticket` asks for; None when it makes no sense (the
+    ticket is then refused: `ticket_misfit` says why)."""
+    try:
+        return KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
+    except ValueError:
+        return None

@@ -5,7 +5,8 @@ decode node   issue_ticket(...)                       a receiver's ticket (signe
 prefill node  ticket_misfit(layout, ticket) -> why    the ticket does not fit this node's KV
 with a cluster secret (pdserve.security):
 decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst address, block
-                                                      ids, layout hash, token count, expiry
+                                                      ids, layout hash, token count, expiry,
+                                                      kv device, cached blocks
 prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
               handshake_for(ticket, ...)              the handshake, with its proof:
               handshake_proof(auth, ticket, src)      TransferHandshake.proof
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 
 from cache_transfer.layout import KVLayout
 from cache_transfer.protocol import PROTOCOL_VERSION
+from cache_transfer.suffix import KVSuffix
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
 
@@ -37,6 +39,7 @@ def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple[str | int, ...]:
         ticket.num_tokens,
         repr(ticket.expires_at_unix_s),
         ticket.kv_device,
+        ticket.num_cached_blocks,
     )
 
 
@@ -49,9 +52,11 @@ def issue_ticket(
     layout_hash: str,
     num_tokens: int,
     kv_device: str,
+    num_cached_blocks: int = 0,
 ) -> node_pb2.TransferTicket:
     """What a receiver hands the prefill node (through the router): where and into which
-    blocks to send its KV; signed (valid `timeout_s`) when there is a cluster secret."""
+    blocks to send its KV (the prompt's after its first `num_cached_blocks`, which the
+    receiver holds: `KVSuffix`); signed (valid `timeout_s`) when there is a cluster secret."""
     ticket = node_pb2.TransferTicket(
         transfer_id=transfer_id,
         dst_address=dst_address,
@@ -59,6 +64,7 @@ def issue_ticket(
         layout_hash=layout_hash,
         num_tokens=num_tokens,
         kv_device=kv_device,
+        num_cached_blocks=num_cached_blocks,
     )
     if auth is not None:
         sign_ticket(auth, ticket, timeout_s)
@@ -67,13 +73,17 @@ def issue_ticket(
 
 def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | None:
     """Why a sender of `layout` cannot send what `ticket` asks for, or None."""
-    num_blocks = layout.num_blocks_for(ticket.num_tokens)
     if not ticket.dst_address:
         return "no dst_address"
     if ticket.layout_hash != layout.layout_hash():
         return f"layout_hash {ticket.layout_hash!r} differs from this node's {layout}"
     if ticket.num_tokens <= 0:
         return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
+    try:
+        suffix = KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
+    except ValueError as error:
+        return str(error)
+    num_blocks = suffix.num_blocks
     if len(ticket.dst_block_ids) < num_blocks:
         return f"{len(ticket.dst_block_ids)} dst blocks for {num_blocks} blocks of KV"
     return None
@@ -113,7 +123,8 @@ def handshake_for(
         src_address=src_address,
         num_layers=layout.num_layers,
         num_tokens=ticket.num_tokens,
-        num_blocks=layout.num_blocks_for(ticket.num_tokens),
+        num_blocks=layout.num_blocks_for(ticket.num_tokens) - ticket.num_cached_blocks,
+        num_cached_blocks=ticket.num_cached_blocks,
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,

@@ -12,6 +12,7 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
                                              ends after the engine's abort, not before)
     release_nowait(request_id)               prefill-only: free a finished prefill's blocks
     reserve(request_id, num_tokens)          blocks for incoming KV (NoFreeBlocksError: none)
+    reserve_prefix(request, num_tokens)      ... led by its prompt's cached prefix (held)
     detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
     free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
     stats() / last_stats                     after the current step / as of the last step
@@ -41,6 +42,7 @@ from typing import Any, TypeVar
 from engine.block_hash import request_block_hashes
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
+from engine.kv_cache_manager import PrefixReservation
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -153,6 +155,14 @@ class AsyncEngine:
         """Blocks for `num_tokens` tokens of incoming KV (decode role). NoFreeBlocksError: not
         now; InvalidRequestError: the id is in use."""
         return await self._ask(lambda: self.core.reserve(request_id, num_tokens))
+
+    async def reserve_prefix(self, request: Request, num_tokens: int) -> PrefixReservation:
+        """Blocks for `num_tokens` tokens of `request`'s incoming KV, led by its prompt's
+        longest cached prefix (either tier), which the peer need not send; the hits are held
+        from now on (freed with the reservation). Hash the prompt first (`hash_prompt_ahead`)
+        to spare the engine thread. NoFreeBlocksError: not now; InvalidRequestError: the id
+        is in use."""
+        return await self._ask(lambda: self.core.reserve_prefix(request, num_tokens))
 
     async def detach_reservation(self, request_id: str) -> list[int]:
         """Take `request_id`'s reserved blocks from it without freeing them (a KV writer may

@@ -57,7 +57,7 @@ class NodeSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device")
+    __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device", "num_cached_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class TransferTicket(_message.Message):
     EXPIRES_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_address: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +75,8 @@ class TransferTicket(_message.Message):
     expires_at_unix_s: float
     signature: bytes
     kv_device: str
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., signature: _Optional[bytes] = ..., kv_device: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., signature: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "transfer_timeout_s", "output_token_ids")
