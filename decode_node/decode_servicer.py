@@ -2,7 +2,8 @@
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
-    ──► reserve ceil((prompt + 1) / block) blocks ──► KVReceiver
+    ──► reserve ceil((prompt + 1) / block) blocks, the prompt's cached prefix first (its
+        blocks held, not sent: the ticket's num_cached_blocks, KVSuffix) ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
         the prefill node's handshake within transfer_timeout_s (it handshakes when its
         prefill starts), then transfer_timeout_s from the handshake
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
@@ -56,6 +57,7 @@ class _DecodeJob:
     request_id: str
     trace: DecodeTrace
     receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    block_ids: list[int] = field(default_factory=list)  # reserved: held prefix, then received
     hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason
@@ -77,6 +79,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         )  # fmt: skip
         self._block_size = node.layout.block_size
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
+        # reserve (and receive) only what the prefix cache lacks (KVSuffix)
+        self._suffix = config.suffix_handoff and node.core.config.cache.enable_prefix_caching
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
             config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
@@ -104,7 +108,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 receiver = await self._reserve(job, engine_request, timeout_s, context)
                 job.trace.mark("ticket")
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
-                if self._kv_authenticated:  # received KV may enter the prefix cache
+                if self._kv_authenticated and not self._suffix:  # (the lookup hashed it)
                     self._engine.hash_prompt_ahead(engine_request)  # while P computes the KV
                 chunks = await self._after_transfer(job, engine_request, receiver)
             else:
@@ -171,21 +175,25 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         context: grpc.aio.ServicerContext,
     ) -> KVReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
-        request_id, num_tokens = request.request_id, request.prompt_len + 1
+        num_tokens = request.prompt_len + 1
         num_blocks = -(-num_tokens // self._block_size)
         queue_timeout_s = self.admission.queue_timeout_s
         deadline = time.monotonic() + queue_timeout_s  # one wait for the cap and the blocks
+        if self._suffix:  # for the prefix lookup: hashed here, not on the engine thread
+            self._engine.hash_prompt_ahead(request)
         try:
             job.hold = await self.caps.acquire(context.peer(), num_blocks, queue_timeout_s)
             wait_s = max(0.0, deadline - time.monotonic())
-            block_ids = await self.admission.reserve(request_id, num_tokens, wait_s)
+            reserved = await self.admission.reserve(request, num_tokens, wait_s, self._suffix)
         except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
+        job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
         receiver = self._manager.create_receiver(
-            block_ids, request.prompt_len, timeout_s, start_timeout_s=timeout_s
-        )
+            job.block_ids[num_cached:], request.prompt_len, timeout_s,
+            start_timeout_s=timeout_s, num_cached_blocks=num_cached,
+        )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
             receiver.abort("the request was aborted")
@@ -205,7 +213,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             job.hold.release()  # the blocks are no longer awaiting KV
         first_token = receiver.first_token
         if state == TransferState.SUCCESS and first_token is not None and not job.aborted:
-            return self._resume(job, request, receiver.dst_block_ids, first_token)
+            return self._resume(job, request, job.block_ids, first_token)
         request_id = request.request_id
         self._release_reservation(request_id, receiver)
         if not job.aborted:

@@ -180,6 +180,13 @@ class NodeConfig:
     max_pending_transfers: int = knob(
         256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
     )
+    suffix_handoff: bool = knob(
+        True,
+        "decode: a prompt whose leading blocks this node's prefix cache holds (a conversation's "
+        "earlier turns) reserves and receives only the rest (--no-suffix-handoff: the whole "
+        "prompt's KV crosses the wire every time)",
+        flag="--no-suffix-handoff",
+    )
 
     def __post_init__(self) -> None:
         caps = (self.max_transfer_timeout_s, self.max_pending_kv_share, self.max_pending_transfers)

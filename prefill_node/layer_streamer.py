@@ -109,11 +109,13 @@ class LayerStreamer:
             raise ValueError(f"request {request_id!r} is not open")
         if outgoing.sender is not None:
             raise ValueError(f"request {request_id!r} already has a sender")
-        if sender.num_blocks != outgoing.num_blocks:
+        num_cached = outgoing.num_blocks - sender.num_blocks  # the receiver holds (KVSuffix)
+        if sender.suffix is None or num_cached != sender.suffix.num_cached_blocks:
             raise ValueError(
                 f"request {request_id!r}: a sender of {sender.num_blocks} blocks for a prompt "
                 f"of {outgoing.num_blocks}"
             )
+        outgoing.num_cached_blocks = num_cached  # before `sender`: the packer reads it after
         trace = outgoing.trace
         trace.transfer_id = sender.transfer_id
         self.traces[sender.transfer_id] = trace
@@ -296,7 +298,9 @@ class LayerStreamer:
             if written:
                 sends.append(sender.send_written_layers([layer.layer_idx for layer in written]))
             packed = [
-                (layer.layer_idx, layer.packed) for layer in batch if layer.packed is not None
+                (layer.layer_idx, _suffix_of(layer, outgoing))
+                for layer in batch
+                if layer.packed is not None
             ]
             if packed:
                 sends.append(sender.send_packed_layers(packed))
@@ -315,3 +319,15 @@ class LayerStreamer:
             now = time.monotonic()
             for layer_idx in layers:
                 outgoing.trace.layer_sent_s[layer_idx] = now
+
+
+def _suffix_of(layer: PackedLayer, outgoing: Outgoing) -> torch.Tensor:
+    """A layer's packed blocks the receiver lacks: the packed buffer itself, or, packed before
+    the ticket said the receiver holds the prompt's first blocks, a copy of the rest (K's
+    blocks, then V's)."""
+    assert layer.packed is not None
+    extra = outgoing.num_cached_blocks - layer.num_cached_blocks
+    if extra == 0:
+        return layer.packed
+    num_packed = outgoing.num_blocks - layer.num_cached_blocks
+    return layer.packed.view(2, num_packed, -1)[:, extra:].reshape(-1)  # a copy: K, V runs
