@@ -14,6 +14,7 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
     reserve(request_id, num_tokens)          blocks for incoming KV (NoFreeBlocksError: none)
     reserve_prefix(request, num_tokens)      ... led by its prompt's cached prefix (held)
     detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
+    kv_events([snapshot])                    block hashes the prefix cache stored / removed
     free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
     stats() / last_stats                     after the current step / as of the last step
     make_request(...), hash_prompt_ahead()   on the caller's thread (fixed configuration only)
@@ -43,8 +44,10 @@ from engine.block_hash import request_block_hashes
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
 from engine.kv_cache_manager import PrefixReservation
+from engine.kv_events import KVEventBatch
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from pdserve.block_hash import BlockHash
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -163,6 +166,23 @@ class AsyncEngine:
         to spare the engine thread. NoFreeBlocksError: not now; InvalidRequestError: the id
         is in use."""
         return await self._ask(lambda: self.core.reserve_prefix(request, num_tokens))
+
+    async def kv_events(
+        self, snapshot: bool = False
+    ) -> tuple[KVEventBatch, list[BlockHash] | None]:
+        """The block hashes the prefix cache (both tiers) stored and removed since the last
+        call, and with `snapshot` every hash it holds after them (the first call starts the
+        log and answers with a snapshot: engine/kv_events.py)."""
+        kv = self.core.kv_cache_manager
+
+        def read() -> tuple[KVEventBatch, list[BlockHash] | None]:
+            log = kv.kv_events
+            if not log.enabled:
+                kv.watch_kv_events()
+                return KVEventBatch(), log.held()
+            return log.take(), log.held() if snapshot else None
+
+        return await self._ask(read)
 
     async def detach_reservation(self, request_id: str) -> list[int]:
         """Take `request_id`'s reserved blocks from it without freeing them (a KV writer may

@@ -6,9 +6,10 @@ NodeBase(core, config)     inside the event loop: AsyncEngine around the EngineC
                            tokenizer files, GrpcNodeServer (Node + the role's service + health)
 start()                    engine thread, then serve (and register, with a registry); /metrics
                            on config.metrics_port unless 0 (NodeMetrics)
-stop()                     stop serving (in-flight calls get grace_s, then are cancelled and
-                           free what they hold), stop the engine thread, close the transport
-                           (live transfers fail, peers are told). Idempotent.
+stop()                     end the KV-event watches (KVEventHub), stop serving (in-flight
+                           calls get grace_s, then are cancelled and free what they hold),
+                           stop the engine thread, close the transport (live transfers fail,
+                           peers are told). Idempotent.
 ```
 
 A role subclass says which service it serves (`role`, `role_service`, `prefill_only`), builds
@@ -21,6 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import grpc
@@ -31,6 +33,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from engine.kv_offload import KVOffloadStats
 from node_common.grpc_node_server import GrpcNodeServer
+from node_common.kv_event_hub import KVEventHub
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
@@ -83,6 +86,7 @@ class NodeBase(abc.ABC):
             registry=config.registry, advertise_host=config.advertise_host,
             security=config.security, auth=self.auth,
         )  # fmt: skip
+        self.kv_events = KVEventHub(self.engine)  # for routers that watch (kv_events policy)
         self._engine_started = False
         self._stopped = False
 
@@ -155,6 +159,9 @@ class NodeBase(abc.ABC):
     def tokenizer_files(self) -> node_pb2.TokenizerFiles:
         return self._tokenizer_files
 
+    def watch_kv_events(self) -> AsyncIterator[node_pb2.KVEvents]:
+        return self.kv_events.watch()
+
     async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
         """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
         the engine thread (a long prefill step must not delay a registry heartbeat)."""
@@ -204,6 +211,7 @@ class NodeBase(abc.ABC):
         if self._stopped:
             return
         self._stopped = True
+        self.kv_events.close()  # watches end now: the server's grace is for requests
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self.metrics.stop()
         if self._engine_started:

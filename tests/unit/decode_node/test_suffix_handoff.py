@@ -32,6 +32,7 @@ from tests.unit.decode_node.node_harness import (
     run_local,
     running_nodes,
     tokens_of,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,5 +177,44 @@ def test_no_suffix_handoff_sends_the_whole_prompt(tmp_path: Path) -> None:
             assert second.token_ids == cold_tokens(turn_2)
             assert metric(nodes, "decode", "pdserve_node_kv_transfer_skipped_bytes_total",
                           direction="received") == 0  # fmt: skip
+
+    run(main())
+
+
+def test_layers_packed_before_the_ticket_are_cut_to_the_suffix() -> None:
+    """The router starts the prefill before the decode node's ticket is in: every layer is
+    packed whole, then the ticket says the decode node holds the first blocks: only the rest
+    goes (a copy of each packed layer's suffix), and the tokens are right."""
+
+    async def main() -> None:
+        async with running_nodes("tcp") as nodes:
+            answer = await run_local(nodes, "turn-1", TURN_1)
+            turn_2 = TURN_1 + answer + NEW_TOKENS
+            decode = nodes.decode_stub.Decode(
+                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
+            )
+            ticket = await read_ticket(decode)
+            assert ticket.num_cached_blocks > 0
+            prefill = nodes.prefill_stub.Prefill(
+                node_pb2.PrefillRequest(request_id="turn-2", prompt_token_ids=turn_2,
+                                        sampling=GREEDY),
+                timeout=RPC_TIMEOUT_S,
+            )  # fmt: skip
+            num_layers = nodes.prefill.layout.num_layers
+            outgoing = nodes.prefill.streamer._outgoing
+
+            def all_packed() -> bool:
+                queued = outgoing.get("turn-2")
+                return queued is not None and len(queued.queued) == num_layers
+
+            await wait_until(all_packed)
+            assert all(layer.num_cached_blocks == 0 for layer in outgoing["turn-2"].queued)
+            attach = node_pb2.AttachTicketRequest(request_id="turn-2", ticket=ticket)
+            await nodes.prefill_stub.AttachTicket(attach, timeout=RPC_TIMEOUT_S)
+            _, result = await read_prefill(prefill)
+            assert result.transfer_result.ok, result.transfer_result.error
+            num_sent = -(-len(turn_2) // BLOCK_SIZE) - ticket.num_cached_blocks
+            assert result.transfer_result.num_bytes == layer_bytes(nodes, num_sent)
+            assert tokens_of(await read_chunks(decode)) == cold_tokens(turn_2)
 
     run(main())
