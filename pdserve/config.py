@@ -49,7 +49,12 @@ DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 # characters), JSON-escaped, fits; anything larger is not a request this router could serve.
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
+POLICY_NAMES = (
+    "round_robin",
+    "least_loaded",
+    "prefix_aware",
+    "kv_events",
+)  # router.policies.POLICIES
 
 
 REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -234,7 +239,9 @@ class RouterConfig:
     policy: str = knob(
         "round_robin",
         "round_robin: each node in turn; least_loaded: fewest outstanding tokens, free KV "
-        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it",
+        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it; "
+        "kv_events: the prefill and decode nodes whose prefix caches hold the prompt's longest "
+        "prefix, as they report it (WatchKVEvents), weighed against their load",
         choices=POLICY_NAMES,
     )
     local_prefill_max_tokens: int = knob(
