@@ -67,7 +67,7 @@ class AsyncEngine:
         self._ending: collections.Counter[str] = collections.Counter()
         # How the prefix cache hashes blocks (fixed at start), for hash_prompt_ahead.
         kv = core.kv_cache_manager
-        self._block_hashing = (kv.block_size, kv.root_hash) if kv.enable_prefix_caching else None
+        self._block_hashing = (kv.block_size, kv.root_for) if kv.enable_prefix_caching else None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -88,12 +88,16 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str = "",
     ) -> Request:
         """A validated Request (InvalidRequestError if not), built on the caller's thread:
         `EngineCore.make_request` reads only fixed configuration, and a trip to the engine
         thread would wait for its current step."""
-        return self.core.make_request(request_id, prompt_token_ids, params)
+        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt)
 
     @property
     def vocab_size(self) -> int:
@@ -201,7 +205,8 @@ class AsyncEngine:
         timed alone; every running request's next step waited that long). Nothing when prefix
         caching is off."""
         if self._block_hashing is not None:
-            block_size, root = self._block_hashing
+            block_size, root_for = self._block_hashing
+            root = root_for(request)
             request_block_hashes(request, request.prompt_len // block_size, block_size, root)
 
     # ---- state ----------------------------------------------------------------------------

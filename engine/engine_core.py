@@ -11,6 +11,7 @@ step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
          async scheduling: step n+1 is scheduled ahead and launched before step n is waited
          for, so step() returns step n's outputs while n+1 runs (see `step`)
 abort(id) / release(id): free everything the request holds
+close(): stop the tensor-parallel worker ranks (engine/distributed: rank 0 is this object)
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.distributed import TensorParallel, WorkerInit
+from engine.engine_settings import async_scheduling_on, with_backend_block_size
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.kv_offload import KVOffload, KVOffloadStats
 from engine.kv_reservations import KVReservations, NoFreeBlocksError, PrefixReservation
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
@@ -35,9 +39,8 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from kernels.attention import get_attention_backend
-from kernels.attention.selector import FLASH_ATTN_BLOCK_SIZE, resolve_backend_name
 from pdserve import envs
-from pdserve.config import ASYNC_SCHEDULING, CacheConfig, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,10 +61,25 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None) -> None:
-        self.device = resolve_device(config.model.device)
+    def __init__(self, config: EngineConfig, on_layer_done: LayerHook | None = None, *,
+                 worker_init: WorkerInit | None = None, tp: TensorParallel | None = None) -> None:  # fmt: skip
+        """`worker_init` (tensor_parallel_size > 1): run in each worker rank's process with its
+        EngineCore (engine/README.md, tensor parallelism); `tp`: set on a worker rank."""
+        if tp is None and config.parallel.tensor_parallel_size > 1:  # rank 0 starts the others
+            arch = resolve_model_source(config.model.model).arch  # (a GGUF converted here, once)
+            tp = TensorParallel.start(config, arch, worker_init)
+        self.tp = tp  # None at TP 1; each rank builds this engine around its shard
+        try:
+            self._init_engine(config, on_layer_done)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_engine(self, config: EngineConfig, on_layer_done: LayerHook | None) -> None:
+        tp, device = self.tp, config.parallel.devices or config.model.device
+        self.device = tp.device if tp else resolve_device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
-        self.config = config = _with_backend_block_size(config, self.device, self.dtype)
+        self.config = config = with_backend_block_size(config, self.device, self.dtype)
         self.on_layer_done = on_layer_done
         block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(
@@ -69,7 +87,7 @@ class EngineCore:
             cpu_decode_kernel=envs.cpu_attention_kernel(),
         )  # fmt: skip
         self.loaded: LoadedModel = load_model(
-            config.model, self.attn_backend, self.device, self.dtype
+            config.model, self.attn_backend, self.device, self.dtype, tp
         )
         self.arch = self.loaded.arch
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
@@ -80,8 +98,9 @@ class EngineCore:
             )
         use_graphs = self._decode_graphs_usable()
         self.pool = KVCachePool(
-            self.arch, config.cache, self.device, self.dtype,
+            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
+            agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
         self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
@@ -93,18 +112,23 @@ class EngineCore:
             self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
             self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
         )  # fmt: skip
+        if tp is not None:  # rank 0: publishes each step, waits until the group is ready
+            tp.attach(self.runner)
         self._reservations = KVReservations(
             self.kv_cache_manager, self.kv_offload.settle if self.kv_offload else None
         )
-        self.async_scheduling = _async_scheduling(config, self.device)
+        self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
+        self._log_ready()
+
+    def _log_ready(self) -> None:
         graphs = self.runner.decode_graphs
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
             "decode=%s async_scheduling=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
-            self.pool.num_blocks, block_size,
+            self.pool.num_blocks, self.pool.block_size,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
@@ -144,19 +168,16 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def make_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> Request:
-        """Build a validated request carrying this model's EOS ids. Reads only the engine's
-        fixed configuration (model, context length, pool size), so any thread may call it (the
-        nodes do, from their event loop, without waiting for the engine thread's step)."""
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, cache_salt: str = "") -> Request:  # fmt: skip
+        """Build a validated request carrying this model's EOS ids (and its prefix-cache
+        namespace, `cache_salt`). Reads only the engine's fixed configuration (model, context
+        length, pool size), so any thread may call it (the nodes do, from their event loop,
+        without waiting for the engine thread's step)."""
         self.validate(prompt_token_ids, params)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.arch.eos_token_ids,
-        )
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
+                       cache_salt=cache_salt)  # fmt: skip
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) == 0:
@@ -273,6 +294,11 @@ class EngineCore:
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
         return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
+
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
 
@@ -303,34 +329,6 @@ class EngineCore:
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._reservations or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-
-
-def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """auto: on CUDA (the host's work hides under the device's), never for the prefill role
-    (its steps are long prefills, and its per-layer hook must see each step finish first)."""
-    mode = config.scheduler.async_scheduling
-    if mode not in ASYNC_SCHEDULING:
-        raise ValueError(f"async_scheduling must be one of {ASYNC_SCHEDULING}; got {mode!r}")
-    if config.scheduler.prefill_only or mode == "off":
-        return False
-    return mode == "on" or device.type == "cuda"
-
-
-def _with_backend_block_size(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> EngineConfig:
-    """flash_attn asked for by name with the default block size (16): use 256 instead."""
-    cache = config.cache
-    if (
-        config.model.attention_backend != "flash_attn"
-        or cache.block_size != CacheConfig().block_size
-    ):
-        return config
-    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
-    logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
-                FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
-    new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)
-    return dataclasses.replace(config, cache=new_cache)
 
 
 __all__ = ["EngineCore", "EngineStats", "NoFreeBlocksError", "RequestStatus"]

@@ -70,7 +70,8 @@ class KVCacheManager:
         self.num_total_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_hash = root_hash(prefix_cache_salt)  # parent of every first block's digest
+        self._salt = prefix_cache_salt  # None: the environment's (pdserve.block_hash)
+        self.root_hash = root_hash(prefix_cache_salt)  # parent of unsalted requests' first blocks
         self.prefix_cache_stats = PrefixCacheStats()
         self._ref_counts = [0] * num_blocks
         self._block_hashes: list[BlockHash | None] = [None] * num_blocks
@@ -83,6 +84,11 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.kv_events = self.kv_events
         self._num_promoted: dict[str, int] = {}  # request_id -> blocks its lookups promoted
+
+    def root_for(self, request: Request) -> BlockHash:
+        """The parent digest of `request`'s first block: its own namespace (`cache_salt`) in
+        the deployment's. Reads fixed state only: any thread may call it."""
+        return root_hash(self._salt, request.cache_salt) if request.cache_salt else self.root_hash
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,7 +106,7 @@ class KVCacheManager:
             return [], 0
         block_size = self.block_size
         num_hit_blocks = (request.num_tokens - 1) // block_size
-        hashes = request_block_hashes(request, num_hit_blocks, block_size, self.root_hash)
+        hashes = request_block_hashes(request, num_hit_blocks, block_size, self.root_for(request))
         block_ids: list[int] = []
         for block_hash in islice(hashes, num_hit_blocks):
             block_id = self._cached.get(block_hash)
@@ -191,7 +197,7 @@ class KVCacheManager:
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_hashed:
             return
-        hashes = request_block_hashes(request, num_full_blocks, block_size, self.root_hash)
+        hashes = request_block_hashes(request, num_full_blocks, block_size, self.root_for(request))
         for block_id, block_hash in zip(
             request.block_ids[num_hashed:num_full_blocks],
             hashes[num_hashed:num_full_blocks],

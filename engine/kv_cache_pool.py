@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.model.arch_config import ModelArchConfig
@@ -15,7 +17,9 @@ class KVCachePool:
     `[num_blocks, block_size, num_kv_heads, head_dim]` (the flash-attn paged layout), views of
     one allocation `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`.
     Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
-    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget."""
+    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget.
+    `agree` (tensor parallelism): the size every rank can hold, from this rank's (each rank's
+    pool holds its own kv heads, with rank 0's block ids)."""
 
     def __init__(
         self,
@@ -24,10 +28,13 @@ class KVCachePool:
         device: torch.device,
         dtype: torch.dtype,
         reserve_bytes: int = 0,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.block_size = cache_config.block_size
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
         self.num_blocks = self._size_pool(cache_config, device, reserve_bytes)
+        if agree is not None:
+            self.num_blocks = agree(self.num_blocks)
         self.scratch_block = self.num_blocks
         self.buffer = torch.zeros(
             arch.num_layers,

@@ -43,6 +43,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker ranks (nothing to do at TP 1); they also
+        exit with this process."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -25,12 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import TensorParallel
+from engine.distributed.step_message import StepMessage
 from engine.outputs import PrefillLayerChunk
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
-from engine.step_inputs import FlatBatch, StepInputBuilder
+from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -53,6 +55,7 @@ class LaunchedStep:
 
     sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
     sample: PendingSample | None = None
+    check: Callable[[], None] | None = None  # tensor parallelism: raises if a rank failed
 
     def device_tokens(self) -> DeviceTokens | None:
         """Where the next step finds each request's token while this one runs."""
@@ -67,6 +70,8 @@ class LaunchedStep:
         if self.sample is None:
             return output
         sampled = self.sample.result()
+        if self.check is not None:
+            self.check()  # no tokens from a step a rank died in
         for request, token_id, logprobs in zip(
             self.sampling_requests, sampled.token_ids, sampled.logprobs
         ):
@@ -94,6 +99,9 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputBuilder(block_size, scratch_block, device)
         self.decode_graphs = decode_graphs
+        # Rank 0 of a tensor-parallel group (EngineCore sets it): each step's inputs go to the
+        # other ranks, which run the same forward (`follow`)
+        self.tp: TensorParallel | None = None
         self._layer_events: list[torch.cuda.Event] = []
         if device.type == "cuda":
             self._layer_events = [torch.cuda.Event() for _ in kv_caches]
@@ -128,15 +136,36 @@ class ModelRunner:
         return self._build(scheduler_output.chunks)
 
     @torch.inference_mode()
-    def forward(self, batch: FlatBatch, on_layer_done: LayerHook | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: FlatBatch,
+        on_layer_done: LayerHook | None = None,
+        prefill_chunks: tuple[PrefillLayerChunk, ...] | None = None,
+    ) -> torch.Tensor:
         """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
-        one eager model call (with the per-layer hook for prefill chunks). Queued, not waited."""
+        one eager model call (with the per-layer hook for prefill chunks: the batch's, or
+        `prefill_chunks` on a tensor-parallel worker rank). Queued, not waited."""
         if batch.is_decode_only and self.decode_graphs is not None:
             return self.decode_graphs.run(batch)
+        if prefill_chunks is None and on_layer_done is not None:
+            prefill_chunks = _prefill_chunks(batch)
         return self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-            self._layer_hook(batch, on_layer_done),
+            self._layer_hook(prefill_chunks or (), on_layer_done),
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def follow(
+        self, message: StepMessage, tp: TensorParallel, on_layer_done: LayerHook | None
+    ) -> None:
+        """A tensor-parallel worker rank's step: rank 0's inputs (`_publish`), the same
+        forward (its collectives with rank 0's), this rank's vocab slice of the logits to rank 0."""
+        width, decode_only, num_prev = message.ints
+        prev_ids = tp.receive_tokens(num_prev) if num_prev else None
+        batch = self.inputs.from_host(HostStep(message.arrays, width, bool(decode_only)), prev_ids)
+        hidden = self.forward(batch, on_layer_done, message.extras or ())
+        if batch.logits_indices.numel():
+            self.model.compute_logits(hidden[batch.logits_indices])
 
     def sample(self, batch: FlatBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         """`sample_async` and wait: the step's only sync."""
@@ -149,11 +178,11 @@ class ModelRunner:
         """Logits of the sampling rows, the sampler on the device for the whole batch, and the
         queued copy of the sampled ids (with any logprobs) to the host. `prev`: where the
         tokens still pending on the device are (penalties count them)."""
-        step = LaunchedStep()
+        step = LaunchedStep(check=self.tp.check if self.tp is not None else None)
         if not batch.sampling_chunks:
             return step
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
-            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed
+            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed (same rows)
         else:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
@@ -172,22 +201,27 @@ class ModelRunner:
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
-        return self.inputs.build(chunks, pad_to, prev)
+        batch = self.inputs.build(chunks, pad_to, prev)
+        if self.tp is not None:
+            self._publish(batch, prev)
+        return batch
+
+    def _publish(self, batch: FlatBatch, prev: DeviceTokens | None) -> None:
+        """(rank 0 of a tensor-parallel group) Hand the step's host inputs to the other ranks,
+        with the previous step's ids on the device when `PENDING` decodes read them, and the
+        prefill chunks their layer hooks get (when they have one)."""
+        assert self.tp is not None
+        host = batch.host
+        prev_ids = prev.token_ids if prev is not None and host.num_pending else None
+        chunks = _prefill_chunks(batch) if self.tp.worker_hooks else None
+        num_prev = 0 if prev_ids is None else prev_ids.numel()
+        ints = (host.block_table_width, int(host.is_decode_only), num_prev)
+        self.tp.send_step(StepMessage(ints, host.fields, chunks or None), prev_ids)
 
     def _layer_hook(
-        self, batch: FlatBatch, on_layer_done: LayerHook | None
+        self, prefill_chunks: tuple[PrefillLayerChunk, ...], on_layer_done: LayerHook | None
     ) -> Callable[[int], None] | None:
-        if on_layer_done is None:
-            return None
-        prefill_chunks = tuple(  # built once per step, shared by every layer's call
-            PrefillLayerChunk(
-                c.request.request_id, c.start_pos, c.num_new_tokens, c.request.prompt_len,
-                tuple(c.block_ids),
-            )
-            for c in batch.chunks
-            if c.is_prefill
-        )  # fmt: skip
-        if not prefill_chunks:
+        if on_layer_done is None or not prefill_chunks:
             return None
         events = self._layer_events
 
@@ -197,3 +231,16 @@ class ModelRunner:
             on_layer_done(layer_idx, prefill_chunks)
 
         return layer_hook
+
+
+def _prefill_chunks(batch: FlatBatch) -> tuple[PrefillLayerChunk, ...]:
+    """What a prefill layer hook gets for `batch`: its prefill chunks, as snapshots (built once
+    per step, the same tuple for every layer's call, and shipped to the other ranks)."""
+    return tuple(
+        PrefillLayerChunk(
+            c.request.request_id, c.start_pos, c.num_new_tokens, c.request.prompt_len,
+            tuple(c.block_ids),
+        )
+        for c in batch.chunks
+        if c.is_prefill
+    )  # fmt: skip

@@ -65,6 +65,9 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' digests, cached
+    # Its prefix-cache namespace within the deployment's (pdserve.block_hash.root_hash): the
+    # router's digest of its tenant and client salt; "" shares the deployment's.
+    cache_salt: str = ""
     # Whether its KV may enter the prefix cache: False for KV received from a peer that proved
     # nothing (an open cluster), so a forged hand-off never serves another request.
     cache_kv: bool = True

@@ -21,12 +21,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from engine.scheduler_output import PENDING, DeviceTokens, ScheduledChunk
 from kernels.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A step's inputs on the host, as one copy moves them to the device: int64 arrays in
+    `FIELDS` order (block tables flattened, `block_table_width` wide). Rank 0 of a
+    tensor-parallel group hands this to the other ranks, which build the same batch from it."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+        "logits_rows", "block_tables", "pending_dst", "pending_src",
+    )  # fmt: skip
+    fields: tuple[np.ndarray, ...]
+    block_table_width: int
+    is_decode_only: bool
+
+    @property
+    def num_pending(self) -> int:
+        """Decodes whose token the previous step samples on the device."""
+        return int(self.fields[7].size)
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,7 @@ class FlatBatch:
     logits_indices: torch.Tensor  # [num_sampling] rows of the last token of sampling chunks
     sampling_chunks: list[ScheduledChunk]
     is_decode_only: bool  # built with pad_to: plain decodes routed to a decode graph
+    host: HostStep  # what the copy moved (what rank 0 hands the other tensor-parallel ranks)
 
     @property
     def num_rows(self) -> int:  # padded rows included
@@ -83,31 +105,51 @@ class StepInputBuilder:
         logits_rows = host.cu_q[1:][sampling_rows] - 1
         pending_dst, pending_src = _pending_rows(ordered, prev)
         fields = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.cu_q,
-                  logits_rows, host.block_tables, pending_dst, pending_src)  # fmt: skip
-        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(fields)
-        if pending_dst.size and prev is not None:  # (a PENDING decode has a previous step)
-            ids_d.index_copy_(0, dst_d, prev.token_ids.index_select(0, src_d))
-        query_lens, seq_lens = host.query_lens, host.seq_lens
-        num_decodes = int(np.count_nonzero(query_lens == 1)) if query_lens.size else 0
+                  logits_rows, host.block_tables.reshape(-1), pending_dst, pending_src)  # fmt: skip
+        num_rows = host.query_lens.size
+        decode_only = pad_to is not None and np.count_nonzero(host.query_lens == 1) == num_rows
+        step = HostStep(fields, host.block_tables.shape[1], decode_only)
+        sampling = [ordered[i] for i in sampling_rows]
+        return self.from_host(step, prev.token_ids if prev else None, ordered, sampling)
+
+    def from_host(
+        self,
+        step: HostStep,
+        prev_token_ids: torch.Tensor | None,
+        chunks: list[ScheduledChunk] | None = None,
+        sampling_chunks: list[ScheduledChunk] | None = None,
+    ) -> FlatBatch:
+        """The device batch of `step` (one copy); `prev_token_ids`: the previous step's sampled
+        ids, where `PENDING` decodes find their token. A tensor-parallel worker rank calls it
+        with rank 0's `HostStep` (and no chunks: it only runs the forward)."""
+        ids_d, pos_d, slots_d, seq_d, cu_d, rows_d, bt_d, dst_d, src_d = self._to_device(
+            step.fields
+        )
+        if dst_d.numel():
+            assert prev_token_ids is not None, "a PENDING decode needs the previous step's ids"
+            ids_d.index_copy_(0, dst_d, prev_token_ids.index_select(0, src_d))
+        seq_lens, cu_q = step.fields[3], step.fields[4]
+        query_lens = np.diff(cu_q)
         meta = AttentionMetadata(
             query_start_loc=cu_d.int(),
             seq_lens=seq_d.int(),
             slot_mapping=slots_d,
-            block_tables=bt_d.view(host.block_tables.shape).int(),
+            block_tables=bt_d.view(seq_lens.size, step.block_table_width).int(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            num_decodes=num_decodes,
+            num_decodes=int(np.count_nonzero(query_lens == 1)),
             query_lens_cpu=tuple(query_lens.tolist()),
             seq_lens_cpu=tuple(seq_lens.tolist()),
         )
         return FlatBatch(
-            chunks=ordered,
+            chunks=chunks or [],
             input_ids=ids_d,
             positions=pos_d,
             meta=meta,
             logits_indices=rows_d,
-            sampling_chunks=[ordered[i] for i in sampling_rows],
-            is_decode_only=pad_to is not None and num_decodes == query_lens.size,
+            sampling_chunks=sampling_chunks or [],
+            is_decode_only=step.is_decode_only,
+            host=step,
         )
 
     def _host_arrays(self, ordered: list[ScheduledChunk], num_rows: int) -> _HostArrays:

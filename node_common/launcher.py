@@ -49,6 +49,11 @@ def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> i
     args = parser.parse_args(argv)
     try:
         engine = engine_config(args, prefill_only=server_cls.prefill_only)
+        if engine.parallel.tensor_parallel_size > 1:  # until the KV hand-off knows TP sizes
+            raise ValueError(
+                "--tensor-parallel-size > 1 is not served by nodes yet: their KV hand-off "
+                "sends one rank's heads (issue 35, phase B); use it with pd-generate or LLM"
+            )
         node = node_config(args)
         auth = load_cluster_auth(node.security)
     except ValueError as error:

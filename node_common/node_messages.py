@@ -15,6 +15,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.request import Request
+from pdserve.block_hash import MAX_REQUEST_SALT_CHARS
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2, node_pb2
 
@@ -41,6 +42,8 @@ class NodeRequest(Protocol):
     def prompt_token_ids(self) -> Sequence[int]: ...
     @property
     def sampling(self) -> node_pb2.NodeSamplingParams: ...
+    @property
+    def cache_salt(self) -> str: ...
 
 
 async def to_engine_request(
@@ -56,7 +59,10 @@ async def to_engine_request(
     a trip to the engine thread would wait for its current step, up to a whole prefill chunk."""
     try:
         params = SamplingParams.from_proto(request.sampling)
-        engine_request = engine.make_request(request.request_id, request.prompt_token_ids, params)
+        _check_cache_salt(request.cache_salt)
+        engine_request = engine.make_request(
+            request.request_id, request.prompt_token_ids, params, request.cache_salt
+        )
         if output_token_ids:
             outputs = list(output_token_ids)
             _check_outputs(outputs, params, engine.vocab_size)
@@ -65,6 +71,16 @@ async def to_engine_request(
     except ValueError as error:  # InvalidRequestError included
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("context.abort returned") from None  # it raises AbortError
+
+
+def _check_cache_salt(cache_salt: str) -> None:
+    """The request's prefix-cache namespace (the router's digest of its tenant): short and
+    printable."""
+    if len(cache_salt) > MAX_REQUEST_SALT_CHARS or not cache_salt.isprintable():
+        raise ValueError(
+            f"cache_salt must be at most {MAX_REQUEST_SALT_CHARS} printable characters, got "
+            f"{len(cache_salt)} characters"
+        )
 
 
 def _check_outputs(outputs: list[int], params: SamplingParams, vocab_size: int) -> None:

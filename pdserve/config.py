@@ -2,6 +2,7 @@
 
 ```
 EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both node roles, LLM)
+               + ParallelConfig                                (tensor parallelism)
 NodeConfig                                                     where a node listens, KV transfer
 RouterConfig                                                   routing, node addresses, timeouts
 RegistryConfig                                                 the Redis registry
@@ -29,6 +30,7 @@ from pdserve.engine_config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from pdserve.knobs import knob, parse_size, prefix_cache_salt_knob
@@ -38,16 +40,17 @@ __all__ = [
     "ASYNC_SCHEDULING", "ATTENTION_BACKENDS", "DEFAULT_HOST", "DEFAULT_HTTP_PORT",
     "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
     "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES", "CacheConfig",
-    "EngineConfig", "ModelConfig", "NodeConfig", "RegistryConfig", "RouterConfig",
+    "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig", "RouterConfig",
     "SchedulerConfig", "SecurityConfig", "knob", "parse_size",
 ]  # fmt: skip
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
-# A chat of the longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k
-# characters), JSON-escaped, fits; anything larger is not a request this router could serve.
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+# The longest prompt --max-prompt-chars lets through on a 128k-token model (32 x 128k characters)
+# fits as UTF-8 text (not as 6-byte \uXXXX escapes), so do 2 M token ids. Larger bodies took the
+# event loop longer than 50 ms to read and decode (router/http/json_body.py).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
 POLICY_NAMES = (
     "round_robin",
@@ -271,7 +274,32 @@ class RouterConfig:
         DEFAULT_MAX_REQUEST_BYTES,
         "HTTP request bodies larger than N bytes are refused (413) before being read whole",
     )
+    http_max_connections: int = knob(
+        2048,
+        "open HTTP connections at most (kept below the open-file limit); beyond, the oldest one "
+        "with no request in flight is closed",
+    )
+    http_max_requests: int = knob(
+        512, "HTTP /v1 requests in flight at most (streams included); beyond, 503 + Retry-After"
+    )
+    http_header_timeout_s: float = knob(
+        15.0, "an HTTP request's headers must arrive within this, else its connection closes"
+    )
+    http_body_timeout_s: float = knob(
+        15.0, "the longest wait for more of an HTTP request's body before its connection closes"
+    )
+    http_keep_alive_s: float = knob(5.0, "an idle HTTP keep-alive connection closes after this")
+    max_choices_per_request: int = knob(
+        256,
+        "an HTTP request asking for more choices (prompts x n) is refused (400): each runs as "
+        "a request of its own",
+    )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
+    share_prefix_cache_across_tenants: bool = knob(
+        False,
+        "with --api-key-file, each API key is a tenant whose prompts never share cached blocks "
+        "with another's (no cross-tenant cache-hit oracle); this flag lets them share",
+    )
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
 
     def __post_init__(self) -> None:
@@ -280,13 +308,16 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_saturation_tokens", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        for name in ("max_request_bytes", "max_choices_per_request", "http_max_connections",
+                     "http_max_requests"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s",
-                     "transfer_timeout_s", "token_timeout_s"):  # fmt: skip
+                     "transfer_timeout_s", "token_timeout_s", "http_header_timeout_s",
+                     "http_body_timeout_s", "http_keep_alive_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.grace_s < 0:

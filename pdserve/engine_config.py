@@ -1,5 +1,5 @@
 """The engine's settings: `EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig`
-(both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
++ `ParallelConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
 generated from it. Torch-free; `pdserve.config` lists these beside every other setting."""
 
 from __future__ import annotations
@@ -83,10 +83,45 @@ class SchedulerConfig:
     prefill_only: bool = knob(False, "set by the prefill role", cli=False)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model split over N ranks, one process each (engine/distributed)."""
+
+    tensor_parallel_size: int = knob(
+        1, "ranks the model is split over (tensor parallelism); its attention heads and MLP "
+        "must divide by it",
+    )  # fmt: skip
+    devices: str | None = knob(
+        None, "the ranks' devices, comma-separated, e.g. cuda:0,cuda:1 (default: the first N "
+        "of --device's kind)",
+    )  # fmt: skip
+    tp_start_timeout_s: float = knob(
+        600.0, "how long the ranks may take to start (load their shard, capture graphs)"
+    )
+    tp_step_timeout_s: float = knob(
+        60.0, "how long a rank may wait in a collective: a rank that hangs is detected after it"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not (self.tp_start_timeout_s > 0 and self.tp_step_timeout_s > 0):
+            raise ValueError("tp_start_timeout_s and tp_step_timeout_s must be > 0 seconds")
+        names = [] if self.devices is None else self.devices.split(",")
+        if names and len(names) != self.tensor_parallel_size:
+            raise ValueError(
+                f"--devices {self.devices} names {len(names)} devices for "
+                f"--tensor-parallel-size {self.tensor_parallel_size}: name one per rank"
+            )
+        if any(not name.strip().startswith(("cpu", "cuda")) for name in names):
+            raise ValueError(f"--devices {self.devices}: each is cpu, cuda or cuda:N")
+
+
 ENGINE_SECTIONS: dict[str, type[Any]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -95,6 +130,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -5,7 +5,9 @@ serve_until_signalled(start, ready_line):
     start() ──► print ready_line(server) (flushed: pd-serve and tests read it)
     SIGINT / SIGTERM (also while starting) ──► server.stop() ──► return
 run_server(name, start, ready_line) -> exit code: the above under asyncio.run, and
-    "NAME: <error>" on stderr with exit code 1 when the server cannot start
+    "NAME: <error>" on stderr with exit code 1 when the server cannot start; first, the
+    open-file soft limit raised to the hard one (raise_fd_limit: a router's 1,024 default
+    was what 1,100 idle HTTP connections exhausted)
 ```
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -67,9 +70,24 @@ def run_server(
 ) -> int:
     """`serve_until_signalled` in a new event loop; the exit code (1, with a message on stderr,
     when the server cannot start: a taken port, a bad model, ...)."""
+    raise_fd_limit()
     try:
         asyncio.run(serve_until_signalled(start, ready_line))
     except (OSError, ValueError) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as error:  # e.g. an unlimited hard limit macOS refuses
+            logger.warning("could not raise the open-file limit from %d: %s", soft, error)
+            return soft
+        logger.info("open-file limit raised from %d to %d", soft, hard)
+        return hard
+    return soft

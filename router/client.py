@@ -62,15 +62,17 @@ def build_request(
     prompt_token_ids: Sequence[int] | None = None,
     messages: Sequence[Mapping[str, str]] | None = None,
     request_id: str = "",
+    cache_salt: str = "",
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from exactly one input; `sampling` holds SamplingParams fields by name
-    (None: unset, the engine's default)."""
+    (None: unset, the engine's default); `cache_salt`: its prefix-cache namespace (vLLM's)."""
     inputs = [x for x in (prompt, prompt_token_ids, messages) if x is not None]
     if len(inputs) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
     request = generation_pb2.GenerateRequest(
         request_id=request_id,
+        cache_salt=cache_salt,
         sampling=generation_pb2.SamplingParams(
             **{name: value for name, value in sampling.items() if value is not None}
         ),

@@ -121,7 +121,7 @@ class Dispatcher:
             if migrating:
                 raise RouterError(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"{error.message}; no other decode node is left to continue the request "
+                    f"{error.detail}; no other decode node is left to continue the request "
                     f"after its {len(output_token_ids)} tokens",
                 ) from None
             raise error
@@ -129,13 +129,13 @@ class Dispatcher:
             self._stats.migration()
             logger.warning(
                 "request %s: %s; migrating it after %d tokens to decode node %s",
-                request.request_id, error.message, len(output_token_ids), retry.decode.address,
+                request.request_id, error.detail, len(output_token_ids), retry.decode.address,
             )  # fmt: skip
         else:
             self._stats.retry()
             logger.warning(
                 "request %s: %s; retrying on decode node %s",
-                request.request_id, error.message, retry.decode.address,
+                request.request_id, error.detail, retry.decode.address,
             )  # fmt: skip
         return retry
 

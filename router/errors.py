@@ -1,7 +1,13 @@
-"""RouterError: a failure the client sees as one gRPC status; node failures mapped to it."""
+"""RouterError: a failure the client sees as one gRPC status; node failures mapped to it.
+
+A client never sees where the cluster's nodes are: `message` (the status details, the HTTP
+error's message) has every address in it replaced by ADDRESS; `detail` (what the router logs)
+keeps them.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import NoReturn
 
 import grpc
@@ -17,13 +23,29 @@ _KEPT_CODES = frozenset(
 )
 
 
+ADDRESS = "<address>"
+_ADDRESSES = re.compile(
+    r"\b(?:tcp|ucx|redis|rediss|unix|http|https)://[^\s,;)]+"  # transport / registry URLs
+    r"|\[[0-9A-Fa-f:.%]+\](?::\d{1,5})?"  # [IPv6](:port)
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d{1,5})?\b"  # IPv4(:port)
+    r"|\b[A-Za-z][\w.-]*:\d{2,5}\b"  # host:port
+)
+
+
+def redact_addresses(text: str) -> str:
+    """`text` with every network address in it (a node's, a peer's) as ADDRESS."""
+    return _ADDRESSES.sub(ADDRESS, text)
+
+
 class RouterError(Exception):
-    """Ends a request with `code` and `message` (the gRPC status details)."""
+    """Ends a request with `code` and `message` (the gRPC status details: addresses redacted);
+    `detail` is the message as given, for the router's log."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
-        self.message = message
+        self.detail = message
+        self.message = redact_addresses(message)
 
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -30,6 +30,7 @@ class ProcessedRequest:
     sampling_params: SamplingParams  # validated; `seed` always set
     node_sampling: node_pb2.NodeSamplingParams  # the same values, as the nodes receive them
     client_request_id: str = ""  # the client's (echoed in responses); "" -> request_id
+    cache_salt: str = ""  # its prefix-cache namespace, as the nodes get it (router.tenancy)
     # the prompt's block hashes by (block size, root): hashed once, whoever asks
     _block_hashes: dict[tuple[int, BlockHash], list[BlockHash]] = field(
         default_factory=dict, compare=False, repr=False
@@ -69,7 +70,10 @@ class InputProcessor:
         self._vocab_size = model_info.vocab_size
         self._max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN_CAP * self._max_model_len
 
-    def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+    def process(
+        self, request: generation_pb2.GenerateRequest, cache_salt: str = ""
+    ) -> ProcessedRequest:
+        """`cache_salt`: the request's prefix-cache namespace (`CacheSalts.salt`)."""
         _check_request_id(request.request_id)
         params = SamplingParams.from_proto(request.sampling)
         if params.seed is None:  # P and a falling-back D must draw the same first token
@@ -98,6 +102,7 @@ class InputProcessor:
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             node_sampling=params.to_proto(node_pb2.NodeSamplingParams),
+            cache_salt=cache_salt,
         )
 
     def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:

@@ -103,6 +103,7 @@ class RequestCalls:
                 else node_pb2.DECODE_MODE_LOCAL_PREFILL,
                 transfer_timeout_s=self._config.transfer_timeout_s if disaggregated else 0.0,
                 output_token_ids=self._output_token_ids,
+                cache_salt=self._request.cache_salt,
             ),
             timeout=self._timeout_s,
         )
@@ -156,8 +157,8 @@ class RequestCalls:
         if error.code != grpc.StatusCode.UNAVAILABLE:
             return error
         if self._num_yielded == 0 and not self._output_token_ids:
-            return NodeUnreachableError(error.message)
-        return DecodeLostError(f"{error.message} (mid-stream)", self._num_yielded)
+            return NodeUnreachableError(error.detail)
+        return DecodeLostError(f"{error.detail} (mid-stream)", self._num_yielded)
 
     async def _read_ticket(self, decode_call: grpc.aio.UnaryStreamCall) -> node_pb2.TransferTicket:
         decode = self._decode
@@ -234,6 +235,7 @@ class RequestCalls:
                 sampling=self._request.node_sampling,
                 ticket=ticket,
                 transfer_timeout_s=self._config.transfer_timeout_s,
+                cache_salt=self._request.cache_salt,
             ),
             timeout=timeout_s,
         )

@@ -2,7 +2,8 @@
 HTTP routes), so the same request gives the same tokens whichever API carried it.
 
 ```
-process(GenerateRequest)      InputProcessor: validate + tokenize -> ProcessedRequest
+process(GenerateRequest)      InputProcessor: validate + tokenize -> ProcessedRequest, with
+                              its cache salt (router.tenancy: tenant + client's cache_salt)
                               (InvalidRequestError; UNAVAILABLE before any node is ready)
 stream(processed, api, ...)   request id on every log line of this task (pdserve.logs)
   Dispatcher.run              NodeTokens from P and D (route noted in the RequestRecord)
@@ -22,6 +23,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from pdserve.logs import set_request_id
+from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2
 from router.dispatcher import Dispatcher
 from router.errors import RouterError
@@ -30,6 +32,7 @@ from router.node_registry import NodeRegistry
 from router.output_processor import OutputProcessor
 from router.request_record import RequestRecord
 from router.stats import RouterStats
+from router.tenancy import MAX_CLIENT_SALT_CHARS, CacheSalts
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +51,35 @@ class RequestHandler:
         dispatcher: Dispatcher,
         stats: RouterStats,
         max_prompt_chars: int = 0,
+        salts: CacheSalts | None = None,
     ) -> None:
         self._max_prompt_chars = max_prompt_chars
+        self._salts = salts or CacheSalts(None, None, per_tenant=False, keyed_tenants=False)
         self.registry = registry
         self.stats = stats
         self._dispatcher = dispatcher
         self._input_processor: InputProcessor | None = None  # once a node gave the tokenizer
 
-    def process(self, request: generation_pb2.GenerateRequest) -> ProcessedRequest:
+    def process(
+        self, request: generation_pb2.GenerateRequest, authorization: str | None = None
+    ) -> ProcessedRequest:
         """Validated and tokenized; raises InvalidRequestError, or RouterError(UNAVAILABLE)
-        while no node is ready."""
+        while no node is ready. `authorization`: the client's header (its tenant: the prefix
+        cache's namespace, `router.tenancy`)."""
+        if len(request.cache_salt) > MAX_CLIENT_SALT_CHARS:
+            raise InvalidRequestError(
+                f"cache_salt has {len(request.cache_salt)} characters; at most "
+                f"{MAX_CLIENT_SALT_CHARS}",
+                "cache_salt",
+            )
         if self._input_processor is None:
             if self.registry.model_info is None:  # the tokenizer may be None: token ids only
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
             self._input_processor = InputProcessor(
                 self.registry.tokenizer, self.registry.model_info, self._max_prompt_chars
             )
-        return self._input_processor.process(request)
+        salt = self._salts.salt(authorization, request.cache_salt)
+        return self._input_processor.process(request, salt)
 
     def rejected(
         self, api: str, request_id: str, status: str, message: str, start_s: float

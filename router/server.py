@@ -36,6 +36,7 @@ from router.redis_node_source import RedisNodeSource
 from router.request_handler import RequestHandler
 from router.servicer import GenerationServicer
 from router.stats import RouterStats
+from router.tenancy import CacheSalts
 
 if TYPE_CHECKING:
     from router.http.http_server import HttpServer
@@ -73,8 +74,10 @@ class RouterServer:
             config.prefix_cache_salt,
         )  # fmt: skip
         dispatcher = Dispatcher(self.registry, self.policy, config, self.stats)
+        salts = CacheSalts(self.auth, config.prefix_cache_salt,
+                           not config.share_prefix_cache_across_tenants, self.api_keys is not None)  # fmt: skip
         self.handler = RequestHandler(
-            self.registry, dispatcher, self.stats, config.max_prompt_chars
+            self.registry, dispatcher, self.stats, config.max_prompt_chars, salts
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.handler), self._server
@@ -82,18 +85,11 @@ class RouterServer:
         self.http: HttpServer | None = None
         if config.http_port:
             # Imported here: a router run with --http-port 0 needs no FastAPI stack installed.
-            from router.http.app import build_app
-            from router.http.http_server import HttpServer
-            from router.http.openai_serving import OpenAIServing
+            from router.http.http_server import router_http_server
 
-            app = build_app(
-                OpenAIServing(self.handler),
-                self.stats.metrics,
-                self.registry.serving,
-                config.max_request_bytes,
-                self.api_keys,
+            self.http = router_http_server(
+                config, self.handler, self.stats.metrics, self.registry.serving, self.api_keys
             )
-            self.http = HttpServer(app, config.host, config.http_port, config.grace_s)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

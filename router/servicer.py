@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
 
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, node_pb2
+from router.auth import AUTHORIZATION
 from router.errors import RouterError, abort
 from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -36,7 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         start_s = time.monotonic()
         try:
             # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
-            processed = await asyncio.to_thread(self._handler.process, request)
+            authorization = _metadata(context, AUTHORIZATION)  # the tenant (API key), if any
+            processed = await asyncio.to_thread(self._handler.process, request, authorization)
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(
@@ -81,9 +86,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 node_pb2.GetTokenizerRequest(), timeout=_TOKENIZER_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as error:
-            await abort(
-                context, grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
+            failed = RouterError(
+                grpc.StatusCode.UNAVAILABLE, f"node {nodes[0].address}: {error.details()}"
             )
+            logger.warning("GetTokenizer failed: %s", failed)
+            await abort(context, failed.code, failed.message)
         return generation_pb2.ModelTokenizer(
             tokenizer_json=files.tokenizer_json,
             tokenizer_config_json=files.tokenizer_config_json,
@@ -92,6 +99,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 _TOKENIZER_TIMEOUT_S = 30.0  # a large tokenizer.json is tens of MB
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for name, value in context.invocation_metadata() or ():
+        if name == key and isinstance(value, str):
+            return value
+    return None
 
 
 def _as_router_error(error: Exception) -> RouterError:

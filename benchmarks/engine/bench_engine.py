@@ -17,6 +17,11 @@ hides under the device's; `--async-scheduling off` shows the synchronous step). 
 the LM head included, plus each request's KV context) over the copy bandwidth measured here.
 Prefill: one prompt of N tokens in one step (its first token sampled), FLOPs over time, against
 a bf16 (the model dtype's) square GEMM measured here. Floor: `--floor-model` at batch 1.
+
+`--tensor-parallel-size N` (`--devices`): the engine over N ranks (gloo on CPU, NCCL on CUDA);
+a second table gives, per decode case on rank 0, the time in collectives (the all-reduces and
+the LM head's gather: their share of the step) and in the step broadcast (tp_costs.py). The
+ceilings and the floor stay one device's.
 """
 
 from __future__ import annotations
@@ -31,10 +36,19 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks.engine import ceilings as ceil
+from benchmarks.engine import tp_costs
 from benchmarks.serve.report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
-from pdserve.config import ASYNC_SCHEDULING, ATTENTION_BACKENDS, DTYPES, EngineConfig, parse_size
+from pdserve.cli import ArgumentParser, add_config_flags, config_from_args
+from pdserve.config import (
+    ASYNC_SCHEDULING,
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EngineConfig,
+    ParallelConfig,
+    parse_size,
+)
 from pdserve.sampling_params import SamplingParams
 
 MAX_STEPS_TO_FIRST_TOKEN = 64  # a whole prompt prefills in one step; async adds one more
@@ -62,8 +76,9 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pd-bench engine", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="pd-bench engine", description=__doc__.split("\n")[0])
     _add_engine_flags(p)
+    add_config_flags(p, p.add_argument_group("tensor parallelism"), ParallelConfig, ())
     _add_workload_flags(p)
     _add_ceiling_flags(p)
     return p.parse_args(argv)
@@ -134,22 +149,31 @@ def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
-def make_engine(args: argparse.Namespace, model: str, max_len: int, max_seqs: int) -> EngineCore:
+def make_engine(
+    args: argparse.Namespace, model: str, max_len: int, max_seqs: int, one_rank: bool = False
+) -> EngineCore:
+    """The engine measured (`one_rank`: at TP 1 whatever --tensor-parallel-size says)."""
+    parallel = config_from_args(ParallelConfig, args)
+    if one_rank:
+        parallel = ParallelConfig()
     config = EngineConfig.from_kwargs(
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, **asdict(parallel),
     )  # fmt: skip
     return EngineCore(config)
 
 
-def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup: int) -> float:
+def decode_step_s(
+    core: EngineCore, batch: int, context: int, steps: int, warmup: int
+) -> tuple[float, tp_costs.TPCosts | None]:
     """Host time per decode step of `batch` requests at `context` tokens: `steps` calls of
     `EngineCore.step()` after `warmup`, timed together (with async scheduling a call returns
-    the previous step's tokens while launching the next, so single calls are not steps)."""
+    the previous step's tokens while launching the next, so single calls are not steps); with
+    tensor parallelism, also what it costs the step (tp_costs.py)."""
     ids = itertools.count()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + warmup + 2, ignore_eos=True)
     request_ids: list[str] = []
     for _ in range(batch):
         rid = f"decode-{next(ids)}"
@@ -159,15 +183,24 @@ def decode_step_s(core: EngineCore, batch: int, context: int, steps: int, warmup
         request_ids.append(rid)
     for _ in range(warmup):
         core.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    elapsed = time.perf_counter() - start
+    costs = None
+    if core.tp is not None:
+        costs = tp_costs.measure(core, lambda n: _run_steps(core, n), steps)
+        step_s = costs.step_s
+    else:
+        start = time.perf_counter()
+        _run_steps(core, steps)
+        step_s = (time.perf_counter() - start) / steps
     for rid in request_ids:
         core.abort(rid)
     while core.has_unfinished():
         core.step()
-    return elapsed / steps
+    return step_s, costs
+
+
+def _run_steps(core: EngineCore, steps: int) -> None:
+    for _ in range(steps):
+        core.step()
 
 
 def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
@@ -192,11 +225,16 @@ def prefill_s(core: EngineCore, num_tokens: int, iters: int) -> float:
     return statistics.median(times[1:])  # the first one compiles kernels
 
 
-def decode_rows(args, core: EngineCore, bandwidth: float, label: str) -> list[Row]:
+def decode_rows(
+    args, core: EngineCore, bandwidth: float, label: str, tp_info: list[dict] | None = None
+) -> list[Row]:
     rows = []
     model, arch, dtype = core.loaded.model, core.arch, core.dtype
     for context, batch in itertools.product(args.contexts, args.batch_sizes):
-        step = decode_step_s(core, batch, context, args.steps, args.warmup_steps)
+        step, costs = decode_step_s(core, batch, context, args.steps, args.warmup_steps)
+        if costs is not None and tp_info is not None:
+            tp_info.append({"case": f"{label} decode batch {batch} ctx {context}", **asdict(costs),
+                            "collective_share": costs.collective_share})  # fmt: skip
         num_bytes = ceil.decode_bytes(model, arch, dtype, batch, context)
         roofline = num_bytes / bandwidth
         rows.append(Row(
@@ -221,7 +259,7 @@ def prefill_rows(args, core: EngineCore, gemm: float, label: str) -> list[Row]:
 def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
     lengths = [*args.contexts, args.floor_context]
     max_len = max(
-        max(lengths) + args.steps + args.warmup_steps + 8, max(args.prefill_lens, default=0) + 8
+        max(lengths) + 2 * args.steps + args.warmup_steps + 8, max(args.prefill_lens, default=0) + 8
     )
     device = resolve_device(args.device)
     # Ceilings first, while the memory is free (the engine's KV pool then takes most of it).
@@ -243,18 +281,23 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
         "bandwidth_GBps": bandwidth / 1e9, "gemm_TFLOPs": gemm / 1e12,
     }  # fmt: skip
     label = args.model.removeprefix("synthetic:")
-    rows = decode_rows(args, core, bandwidth, label) + prefill_rows(args, core, gemm, label)
+    info["tensor_parallel_size"] = args.tensor_parallel_size
+    info["tp"] = []
+    rows = decode_rows(args, core, bandwidth, label, info["tp"])
+    rows += prefill_rows(args, core, gemm, label)
+    core.close()
     del core, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.floor_model:
-        floor_len = args.floor_context + args.steps + args.warmup_steps + 8  # decode only
-        floor = make_engine(args, args.floor_model, floor_len, 8)
+        floor_len = args.floor_context + 2 * args.steps + args.warmup_steps + 8  # decode only
+        floor = make_engine(args, args.floor_model, floor_len, 8, one_rank=True)
         floor_args = argparse.Namespace(**{**vars(args), "contexts": [args.floor_context],
                                            "batch_sizes": [1]})  # fmt: skip
         floor_label = args.floor_model.removeprefix("synthetic:") + " floor"
         rows += decode_rows(floor_args, floor, bandwidth, floor_label)
+        floor.close()
     return rows, info
 
 
@@ -272,7 +315,23 @@ def format_table(rows: list[Row], info: dict) -> str:
     )  # fmt: skip
     lines = ["| case | measured | ceiling | ratio |", "|---|---|---|---|"]
     lines += [f"| {r.case} | {r.measured} | {r.ceiling} | {r.ratio} |" for r in rows]
-    return head + "\n".join(lines)
+    return head + "\n".join(lines) + _tp_table(info)
+
+
+def _tp_table(info: dict) -> str:
+    """Tensor parallelism's cost per decode step, on rank 0 (tp_costs.py)."""
+    if not info.get("tp"):
+        return ""
+    lines = [
+        f"\n\ntensor parallel size {info['tensor_parallel_size']}: per decode step on rank 0",
+        "| case | step | collectives (share) | step broadcast |", "|---|---|---|---|",
+    ]  # fmt: skip
+    lines += [
+        f"| {c['case']} | {c['step_s'] * 1e3:.3f} ms | {c['collectives_s'] * 1e3:.3f} ms "
+        f"({c['collective_share']:.0%}) | {c['broadcast_s'] * 1e6:.0f} us |"
+        for c in info["tp"]
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

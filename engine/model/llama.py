@@ -23,6 +23,11 @@ Triton launch each on CUDA; the torch reference, bit-identical to the unfused co
 with the "torch" backend). The projections (Linear layers, LM head) run through
 `LayerOps.linear`: F.linear, or the Triton skinny GEMM for small steps (which also takes the
 norm before QKV and gate_up, and the SwiGLU before down_proj, into its launch).
+
+Tensor parallelism (`set_tensor_parallel`, engine/distributed): each rank's model is built with
+its shard's sizes (its q and kv heads, its MLP columns, its vocab rows); o_proj and down_proj
+all-reduce their partial sums, the embedding looks up this rank's vocab rows and all-reduces,
+and compute_logits gathers every rank's vocab slice to rank 0.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.distributed import TPLayers
 from engine.model.arch_config import ModelArchConfig
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryEmbedding
@@ -71,6 +77,8 @@ def _normed_project(
 
 
 class LlamaAttention(nn.Module):
+    tp: TPLayers | None = None  # tensor parallelism (set_tensor_parallel)
+
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -111,10 +119,13 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(
             q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True
         )  # [T, H, D]
-        return _project(self.ops, self.o_proj, out.reshape(-1, self.q_size))
+        out = _project(self.ops, self.o_proj, out.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.reduce(out)  # row-parallel: all-reduce
 
 
 class LlamaMLP(nn.Module):
+    tp: TPLayers | None = None  # tensor parallelism (set_tensor_parallel)
+
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
@@ -123,7 +134,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, hidden]
         down = self.down_proj  # silu_and_mul, then down_proj (fused in one launch where it can)
-        return self.ops.down_projection(gate_up, down.weight, down.bias)
+        out = self.ops.down_projection(gate_up, down.weight, down.bias)
+        return out if self.tp is None else self.tp.reduce(out)  # row-parallel: all-reduce
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -159,6 +171,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    tp: TPLayers | None = None  # tensor parallelism (set_tensor_parallel)
+
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
@@ -181,7 +195,10 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
             )
-        residual = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.tp is None:
+            residual = self.embed_tokens(input_ids)  # [T, hidden]
+        else:  # vocab-parallel: this rank's rows, then all-reduce
+            residual = self.tp.embed(self.embed_tokens.weight, input_ids)
         cos, sin = self.rotary_emb(positions, residual.dtype)  # [T, 1, head_dim // 2] each
         # Each block's output is added to the residual by the norm after it, fused with the
         # projection that follows (the next layer's QKV; the final norm's add stands alone).
@@ -200,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created on the current default device and dtype (the loader sets both).
     """
+
+    tp: TPLayers | None = None  # tensor parallelism (set_tensor_parallel)
 
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -227,6 +246,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, _USES_OPS):
                 module.ops = ops
+
+    def set_tensor_parallel(self, layers: TPLayers) -> None:
+        """This model is one rank's shard (built with the rank's head, MLP and vocab sizes):
+        its row-parallel projections, embedding and LM head call `layers`' collectives."""
+        for module in self.modules():
+            if isinstance(module, _USES_TP):
+                module.tp = layers
 
     @property
     def layer_ops(self) -> LayerOps:
@@ -258,7 +284,10 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self._packed_logits_weight is not None:
             weight = self._packed_logits_weight
-        return self.model.ops.linear(hidden, weight, None).float()
+        logits = self.model.ops.linear(hidden, weight, None)
+        if self.tp is not None:  # vocab-parallel: every rank's slice, gathered to rank 0
+            logits = self.tp.gather_logits(logits)
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -316,3 +345,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 _USES_OPS: tuple[type[Any], ...] = (LlamaAttention, LlamaMLP, LlamaDecoderLayer, LlamaModel)
+_USES_TP: tuple[type[Any], ...] = (LlamaAttention, LlamaMLP, LlamaModel, LlamaForCausalLM)

@@ -6,13 +6,15 @@ ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
   -> layer ops (kernels/fused): Triton kernels with the triton/flash_attn backends on CUDA,
      else the torch reference (PDSERVE_SKINNY_GEMM_MAX_M > 0: small steps' projections on the
      Triton skinny GEMM, kernels/gemm)
-  -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic)
+  -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic);
+     tensor parallelism: the rank's slices only (shard_loading.py)
   -> LoadedModel(model, arch, name, tokenizer_dir)
 ```
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,8 +26,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.distributed import ModelPartition, TensorParallel
 from engine.model.arch_config import ModelArchConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.model.shard_loading import iter_safetensors_shard, synthetic_indexer
 from engine.model.sources import resolve_model_source
 from engine.model.synthetic import init_synthetic_weights
 from kernels.attention.backend import AttentionBackend
@@ -92,19 +96,23 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Resolve `model_config.model`, build the model on `device` in `dtype`, load its weights."""
+    """Resolve `model_config.model`, build the model on `device` in `dtype`, load its weights
+    (with `tp`: this rank's shard only; engine/model/shard_loading.py)."""
     start_s = time.perf_counter()
     source = resolve_model_source(model_config.model)
     arch = source.arch
+    rank_arch = arch if tp is None else _rank_arch(arch, tp.partition)
     with _default_dtype(dtype), torch.device(device):
-        model = LlamaForCausalLM(arch, attn_backend)
+        model = LlamaForCausalLM(rank_arch, attn_backend)
+    if tp is not None:
+        model.set_tensor_parallel(tp.layers)
     if source.hf_dir is None:
-        init_synthetic_weights(model, arch, model_config.seed)
+        shard = None if tp is None else synthetic_indexer(arch, tp.partition)
+        init_synthetic_weights(model, arch, model_config.seed, shard)
     else:
-        weights = track(iter_safetensors(source.hf_dir), f"loading {source.name} weights",
-                        count_safetensors(source.hf_dir), "tensors", logger)  # fmt: skip
-        model.load_weights(weights)
+        model.load_weights(_checkpoint(source.hf_dir, source.name, tp))
     model.requires_grad_(False).eval()
     model.set_layer_ops(get_layer_ops(attn_backend.name, device, envs.skinny_gemm_max_m()))
     # The torch reference's F.linear in bf16 on a CPU with bf16 instructions: packed weights.
@@ -127,6 +135,27 @@ def load_model(
         ", programmatic dependent launch" if pdl else "",
     )
     return LoadedModel(model, arch, source.name, source.tokenizer_dir, pdl)
+
+
+def _rank_arch(arch: ModelArchConfig, part: ModelPartition) -> ModelArchConfig:
+    """`arch` with one tensor-parallel rank's sizes: every layer built from it has the shapes
+    of the rank's shard."""
+    return dataclasses.replace(
+        arch, num_heads=part.num_heads, num_kv_heads=part.num_kv_heads,
+        intermediate_size=part.intermediate_size, vocab_size=part.vocab_per_rank,
+    )  # fmt: skip
+
+
+def _checkpoint(
+    model_dir: Path, name: str, tp: TensorParallel | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors (this rank's slices of them, with `tp`), with a progress line."""
+    if tp is None:
+        tensors = iter_safetensors(model_dir)
+    else:
+        tensors = iter_safetensors_shard(model_dir, _safetensors_files(model_dir), tp.partition)
+    return track(tensors, f"loading {name} weights", count_safetensors(model_dir), "tensors",
+                 logger)  # fmt: skip
 
 
 def _set_dependent_launch(layer_ops: str, device: torch.device) -> bool:

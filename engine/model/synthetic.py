@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -122,8 +124,25 @@ def parse_synthetic(model: str) -> ModelArchConfig:
     return arch
 
 
+@dataclass(frozen=True)
+class GlobalIndex:
+    """Where a tensor-parallel rank's slice of a parameter sits in the whole one: `rows[i]` is
+    the whole parameter's row of local row i (-1: a zero row, e.g. vocab padding), `cols[j]`
+    the column of local column j (None: all of them). 1-D parameters use `rows` only."""
+
+    shape: tuple[int, ...]  # the whole parameter's
+    rows: torch.Tensor | None = None  # [local rows] int64; None: all rows
+    cols: torch.Tensor | None = None  # [local cols] int64; None: all columns
+
+
+# A rank's slices: (parameter name, its local tensor) -> GlobalIndex (None: the whole parameter)
+ShardIndexer = Callable[[str, torch.Tensor], GlobalIndex | None]
+
+
 @torch.no_grad()
-def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -> None:
+def init_synthetic_weights(
+    model: nn.Module, arch: ModelArchConfig, seed: int, shard: ShardIndexer | None = None
+) -> None:
     """Fill every parameter in place (on its device, in its dtype), identically on any device.
 
     Every matrix has std 1/sqrt(fan_in), so each layer's output is O(1); projections into the
@@ -131,20 +150,25 @@ def init_synthetic_weights(model: nn.Module, arch: ModelArchConfig, seed: int) -
     `_LOGIT_STD`, giving logits of std ~4: peaked enough that greedy picks are rarely near-ties
     that half-precision noise would flip. (Scaling the embedding instead would make tied models
     echo their last input token: its self dot product would dominate.)
+
+    `shard` (tensor parallelism): a rank's model holds slices; each slice gets exactly the
+    values the whole parameter has there (one tensor at a time, only the slice generated).
     """
     residual_scale = 1.0 / math.sqrt(2 * max(arch.num_layers, 1))
     for index, (name, param) in enumerate(model.named_parameters()):
+        where = None if shard is None else shard(name, param)
+        fan_in = param.shape[-1] if where is None else where.shape[-1]
         if name == "model.norm.weight":
             param.fill_(_LOGIT_STD)
         elif "norm" in name:
             param.fill_(1.0)
         elif name.endswith("bias"):
-            _fill_uniform(param, 0.02, key=_mix(seed, index))
+            _fill_uniform(param, 0.02, _mix(seed, index), where)
         else:
-            std = 1.0 / math.sqrt(param.shape[-1])
+            std = 1.0 / math.sqrt(fan_in)
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= residual_scale
-            _fill_uniform(param, std, key=_mix(seed, index))
+            _fill_uniform(param, std, _mix(seed, index), where)
 
 
 _MASK64 = (1 << 64) - 1
@@ -166,16 +190,47 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _fill_uniform(param: torch.Tensor, std: float, key: int) -> None:
-    """Uniform(-std*sqrt(3), std*sqrt(3)) (variance std^2) from splitmix64 of element indices."""
-    flat = param.view(-1)
+def _uniform(x: torch.Tensor, key: int, half_width: float) -> torch.Tensor:
+    """Uniform(-half_width, half_width) float32 of int64 element indices `x` (splitmix64)."""
+    x = x * _signed(0x9E3779B97F4A7C15) + key
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _shr(x, 31)
+    unit = _shr(x, 40).to(torch.float32) * (2.0**-24)  # in [0, 1)
+    return (unit * 2.0 - 1.0) * half_width
+
+
+def _fill_uniform(
+    param: torch.Tensor, std: float, key: int, where: GlobalIndex | None = None
+) -> None:
+    """Uniform(-std*sqrt(3), std*sqrt(3)) (variance std^2) from splitmix64 of element indices
+    (of the whole parameter's elements, for a slice `where`)."""
     half_width = std * math.sqrt(3.0)
+    if where is not None:
+        _fill_slice(param, half_width, key, where)
+        return
+    flat = param.view(-1)
     for start in range(0, flat.numel(), _CHUNK):
         end = min(start + _CHUNK, flat.numel())
         x = torch.arange(start, end, device=flat.device, dtype=torch.int64)
-        x = x * _signed(0x9E3779B97F4A7C15) + key
-        x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-        x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
-        x = x ^ _shr(x, 31)
-        unit = _shr(x, 40).to(torch.float32) * (2.0**-24)  # [end - start] in [0, 1)
-        flat[start:end] = ((unit * 2.0 - 1.0) * half_width).to(flat.dtype)
+        flat[start:end] = _uniform(x, key, half_width).to(flat.dtype)
+
+
+def _fill_slice(param: torch.Tensor, half_width: float, key: int, where: GlobalIndex) -> None:
+    """A slice's values, a few local rows at a time (bounded temporaries)."""
+    device = param.device
+    num_rows = param.shape[0]
+    rows = where.rows if where.rows is not None else torch.arange(num_rows)
+    rows = rows.to(device)
+    if param.dim() == 1:
+        param.copy_(_uniform(rows.clamp(min=0), key, half_width).masked_fill(rows < 0, 0.0))
+        return
+    width = where.shape[1]
+    cols = where.cols if where.cols is not None else torch.arange(width)
+    cols = cols.to(device)
+    step = max(1, _CHUNK // param.shape[1])
+    for start in range(0, num_rows, step):
+        block = rows[start : start + step, None]  # [r, 1] rows of the whole parameter
+        x = block.clamp(min=0) * width + cols[None, :]  # [r, local cols] element indices
+        values = _uniform(x, key, half_width).masked_fill(block < 0, 0.0)
+        param[start : start + step] = values.to(param.dtype)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x80\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"a\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\"\x1a\n\x18GetModelTokenizerRequest\"^\n\x0eModelTokenizer\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t2\xef\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12P\n\x0cGetTokenizer\x12$.pdserve.v1.GetModelTokenizerRequest\x1a\x1a.pdserve.v1.ModelTokenizerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x80\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"a\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\"\x1a\n\x18GetModelTokenizerRequest\"^\n\x0eModelTokenizer\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t2\xef\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12P\n\x0cGetTokenizer\x12$.pdserve.v1.GetModelTokenizerRequest\x1a\x1a.pdserve.v1.ModelTokenizerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,31 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=250
-  _globals['_TOKENIDS']._serialized_start=252
-  _globals['_TOKENIDS']._serialized_end=275
-  _globals['_CHATMESSAGE']._serialized_start=277
-  _globals['_CHATMESSAGE']._serialized_end=321
-  _globals['_CHATMESSAGES']._serialized_start=323
-  _globals['_CHATMESSAGES']._serialized_end=380
-  _globals['_SAMPLINGPARAMS']._serialized_start=383
-  _globals['_SAMPLINGPARAMS']._serialized_end=895
-  _globals['_GENERATERESPONSE']._serialized_start=898
-  _globals['_GENERATERESPONSE']._serialized_end=1070
-  _globals['_USAGE']._serialized_start=1072
-  _globals['_USAGE']._serialized_end=1152
-  _globals['_TOKENLOGPROB']._serialized_start=1154
-  _globals['_TOKENLOGPROB']._serialized_end=1254
-  _globals['_TOPLOGPROB']._serialized_start=1256
-  _globals['_TOPLOGPROB']._serialized_end=1303
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1305
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1326
-  _globals['_MODELINFO']._serialized_start=1328
-  _globals['_MODELINFO']._serialized_end=1425
-  _globals['_GETMODELTOKENIZERREQUEST']._serialized_start=1427
-  _globals['_GETMODELTOKENIZERREQUEST']._serialized_end=1453
-  _globals['_MODELTOKENIZER']._serialized_start=1455
-  _globals['_MODELTOKENIZER']._serialized_end=1549
-  _globals['_GENERATION']._serialized_start=1552
-  _globals['_GENERATION']._serialized_end=1791
+  _globals['_GENERATEREQUEST']._serialized_end=270
+  _globals['_TOKENIDS']._serialized_start=272
+  _globals['_TOKENIDS']._serialized_end=295
+  _globals['_CHATMESSAGE']._serialized_start=297
+  _globals['_CHATMESSAGE']._serialized_end=341
+  _globals['_CHATMESSAGES']._serialized_start=343
+  _globals['_CHATMESSAGES']._serialized_end=400
+  _globals['_SAMPLINGPARAMS']._serialized_start=403
+  _globals['_SAMPLINGPARAMS']._serialized_end=915
+  _globals['_GENERATERESPONSE']._serialized_start=918
+  _globals['_GENERATERESPONSE']._serialized_end=1090
+  _globals['_USAGE']._serialized_start=1092
+  _globals['_USAGE']._serialized_end=1172
+  _globals['_TOKENLOGPROB']._serialized_start=1174
+  _globals['_TOKENLOGPROB']._serialized_end=1274
+  _globals['_TOPLOGPROB']._serialized_start=1276
+  _globals['_TOPLOGPROB']._serialized_end=1323
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1325
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1346
+  _globals['_MODELINFO']._serialized_start=1348
+  _globals['_MODELINFO']._serialized_end=1445
+  _globals['_GETMODELTOKENIZERREQUEST']._serialized_start=1447
+  _globals['_GETMODELTOKENIZERREQUEST']._serialized_end=1473
+  _globals['_MODELTOKENIZER']._serialized_start=1475
+  _globals['_MODELTOKENIZER']._serialized_end=1569
+  _globals['_GENERATION']._serialized_start=1572
+  _globals['_GENERATION']._serialized_end=1811
 # @@protoc_insertion_point(module_scope)

@@ -18,24 +18,36 @@ before its response cancels the request (its node calls end), streamed or not.
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from router.auth import ApiKeys
+from router.http.json_body import INLINE_BYTES, parse_json
 from router.http.openai_errors import OpenAIError
-from router.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from router.http.openai_protocol import (
+    DEFAULT_MAX_CHOICES,
+    OpenAIRequest,
+    parse_chat,
+    parse_completion,
+)
 from router.http.openai_serving import OpenAIServing
 from router.metrics import RouterMetrics
 
 T = TypeVar("T")
 _CLIENT_CLOSED = 499  # the status nginx logs for a client that closed its connection first
+# Bodies larger than INLINE_BYTES parse here, one at a time (json_body: in bounded steps, so the
+# event loop gets the GIL back every switch interval; big bodies queue, the loop never waits).
+_BODY_THREAD = ThreadPoolExecutor(1, thread_name_prefix="http-body")
 
 
 def build_app(
@@ -44,11 +56,13 @@ def build_app(
     is_ready: Callable[[], bool],
     max_body_bytes: int,
     api_keys: ApiKeys | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
 ) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     _add_open_routes(app, metrics, is_ready)
-    _add_api_routes(app, serving, max_body_bytes, api_keys)
+    limits = _BodyLimits(max_body_bytes, max_choices)
+    _add_api_routes(app, serving, limits, api_keys)
     return app
 
 
@@ -80,8 +94,14 @@ def _add_open_routes(app: FastAPI, metrics: RouterMetrics, is_ready: Callable[[]
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+@dataclass(frozen=True)
+class _BodyLimits:
+    max_bytes: int  # --max-request-bytes
+    max_choices: int  # --max-choices-per-request
+
+
 def _add_api_routes(
-    app: FastAPI, serving: OpenAIServing, max_body_bytes: int, api_keys: ApiKeys | None
+    app: FastAPI, serving: OpenAIServing, limits: _BodyLimits, api_keys: ApiKeys | None
 ) -> None:
     """The /v1/ routes, each behind the API keys (when there are any)."""
 
@@ -101,12 +121,12 @@ def _add_api_routes(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        return await _generate(serving, request, parse_completion, max_body_bytes)
+        return await _generate(serving, request, parse_completion, limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        return await _generate(serving, request, parse_chat, max_body_bytes)
+        return await _generate(serving, request, parse_chat, limits)
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -128,28 +148,45 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _parse(
+    serving: OpenAIServing, body: bytes, parse: Callable[..., OpenAIRequest], limits: _BodyLimits
+) -> OpenAIRequest:
+    """`parse(parse_json(body))`: on the loop for a small body, else on the body thread."""
+    info = serving.handler.registry.model_info
+    work = functools.partial(
+        _parse_now, body, parse, limits.max_choices, info.max_model_len if info else None
+    )
+    if len(body) <= INLINE_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(_BODY_THREAD, work)
+
+
+def _parse_now(
+    body: bytes, parse: Callable[..., OpenAIRequest], max_choices: int, max_tokens: int | None
+) -> OpenAIRequest:
+    return parse(parse_json(body), max_choices=max_choices, max_prompt_tokens=max_tokens)
+
+
 async def _generate(
     serving: OpenAIServing,
     request: Request,
-    parse: Callable[[Any], OpenAIRequest],
-    max_body_bytes: int,
+    parse: Callable[..., OpenAIRequest],
+    limits: _BodyLimits,
 ) -> Response:
     start_s = time.monotonic()
     try:
-        body = json.loads(await _read_body(request, max_body_bytes))
+        parsed = await _parse(serving, await _read_body(request, limits.max_bytes), parse, limits)
     except OpenAIError as error:
         raise serving.reject(error, start_s) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        not_json = OpenAIError(f"the request body is not JSON: {error}")
-        raise serving.reject(not_json, start_s) from None
-    try:
-        parsed = parse(body)
-    except OpenAIError as error:
-        raise serving.reject(error, start_s) from None
-    prepared = await serving.prepare(parsed, start_s)
+    except ClientDisconnect:  # gone (or too slow: --http-body-timeout-s) before its body was in
+        return Response(status_code=_CLIENT_CLOSED)
+    prepared = await serving.prepare(parsed, start_s, request.headers.get("authorization"))
     if parsed.stream:
+        events = await _unless_disconnected(request, serving.open_stream(prepared))
+        if events is None:  # nobody to answer
+            return Response(status_code=_CLIENT_CLOSED)
         return StreamingResponse(
-            serving.stream(prepared),
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.request_id},
         )

@@ -9,7 +9,9 @@ parse_completion(body) / parse_chat(body)
   sampling parameters                    -> generation_pb2.SamplingParams (validated later by
                                             the same InputProcessor the gRPC API uses)
   n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
+  cache_salt (vLLM's)                    -> the prefix cache's namespace within the tenant's
   integers beyond their protobuf field, lone UTF-16 surrogates in strings -> OpenAIError 400
+  prompts x n beyond max_choices, a token-id prompt beyond the context   -> OpenAIError 400
 ```
 """
 
@@ -23,6 +25,7 @@ from pdserve.v1 import generation_pb2
 from router.http.openai_errors import OpenAIError
 
 MAX_N = 16
+DEFAULT_MAX_CHOICES = 256  # prompts x n per request (--max-choices-per-request)
 MAX_COMPLETION_LOGPROBS = 20
 # Integers are checked against what their protobuf field holds (`int_field_range`); what the
 # values mean is checked later, by the InputProcessor that also serves gRPC.
@@ -42,7 +45,7 @@ _SAMPLING = {
     "min_tokens": (int, "min_tokens"),
 }
 _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
-           "stop_token_ids", "max_tokens", *_SAMPLING}  # fmt: skip
+           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
 # Accepted only at their no-op value: param -> what that value is.
@@ -75,12 +78,17 @@ class OpenAIRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_completion(body: Any) -> OpenAIRequest:
+def parse_completion(
+    body: Any, max_choices: int = DEFAULT_MAX_CHOICES, max_prompt_tokens: int | None = None
+) -> OpenAIRequest:
+    """`max_choices`: prompts x n at most; `max_prompt_tokens`: token ids a prompt may hold
+    (the context length; None: unchecked here, the InputProcessor checks it)."""
     body = _check_keys(body, _COMMON | _COMPLETION_ONLY)
-    prompts = _prompts(body.get("prompt"))
+    prompts = _prompts(body.get("prompt"), max_prompt_tokens)
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     best_of = _int(body, "best_of", 1, MAX_N)
     n = _int(body, "n", 1, MAX_N) or 1
+    _check_choices(len(prompts), n, max_choices)
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
     max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
@@ -96,7 +104,9 @@ def parse_completion(body: Any) -> OpenAIRequest:
     return _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
 
 
-def parse_chat(body: Any) -> OpenAIRequest:
+def parse_chat(
+    body: Any, max_choices: int = DEFAULT_MAX_CHOICES, max_prompt_tokens: int | None = None
+) -> OpenAIRequest:
     body = _check_keys(body, _COMMON | _CHAT_ONLY)
     request = generation_pb2.GenerateRequest()
     request.messages.messages.extend(_messages(body.get("messages")))
@@ -109,6 +119,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
     n = _int(body, "n", 1, MAX_N) or 1
+    _check_choices(1, n, max_choices)
     sampling = _sampling(body, max_tokens, logprobs)
     parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
     if "max_completion_tokens" in body:
@@ -136,12 +147,16 @@ def _request(
         raise OpenAIError("stream_options takes only include_usage", "stream_options")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("user must be a string", "user")
+    cache_salt = body.get("cache_salt", "")
+    if not isinstance(cache_salt, str) or ("cache_salt" in body and not cache_salt):
+        raise OpenAIError("cache_salt must be a non-empty string", "cache_salt")
     choices = []
     for index, prompt in enumerate(prompts):
         for i in range(n):
             request = generation_pb2.GenerateRequest()
             request.CopyFrom(prompt)
             request.sampling.CopyFrom(sampling)
+            request.cache_salt = cache_salt
             if sampling.HasField("seed"):  # distinct but reproducible choices
                 request.sampling.seed = (sampling.seed + i) % _SEED_END
             choices.append(Choice(index, request))
@@ -155,6 +170,16 @@ def _request(
         chat=chat,
         max_tokens_set=max_tokens_set,
     )
+
+
+def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    if num_prompts * n > max_choices:
+        raise OpenAIError(
+            f"this request asks for {num_prompts * n} choices ({num_prompts} prompts x n={n}); "
+            f"this server runs at most {max_choices} per request (--max-choices-per-request): "
+            "send fewer prompts per request",
+            "prompt" if num_prompts > 1 else "n",
+        )
 
 
 def _check_keys(body: Any, allowed: set[str]) -> dict[str, Any]:
@@ -222,16 +247,16 @@ def _sampling(
     return sampling
 
 
-def _prompts(prompt: Any) -> list[str | list[int]]:
+def _prompts(prompt: Any, max_prompt_tokens: int | None) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
         if all(_is_int(t) for t in prompt):
-            return [_token_ids(prompt)]
+            return [_token_ids(prompt, max_prompt_tokens)]
         if all(isinstance(p, list) and p for p in prompt):
-            return [_token_ids(p) for p in prompt]
+            return [_token_ids(p, max_prompt_tokens) for p in prompt]
     raise OpenAIError(
         "prompt must be a string, a list of strings, a list of token ids or a list of such "
         "lists (non-empty)",
@@ -239,7 +264,13 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def _token_ids(ids: list[Any]) -> list[int]:
+def _token_ids(ids: list[Any], max_prompt_tokens: int | None) -> list[int]:
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise OpenAIError(
+            f"a prompt of {len(ids)} token ids exceeds the model's context length of "
+            f"{max_prompt_tokens} tokens: shorten it",
+            "prompt",
+        )
     low, high = int_field_range(generation_pb2.TokenIds, "ids")
     if not all(_is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")

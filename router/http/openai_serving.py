@@ -5,7 +5,8 @@ as gRPC Generate), one task per choice, and builds the responses (`openai_respon
 prepare(parsed)     model check (404), per choice: request id "<id>-<i>", RequestHandler.process
                     (bad input: 400; chat without max_tokens: the rest of the context)
 complete(...)       every choice to its end -> one JSON body (MAX_CHOICES_IN_FLIGHT at a time)
-stream(...)         SSE: "data: {chunk}" as tokens arrive ... [usage chunk] "data: [DONE]"
+open_stream(...)    SSE once the first token is in (a failure before it: its HTTP status, never
+                    a 200 then an error): "data: {chunk}" ... [usage chunk] "data: [DONE]"
 ```
 """
 
@@ -17,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -66,9 +67,12 @@ class OpenAIServing:
             })  # fmt: skip
         return {"object": "list", "data": data}
 
-    async def prepare(self, parsed: OpenAIRequest, start_s: float) -> PreparedRequest:
+    async def prepare(
+        self, parsed: OpenAIRequest, start_s: float, authorization: str | None = None
+    ) -> PreparedRequest:
         """Validated and tokenized choices; raises OpenAIError (counted as rejected).
-        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate."""
+        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate.
+        `authorization`: the client's header (its tenant, router.tenancy)."""
         prefix = "chatcmpl" if parsed.chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
@@ -80,7 +84,9 @@ class OpenAIServing:
                     f"the model {parsed.model!r} does not exist; this server serves {served!r}",
                     "model", status=404, error_type="not_found_error", code="model_not_found",
                 )  # fmt: skip
-            processed = await asyncio.to_thread(self._process_choices, parsed, request_id)
+            processed = await asyncio.to_thread(
+                self._process_choices, parsed, request_id, authorization
+            )
         except InvalidRequestError as error:
             invalid = OpenAIError(str(error), self._param(parsed, error.param))
             raise self._rejected(request_id, invalid, start_s) from None
@@ -112,22 +118,28 @@ class OpenAIServing:
         self.handler.rejected("http", request_id, status or "UNKNOWN", error.message, start_s)
         return error
 
-    def _process_choices(self, parsed: OpenAIRequest, request_id: str) -> list[ProcessedRequest]:
+    def _process_choices(
+        self, parsed: OpenAIRequest, request_id: str, authorization: str | None
+    ) -> list[ProcessedRequest]:
         return [
-            self._process(parsed, choice.request, f"{request_id}-{i}")
+            self._process(parsed, choice.request, f"{request_id}-{i}", authorization)
             for i, choice in enumerate(parsed.choices)
         ]
 
     def _process(
-        self, parsed: OpenAIRequest, request: generation_pb2.GenerateRequest, request_id: str
+        self,
+        parsed: OpenAIRequest,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        authorization: str | None,
     ) -> ProcessedRequest:
         request.request_id = request_id
         if parsed.max_tokens_set:
-            return self.handler.process(request)
+            return self.handler.process(request, authorization)
         # Chat without max_tokens: whatever the context leaves after the prompt. Validated with
         # the least it may be (min_tokens, at least 1), then widened: the prompt is tokenized once.
         request.sampling.max_tokens = max(1, request.sampling.min_tokens)
-        processed = self.handler.process(request)
+        processed = self.handler.process(request, authorization)
         info = self.handler.registry.model_info
         if info is None:  # every node left since `prepare` looked
             raise RouterError(grpc.StatusCode.UNAVAILABLE, NO_NODE_MESSAGE)
@@ -147,7 +159,24 @@ class OpenAIServing:
             states[index].add(response)
         return builder.full_response(states)
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def open_stream(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+        """The request's server-sent events, once its first token is in: a request that fails
+        before it (a node overloaded, none reachable) raises OpenAIError here, so the client
+        gets that status, not a 200 followed by an error event."""
+        events = self._run(prepared)
+        try:
+            first = await anext(events, None)
+        except BaseException:
+            await events.aclose()
+            raise
+        return self._stream(prepared, first, events)
+
+    async def _stream(
+        self,
+        prepared: PreparedRequest,
+        first: tuple[int, generation_pb2.GenerateResponse] | None,
+        events: AsyncGenerator[tuple[int, generation_pb2.GenerateResponse], None],
+    ) -> AsyncIterator[str]:
         """Server-sent events, ending with "data: [DONE]"; an error mid-stream is sent as an
         error event (the status line went out already)."""
         builder = self._builder(prepared)
@@ -155,13 +184,18 @@ class OpenAIServing:
         try:
             for chunk in builder.first_chunks():
                 yield _sse(chunk)
-            async for index, response in self._run(prepared):
-                states[index].add(response)
-                yield _sse(builder.chunk(index, response))
+            if first is not None:
+                states[first[0]].add(first[1])
+                yield _sse(builder.chunk(*first))
+                async for index, response in events:
+                    states[index].add(response)
+                    yield _sse(builder.chunk(index, response))
             if prepared.parsed.include_usage:
                 yield _sse(builder.usage_chunk(states))
         except OpenAIError as error:
             yield _sse(error.body())
+        finally:
+            await events.aclose()
         yield "data: [DONE]\n\n"
 
     def _builder(self, prepared: PreparedRequest) -> ResponseBuilder:
@@ -174,7 +208,7 @@ class OpenAIServing:
 
     async def _run(
         self, prepared: PreparedRequest
-    ) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+    ) -> AsyncGenerator[tuple[int, generation_pb2.GenerateResponse], None]:
         """(choice index, GenerateResponse) as they come, from one task per choice; a failed
         choice raises OpenAIError; leaving early cancels every choice."""
         queue: asyncio.Queue[_Event] = asyncio.Queue()

@@ -5,7 +5,8 @@ router sent where), weighed against their load.
 
 ```
 prepare(request)   the prompt's block hashes, once per request (pdserve.block_hash: the
-                   nodes' chain and salt); off the event loop for a long prompt
+                   nodes' chain, salted as theirs and rooted in the request's namespace, its
+                   tenant's cache salt); off the event loop for a long prompt
 prefill node       least  (prompt tokens it lacks) + queued prefill tokens
 decode node        among nodes whose free blocks hold what it lacks (all, if none does):
                    least  (prompt tokens it lacks) + load tokens
@@ -40,7 +41,8 @@ class KVEventsPolicy(LeastLoadedPolicy):
         prefix_cache_salt: str | None = None,
     ) -> None:
         super().__init__(local_prefill_max_tokens, prefill_saturation_tokens)
-        self.root_hash = root_hash(prefix_cache_salt)
+        self._salt = prefix_cache_salt
+        self.root_hash = root_hash(prefix_cache_salt)  # of requests without a cache salt
         self.index = KVEventIndex()
         self.watchers = KVEventWatchers(self.index)
 
@@ -52,7 +54,7 @@ class KVEventsPolicy(LeastLoadedPolicy):
 
     async def prepare(self, request: ProcessedRequest, block_size: int) -> None:
         if request.prompt_len >= OFF_LOOP_TOKENS:
-            await asyncio.to_thread(request.block_hashes, block_size, self.root_hash)
+            await asyncio.to_thread(request.block_hashes, block_size, self.root_for(request))
 
     def pick_prefill(self, request: ProcessedRequest, nodes: Sequence[NodeClient]) -> NodeClient:
         held = self.held_tokens(request, nodes)
@@ -75,11 +77,17 @@ class KVEventsPolicy(LeastLoadedPolicy):
 
         return self.least("decode", nodes, key=key)
 
+    def root_for(self, request: ProcessedRequest) -> BlockHash:
+        """The request's namespace (its tenant's): the root its nodes' prefix caches use."""
+        if not request.cache_salt:
+            return self.root_hash
+        return root_hash(self._salt, request.cache_salt)
+
     def held_tokens(self, request: ProcessedRequest, nodes: Sequence[NodeClient]) -> dict[str, int]:
         """Per node: the prompt's leading tokens its prefix cache holds (full blocks; never
         the last token, which it must compute)."""
         block_size = max(nodes[0].info.block_size, 1)
-        hashes: list[BlockHash] = request.block_hashes(block_size, self.root_hash)
+        hashes: list[BlockHash] = request.block_hashes(block_size, self.root_for(request))
         usable = hashes[: (request.prompt_len - 1) // block_size]
         counts = self.index.prefix_blocks(usable, [node.address for node in nodes])
         return {address: count * block_size for address, count in counts.items()}

@@ -3,7 +3,8 @@ them (its prefix cache then hits), unless that node is much busier than the leas
 
 ```
 block_hashes(prompt)     chained sha256 digests of the prompt's full blocks (digest i covers
-                         blocks 0..i): pdserve.block_hash, the chain the nodes' engines use
+                         blocks 0..i): pdserve.block_hash, the chain the nodes' engines use,
+                         rooted in the request's namespace (its tenant's cache salt)
 PrefixIndex.match        the node owning the longest run of them (an LRU-bounded copy of where
                          the router sent each prefix: the nodes' caches, approximately)
   none, or much busier   -> the least loaded node (LeastLoadedPolicy)
@@ -74,7 +75,8 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
         prefix_cache_salt: str | None = None,
     ):
         super().__init__(local_prefill_max_tokens, prefill_saturation_tokens)
-        self.root_hash = root_hash(prefix_cache_salt)
+        self._salt = prefix_cache_salt
+        self.root_hash = root_hash(prefix_cache_salt)  # of requests without a cache salt
         self.prefill_index = PrefixIndex()
         self.decode_index = PrefixIndex()
 
@@ -112,9 +114,9 @@ class PrefixAwarePolicy(LeastLoadedPolicy):
     ) -> NodeClient:
         """The node holding the request's longest prefix unless it is much busier than the
         least loaded one (then, or with no such node, `pick_least()`); remembers the choice."""
-        hashes = block_hashes(
-            request.prompt_token_ids, max(nodes[0].info.block_size, 1), self.root_hash
-        )
+        # The request's namespace (its tenant's): the root its nodes' prefix caches use.
+        root = root_hash(self._salt, request.cache_salt) if request.cache_salt else self.root_hash
+        hashes = block_hashes(request.prompt_token_ids, max(nodes[0].info.block_size, 1), root)
         by_address = {node.address: node for node in nodes}
         match = index.match(hashes, by_address)
         preferred = by_address.get(match) if match is not None else None

@@ -62,3 +62,13 @@ def test_unknown_model_exits_1_with_a_message() -> None:
         "pd-decode: model '/nonexistent/no-such-model' is neither an existing path" in done.stderr
     )
     assert done.stdout == ""
+
+
+def test_tensor_parallelism_is_refused_until_the_hand_off_knows_tp_sizes(capsys) -> None:
+    """A node at TP > 1 would hand over one rank's heads: refused at parse time (exit 2)."""
+    from node_common.launcher import run_node
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_node(DecodeServer, ["--tensor-parallel-size", "2", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "--tensor-parallel-size > 1 is not served by nodes yet" in capsys.readouterr().err

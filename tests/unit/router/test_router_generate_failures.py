@@ -124,8 +124,11 @@ def test_a_router_bug_mid_stream_counts_as_internal_not_cancelled(
     ],
 )
 def test_decode_node_errors_map_to_client_statuses(
-    tokenizer_files, output_ids, code, expected
+    tokenizer_files, output_ids, code, expected, caplog
 ) -> None:
+    """The status carries the node's failure, never its address (issue 39 item 10: clients
+    learn no internal address); the router's log keeps it."""
+
     async def body():
         async with RouterHarness(tokenizer_files, output_ids) as h:
             h.decode[0].fail_code = code
@@ -136,7 +139,9 @@ def test_decode_node_errors_map_to_client_statuses(
     error, h = run(body())
 
     assert error.code() == expected
-    assert h.decode[0].address in error.details() and "scripted decode failure" in error.details()
+    assert "decode node" in error.details() and "scripted decode failure" in error.details()
+    assert h.decode[0].address not in error.details()
+    assert h.decode[0].address in caplog.text
     assert h.router.stats.errors == {expected.name: 1}
 
 

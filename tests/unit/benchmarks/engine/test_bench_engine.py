@@ -31,6 +31,22 @@ def test_engine_bench_times_async_scheduled_steps_and_prefills(tmp_path, capsys)
     assert len(result["rows"]) == 4 and all(r["value"] > 0 for r in result["rows"])
 
 
+def test_engine_bench_over_two_ranks_reports_what_tensor_parallelism_costs(
+    tmp_path, capsys
+) -> None:
+    table, result = run_with_json(
+        "engine", [*SMALL, "--tensor-parallel-size", "2"], tmp_path, capsys
+    )
+    assert "tensor parallel size 2: per decode step on rank 0" in table
+    costs = result["info"]["tp"]
+    assert [c["case"] for c in costs] == ["tiny-llama decode batch 1 ctx 40",
+                                          "tiny-llama decode batch 3 ctx 40"]  # fmt: skip
+    for c in costs:  # every step broadcasts and all-reduces; both within the step
+        assert 0 < c["broadcast_s"] < c["step_s"] and 0 < c["collectives_s"] < c["step_s"]
+        assert 0 < c["collective_share"] < 1
+    assert len(result["rows"]) == 4  # the floor at TP 1
+
+
 def test_engine_bench_help_documents_every_option(capsys) -> None:
     text = help_text("engine", capsys)
     for flag in (
@@ -49,5 +65,7 @@ def test_engine_bench_help_documents_every_option(capsys) -> None:
         "--async-scheduling",
         "--floor-context",
         "--prefill-iters",
+        "--tensor-parallel-size",
+        "--devices",
     ):
         assert flag in text  # fmt: skip

@@ -6,6 +6,7 @@ start the node over from a fresh snapshot; nodes no longer followed are forgotte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import grpc
@@ -189,3 +190,17 @@ def test_prepare_hashes_a_long_prompt_once_off_the_loop(monkeypatch) -> None:
     assert len(threads) == 1
     cached = long_request._block_hashes[(BLOCK_SIZE, policy.root_hash)]
     assert long_request.block_hashes(BLOCK_SIZE, policy.root_hash) is cached  # not again
+
+
+def test_a_tenants_prompt_matches_only_its_own_namespace() -> None:
+    """Nodes root a salted request's hashes in its cache salt (router.tenancy): so does the
+    index lookup; the same tokens of another tenant match nothing."""
+    policy = make_policy("kv_events", prefix_cache_salt="deploy")
+    tokens = list(range(3, 3 + 32))
+    tenant_a = root_hash("deploy", "tenant-a")
+    policy.index.apply("d1", block_hashes(tokens, BLOCK_SIZE, tenant_a), [])
+    mine = dataclasses.replace(request(tokens + [5]), cache_salt="tenant-a")
+    theirs = dataclasses.replace(request(tokens + [5]), cache_salt="tenant-b")
+    nodes = [node("d0"), node("d1")]
+    assert policy.held_tokens(mine, nodes) == {"d0": 0, "d1": 32}
+    assert policy.held_tokens(theirs, nodes) == {"d0": 0, "d1": 0}

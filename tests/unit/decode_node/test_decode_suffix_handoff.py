@@ -218,3 +218,31 @@ def test_layers_packed_before_the_ticket_are_cut_to_the_suffix() -> None:
             assert tokens_of(await read_chunks(decode)) == cold_tokens(turn_2)
 
     run(main())
+
+
+def test_the_held_prefix_is_the_requests_own_tenants() -> None:
+    """A request's cache salt (its tenant's namespace) roots its lookup: the same tokens held
+    for tenant a are no hit for tenant b, whose ticket asks for the whole prompt."""
+
+    async def main() -> None:
+        async with running_nodes("tcp") as nodes:
+            turn_1 = decode_request("turn-1", TURN_1, disaggregated=False)
+            turn_1.cache_salt = "tenant-a"
+            answer = tokens_of(await read_chunks(nodes.decode_stub.Decode(turn_1)))
+            turn_2 = TURN_1 + answer + NEW_TOKENS
+            for salt, held in (("tenant-b", False), ("tenant-a", True)):
+                request = decode_request(f"turn-2-{salt}", turn_2)
+                request.cache_salt = salt
+                call = nodes.decode_stub.Decode(request, timeout=RPC_TIMEOUT_S)
+                ticket = await read_ticket(call)
+                assert (ticket.num_cached_blocks > 0) == held, salt
+                prefill = nodes.prefill_stub.Prefill(
+                    node_pb2.PrefillRequest(request_id=request.request_id, cache_salt=salt,
+                                            prompt_token_ids=turn_2, sampling=GREEDY,
+                                            ticket=ticket),
+                    timeout=RPC_TIMEOUT_S,
+                )  # fmt: skip
+                await read_prefill(prefill)
+                assert tokens_of(await read_chunks(call)) == cold_tokens(turn_2)
+
+    run(main())
