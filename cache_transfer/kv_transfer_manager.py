@@ -73,6 +73,9 @@ class KVTransferManager:
         self.num_succeeded = 0
         self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
+        # KV bytes of successful hand-offs: moved (sent or received) and held by the receiver
+        self.num_bytes_moved = 0
+        self.num_bytes_skipped = 0
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
         self._kv_caches = kv_caches
@@ -286,6 +289,9 @@ class KVTransferManager:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
             self.num_in_place += session.in_place
+            moved = session.num_bytes_received if isinstance(session, KVReceiver) else None
+            self.num_bytes_moved += session.num_bytes_sent if moved is None else moved
+            self.num_bytes_skipped += session.num_bytes_skipped
         else:
             self.num_failed += 1
 
