@@ -6,6 +6,7 @@ against.
     pd-bench dataset [...]     sample a serve dataset into a JSONL file (it travels to the GPU)
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
     pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
+    pd-bench turn-ttft [...]   a conversation's next turn against a fresh prompt (KV reuse)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
@@ -23,6 +24,7 @@ import sys
 COMMANDS = {
     "transfer": "benchmarks.transfer.bench_transfer",
     "ttft": "benchmarks.serve.bench_ttft",
+    "turn-ttft": "benchmarks.serve.bench_turn_ttft",
     "attention": "benchmarks.kernels.bench_attention",
     "offline": "benchmarks.engine.bench_offline",
     "serve": "benchmarks.serve.bench_serve",
@@ -34,7 +36,8 @@ COMMANDS = {
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
-    "transfer", "ttft", "serve", "compare", "dataset", "engine", "profile", "kv-offload",
+    "transfer", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
+    "kv-offload",
 )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from benchmarks.serve.datasets import DatasetSpec
 from benchmarks.serve.multi_turn import TurnOptions, run_conversations
 from benchmarks.serve.runner import SendOptions
 from benchmarks.serve.turn_report import turn_summary, turn_table
+from pdserve.config import SecurityConfig
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,3 +154,52 @@ def test_multi_turn_flags(capsys) -> None:
         with pytest.raises(SystemExit) as exit_info:
             bench_serve.main(bad)
         assert exit_info.value.code == 2
+
+
+class IdRouter(generation_pb2_grpc.GenerationServicer):
+    """Token-id prompts: answers max_tokens tokens; records the prompts."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def GetModelInfo(self, request, context):
+        return generation_pb2.ModelInfo(max_model_len=4096, vocab_size=100, eos_token_ids=[2])
+
+    async def Generate(self, request, context):
+        self.prompts.append(list(request.prompt_token_ids.ids))
+        n = request.sampling.max_tokens
+        yield generation_pb2.GenerateResponse(token_ids=[7] * n, finish_reason="length")
+
+
+def test_turn_ttft_sends_turn_then_fresh_prompts(capsys) -> None:
+    from benchmarks.serve import bench_turn_ttft
+
+    args = bench_turn_ttft.build_parser().parse_args(
+        ["--context", "40", "--new-tokens", "8", "--answer-tokens", "3", "--repeats", "2",
+         "--warmup", "0", "--target-ratio", "1000"]
+    )  # fmt: skip
+
+    async def main():
+        fake = IdRouter()
+        server, addr = await serve_router(fake)
+        try:
+            samples = await bench_turn_ttft.measure(addr, args, [], SecurityConfig())
+        finally:
+            await server.stop(None)
+        return fake, samples
+
+    fake, samples = asyncio.run(main())
+    assert [len(p) for p in fake.prompts] == [40, 51, 8] * 2  # context, turn, fresh
+    context, turn, fresh = fake.prompts[:3]
+    assert turn[:40] == context and turn[40:43] == [7, 7, 7]  # its answer, then new tokens
+    assert not set(fresh) & {2} and len(samples.turn_ms) == len(samples.fresh_ms) == 2
+    assert bench_turn_ttft.report(samples, args)
+    assert "turn / fresh TTFT" in capsys.readouterr().out
+
+
+async def serve_router(servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
