@@ -50,7 +50,8 @@ async def _send(
     """TTFT (ms) and the output token ids of one greedy request."""
     request = build_request(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
                             ignore_eos=True)  # fmt: skip
-    sent_s, first_s, out = time.monotonic(), None, []
+    sent_s, first_s = time.monotonic(), None
+    out: list[int] = []
     async for chunk in client.stream(request, timeout_s=REQUEST_TIMEOUT_S):
         if chunk.token_ids and first_s is None:
             first_s = time.monotonic()
