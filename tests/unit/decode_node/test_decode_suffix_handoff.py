@@ -7,6 +7,7 @@ held blocks survive a pool squeezed between the reservation and the KV's arrival
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tests.unit.decode_node.node_harness import (
     RPC_TIMEOUT_S,
     Nodes,
     decode_request,
+    engine_config,
     prompt,
     read_chunks,
     read_prefill,
@@ -244,5 +246,29 @@ def test_the_held_prefix_is_the_requests_own_tenants() -> None:
                 )  # fmt: skip
                 await read_prefill(prefill)
                 assert tokens_of(await read_chunks(call)) == cold_tokens(turn_2)
+
+    run(main())
+
+
+def test_a_held_prefix_from_the_host_tier() -> None:
+    """The decode node's device pool is too small to keep turn 1 between turns; its host tier
+    keeps it: turn 2's reservation promotes the prefix (held like any hit), receives only the
+    rest, decodes the cold tokens; both tiers pass the leak check."""
+    decode_engine = engine_config(prefill_only=False, num_blocks=40)
+    cache = dataclasses.replace(decode_engine.cache, kv_offload_memory=1 << 20)
+    decode_engine = dataclasses.replace(decode_engine, cache=cache)
+
+    async def main() -> None:
+        async with running_nodes("tcp", decode_engine=decode_engine) as nodes:
+            answer = await run_local(nodes, "turn-1", TURN_1)
+            for i in range(3):  # other prompts take the whole device pool meanwhile
+                await run_local(nodes, f"other-{i}", prompt(120, seed=40 + i))
+            core = nodes.decode.core
+            hits_before = core.stats().kv_offload.host_hit_tokens
+            turn_2 = TURN_1 + answer + NEW_TOKENS
+            second = await run_disaggregated(nodes, "turn-2", turn_2)
+            assert second.ticket.num_cached_blocks == (len(TURN_1) + len(answer) - 1) // BLOCK_SIZE
+            assert core.stats().kv_offload.host_hit_tokens > hits_before  # promoted
+            assert second.token_ids == cold_tokens(turn_2)
 
     run(main())
