@@ -255,6 +255,7 @@ class KVCacheManager:
             stats.query_tokens += request.prompt_len
             stats.hit_tokens += reserved.num_cached_blocks * self.block_size
             stats.host_hit_tokens += reserved.num_promoted_blocks * self.block_size
+        request.num_cached_tokens = reserved.num_cached_blocks * self.block_size
         if reserved.num_cached_blocks:
             self._num_hashed_blocks[request.request_id] = reserved.num_cached_blocks
 

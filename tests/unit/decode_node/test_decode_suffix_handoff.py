@@ -97,6 +97,7 @@ def test_a_second_turn_sends_only_its_new_blocks(tmp_path: Path) -> None:
                 len(second.ticket.dst_block_ids) == -(-(len(turn_2) + 1) // BLOCK_SIZE) - num_cached
             )
             assert second.transfer_result.num_bytes == layer_bytes(nodes, num_sent)
+            assert second.chunks[-1].num_cached_tokens == num_cached * BLOCK_SIZE
             full_1 = layer_bytes(nodes, -(-len(TURN_1) // BLOCK_SIZE))
             for role, direction in (("prefill", "sent"), ("decode", "received")):
                 moved = metric(nodes, role, "pdserve_node_kv_transfer_bytes_total",
@@ -270,5 +271,29 @@ def test_a_held_prefix_from_the_host_tier() -> None:
             assert second.ticket.num_cached_blocks == (len(TURN_1) + len(answer) - 1) // BLOCK_SIZE
             assert core.stats().kv_offload.host_hit_tokens > hits_before  # promoted
             assert second.token_ids == cold_tokens(turn_2)
+
+    run(main())
+
+
+def test_a_failed_suffix_hand_off_falls_back_to_a_local_prefill() -> None:
+    """The prefill node never comes (the router cancels the transfer): the decode node frees
+    the reservation (the held prefix goes back to its cache) and prefills locally, using that
+    prefix again: the cold tokens, nothing leaked (running_nodes checks both pools)."""
+
+    async def main() -> None:
+        async with running_nodes("tcp") as nodes:
+            answer = await run_local(nodes, "turn-1", TURN_1)
+            turn_2 = TURN_1 + answer + NEW_TOKENS
+            call = nodes.decode_stub.Decode(
+                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
+            )
+            ticket = await read_ticket(call)
+            assert ticket.num_cached_blocks > 0
+            cancel = node_pb2.CancelTransferRequest(transfer_id=ticket.transfer_id, reason="test")
+            assert (await nodes.decode_stub.CancelTransfer(cancel, timeout=RPC_TIMEOUT_S)).found
+            chunks = await read_chunks(call)
+            assert tokens_of(chunks) == cold_tokens(turn_2)
+            assert nodes.decode.traces["turn-2"].prefilled_locally
+            assert chunks[-1].num_cached_tokens == ticket.num_cached_blocks * BLOCK_SIZE
 
     run(main())
