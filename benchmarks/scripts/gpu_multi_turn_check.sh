@@ -4,7 +4,8 @@
 #       pd-bench turn-ttft on synthetic:llama3-8b bf16, 1P1D on this GPU with a cluster secret:
 #       a turn adding 512 tokens to an 8K-token conversation against a fresh 512-token prompt
 #       (target: TTFT ratio <= 1.3), and the turn's hand-off bytes (moved vs skipped);
-#       then tests/gpu (suffix hand-offs and the host tier run there as on CPU)
+#       then tests/gpu/test_suffix_handoff_gpu.py (a second turn moves only its new blocks,
+#       written in place and sent, cold tokens) and tests/gpu/test_kv_offload_gpu.py
 #   DRY_RUN=1 bash benchmarks/scripts/gpu_multi_turn_check.sh    the same on a CPU, small shapes
 #       (synthetic:smollm2-135m fp32, a 512-token context + 64; the ratio is not judged)
 #       PYTHON picks the interpreter (default python3)
@@ -28,7 +29,8 @@ echo "== pd-bench turn-ttft ${bench[*]}"
 bench_rc=${PIPESTATUS[0]}
 tests_rc=0
 if [ "${DRY_RUN:-0}" != 1 ]; then
-  "$py" -m pytest tests/gpu/test_kv_offload_gpu.py -q -p no:cacheprovider -o addopts="" -rs 2>&1 |
+  "$py" -m pytest tests/gpu/test_suffix_handoff_gpu.py tests/gpu/test_kv_offload_gpu.py -q \
+      -p no:cacheprovider -o addopts="" -rs 2>&1 |
     tee "$log_dir/multi_turn_gpu_tests.log" | tail -n 15
   tests_rc=${PIPESTATUS[0]}
 fi
