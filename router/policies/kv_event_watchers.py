@@ -92,6 +92,8 @@ class KVEventWatchers:
                 reason = f"{error.code().name}: {error.details()}"
             except (StreamBroken, IndexOverflow) as error:
                 reason = str(error)
+            except Exception as error:  # e.g. the node's channel closed: follow() ends us
+                reason = repr(error)
             self.index.forget(client.address)
             self.epochs.pop(client.address, None)
             logger.info("kv events of %s: %s; watching again in %.1f s", client.address,
