@@ -25,6 +25,7 @@ from pdserve.v1 import node_pb2, transfer_pb2
 logger = logging.getLogger(__name__)
 
 MAX_FINISHED_REMEMBERED = 4096  # finished receivers whose late handshakes are refused
+ALREADY_ENDED = "the receiver already ended: "  # how a refused ack to a late handshake begins
 
 
 class FinishedReceivers:
@@ -32,29 +33,34 @@ class FinishedReceivers:
         """`transport` carries the refusals; `auth`: the cluster secret, if any."""
         self._transport = transport
         self._auth = auth
-        # receiver transfer id -> (why it ended, its ticket)
-        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket]] = OrderedDict()
+        # receiver transfer id -> (why it ended, its ticket, its request's id)
+        self._finished: OrderedDict[str, tuple[str, node_pb2.TransferTicket, str]] = OrderedDict()
         self._refusals: set[asyncio.Task[None]] = set()
 
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._finished
 
-    def remember(self, transfer_id: str, why: str, ticket: node_pb2.TransferTicket) -> None:
-        self._finished[transfer_id] = (why, ticket)
+    def remember(
+        self, transfer_id: str, why: str, ticket: node_pb2.TransferTicket, log_id: str = ""
+    ) -> None:
+        self._finished[transfer_id] = (why, ticket, log_id)
         while len(self._finished) > MAX_FINISHED_REMEMBERED:
             self._finished.popitem(last=False)
 
     def refuse_handshake(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """Tell a sender whose receiver finished before its handshake (best effort)."""
-        why, ticket = self._finished[msg.transfer_id]
+        why, ticket, log_id = self._finished[msg.transfer_id]
+        tag = {"request_id": log_id} if log_id else None
         forged = check_handshake(self._auth, ticket, msg.handshake) if self._auth else None
         if forged is not None:  # with a secret, only a sender that proves it is answered
             logger.warning("ignored a late handshake from %s for transfer %s: %s",
-                           peer_id, msg.transfer_id, forged)  # fmt: skip
+                           peer_id, msg.transfer_id, forged, extra=tag)  # fmt: skip
             return
-        reason = f"the receiver already ended: {why}"
-        logger.warning("refused a handshake from %s for transfer %s: %s",
-                       peer_id, msg.transfer_id, reason)  # fmt: skip
+        reason = ALREADY_ENDED + why
+        # (the receiver logged why it ended; a cancelled one was nobody's failure)
+        level = logging.DEBUG if why.startswith("cancelled") else logging.INFO
+        logger.log(level, "refused a handshake from %s for transfer %s: %s",
+                   peer_id, msg.transfer_id, reason, extra=tag)  # fmt: skip
         address = msg.handshake.src_address
         if not address:
             return

@@ -1,14 +1,16 @@
 """`KVTransferManager`: one per node; one transport, every live KV hand-off keyed by transfer_id.
 
-    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s)
+    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s,
+                                                     max_ceiling_s=...)
                   send receiver.ticket() to the router; await receiver.wait(); free on FAILED
-    prefill node: sender = manager.create_sender(ticket, timeout_s)
-                  await sender.send_layer(...) per layer; await sender.send_first_token(...)
-                  await sender.wait(); release the blocks either way
+    prefill node: sender = manager.create_sender(ticket, timeout_s, ceiling_s=...)
+                  sender.beat(n) while the engine progresses; await sender.send_layer(...)
+                  per layer; await sender.send_first_token(...); await sender.wait();
+                  release the blocks either way
 
 Incoming messages are decoded once and routed to their session by transfer id and kind.
-Headers that do not decode, or name no live session, are refused and logged; no session is
-touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
+Headers that do not decode, or name no live session, are refused and logged (at DEBUG when
+they are late for a session that ended here: a race, not an attack); no session is touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
 finished already (e.g. it was not started in time, or cancelled) is answered with a refused
 ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
 manager owns).
@@ -78,6 +80,7 @@ class KVTransferManager:
         self.num_bytes_skipped = 0
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
+        self.transport_caveat = transport.caveat  # for the node's start-up warning
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
@@ -120,55 +123,44 @@ class KVTransferManager:
         num_tokens: int,
         timeout_s: float,
         transfer_id: str | None = None,
-        start_timeout_s: float | None = None,
+        max_ceiling_s: float | None = None,
+        log_id: str = "",
         num_cached_blocks: int = 0,
     ) -> KVReceiver:
-        """A session receiving `num_tokens` tokens of KV into blocks reserved for it (its
-        deadline from the sender's handshake, given `start_timeout_s`); the prompt's first
-        `num_cached_blocks` blocks are held here already and not sent (`KVSuffix`)."""
+        """A session receiving `num_tokens` tokens of KV into blocks reserved for it: it fails
+        after `timeout_s` without progress, or at the sender's ceiling (at most
+        `max_ceiling_s`, default `timeout_s`). The prompt's first `num_cached_blocks` blocks
+        are held here already and not sent (`KVSuffix`). `log_id`: the request id its log
+        lines carry."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
         self._check_new(transfer_id)
         receiver = KVReceiver(
-            self._transport,
-            self._staging,
-            self.layout,
-            self._kv_caches,
-            transfer_id,
-            dst_block_ids,
-            num_tokens,
-            timeout_s,
-            auth=self.auth,
-            start_timeout_s=start_timeout_s,
-            pool_export=self._pool_export,
-            kv_device=self._kv_device_name,
+            self._transport, self._staging, self.layout, self._kv_caches, transfer_id,
+            dst_block_ids, num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
+            pool_export=self._pool_export, kv_device=self._kv_device_name, log_id=log_id,
             num_cached_blocks=num_cached_blocks,
-        )
+        )  # fmt: skip
         return self._register(receiver, self._receivers)
 
     def create_sender(
         self,
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
+        log_id: str = "",
     ) -> KVSender:
         """A session sending to the receiver that issued `ticket` (FAILED at once, and the
-        receiver told, when the ticket does not match this node's layout); given
-        `start_timeout_s`, it handshakes and its deadline runs from `start()`."""
+        receiver told, when the ticket does not match this node's layout); it handshakes at
+        once, fails after `timeout_s` without progress or at `ceiling_s` (default
+        `timeout_s`) from now."""
         self._check_new(ticket.transfer_id)
         sender = KVSender(
-            self._transport,
-            self._staging,
-            self.layout,
-            ticket,
-            timeout_s,
-            auth=self.auth,
-            start_timeout_s=start_timeout_s,
-            sharing=self._sharing,
-            kv_device=self._sender_kv_device,
-            device=self._kv_device,
-        )
+            self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth,
+            ceiling_s=ceiling_s, sharing=self._sharing, kv_device=self._sender_kv_device,
+            device=self._kv_device, log_id=log_id,
+        )  # fmt: skip
         return self._register(sender, self._senders)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
@@ -177,10 +169,16 @@ class KVTransferManager:
     def abort(self, transfer_id: str, reason: str) -> bool:
         """Fail a live transfer and tell its peer; False when none has that id."""
         session = self.get(transfer_id)
-        if session is None:
-            return False
-        session.abort(reason)
-        return True
+        if session is not None:
+            session.abort(reason)
+        return session is not None
+
+    def cancel(self, transfer_id: str, reason: str) -> bool:
+        """`abort`, for a transfer nobody needs any more (logged at DEBUG)."""
+        session = self.get(transfer_id)
+        if session is not None:
+            session.cancel(reason)
+        return session is not None
 
     def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor | None:
         """TransportHandler: where a payload may land (only a receiver's accepted layer)."""
@@ -237,20 +235,26 @@ class KVTransferManager:
         if session is None and kind == "result" and msg.result.writes_drained:
             session = self._quarantined.get(msg.transfer_id)
         if session is None:
-            stray = self.get(msg.transfer_id)
-            if stray is not None:
-                stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
-            elif kind == "handshake" and msg.transfer_id in self._finished:
-                self._finished.refuse_handshake(peer_id, msg)
-            else:
-                logger.warning(
-                    "refused a %s message from %s: no live transfer %r",
-                    kind,
-                    peer_id,
-                    msg.transfer_id,
-                )
+            self._refuse_stray(peer_id, msg)
             return None
         return session, msg
+
+    def _refuse_stray(self, peer_id: str, msg: protocol.TransferMessage) -> None:
+        """A message for no live session of its kind: the session it names fails (it came to
+        the wrong side), a late handshake is answered, the rest is dropped (logged)."""
+        kind = protocol.kind_of(msg)
+        stray = self.get(msg.transfer_id)
+        if stray is not None:
+            stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
+        elif kind == "handshake" and msg.transfer_id in self._finished:
+            self._finished.refuse_handshake(peer_id, msg)
+        else:
+            # late for a session that ended here (a race: e.g. the request finished while a
+            # result, an ack or a layer was on its way), or for none at all
+            late = kind in protocol.TO_SENDER_KINDS or msg.transfer_id in self._finished
+            level = logging.DEBUG if late else logging.WARNING
+            logger.log(level, "refused a %s message from %s: no live transfer %r", kind,
+                       peer_id, msg.transfer_id)  # fmt: skip
 
     def _check_new(self, transfer_id: str) -> None:
         if self.get(transfer_id) is not None:
@@ -271,7 +275,7 @@ class KVTransferManager:
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished.remember(session.transfer_id, why, session.ticket())
+            self._finished.remember(session.transfer_id, why, session.ticket(), session.log_id)
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""

@@ -20,10 +20,11 @@ MessageBody = (
     | transfer_pb2.LayerManifest
     | transfer_pb2.FirstToken
     | transfer_pb2.TransferResult
+    | transfer_pb2.Progress
 )
 
 # Which end of a transfer reads each kind ("result" travels both ways).
-TO_RECEIVER_KINDS = frozenset({"handshake", "layer_manifest", "first_token", "result"})
+TO_RECEIVER_KINDS = frozenset({"handshake", "progress", "layer_manifest", "first_token", "result"})
 TO_SENDER_KINDS = frozenset({"handshake_ack", "result"})
 KINDS = TO_RECEIVER_KINDS | TO_SENDER_KINDS
 

@@ -1,11 +1,14 @@
 """`KVReceiver`: the decode side of one KV hand-off.
 
     created (blocks reserved) ── ticket() ──► router ──► prefill node
-    BOOTSTRAPPING ── handshake ok (starts the deadline, given start_timeout_s) ──► WAITING
+    BOOTSTRAPPING ── handshake ok (the ceiling: the sender's, up to max_ceiling_s) ──► WAITING
+                  ── progress ... (P queued or computing: the no-progress timer starts over;
+                     the first with computed tokens marks the start)
                   ── layer lands ──► TRANSFERRING
                   ── every layer complete + first token ──► SUCCESS (result ok sent to P)
-    any refused message, the deadline, P's failed result, or a connection lost mid-layer
-    ──► FAILED (blocks untouched since; the node frees them once wait() returns)
+    any refused message, no progress for timeout_s, the ceiling, P's failed result, or a
+    connection lost mid-layer ──► FAILED (blocks untouched since; the node frees them once
+    wait() returns)
     add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
 Every message is checked before its payload lands (receiver_checks.py: every check, in the
@@ -13,7 +16,7 @@ order they run); payloads land only in this session's own `dst_block_ids`. A sen
 GPU may be granted writes in place (`InPlaceGrant`: `writes_settled` says when the blocks may
 be reused). A retried sender may take a waiting session over (`takeover_allowed`): the layers
 start over (the same blocks, overwritten), the first sender is heard no more, and the
-deadline stays the first handshake's.
+ceiling stays the first handshake's.
 """
 
 from __future__ import annotations
@@ -57,26 +60,28 @@ class KVReceiver(TransferSession):
         num_tokens: int,
         timeout_s: float,
         auth: ClusterAuth | None = None,
-        start_timeout_s: float | None = None,
+        max_ceiling_s: float | None = None,
         pool_export: transfer_pb2.KVPoolExport | None = None,
         kv_device: str | None = None,
+        log_id: str = "",
         num_cached_blocks: int = 0,
     ) -> None:
         """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
         block_size) - `num_cached_blocks` receive the KV: the prompt's first
         `num_cached_blocks` blocks are held here already, `KVSuffix`, and not sent).
-        `pool_export`: grant writes in place to a sender on
-        `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is signed and
-        only a handshake proving the secret is heard. With `start_timeout_s` the handshake
-        must come within it, and `timeout_s` counts from the handshake."""
+        `timeout_s`: the no-progress timeout; the ceiling is the sender's (its handshake's
+        timeout_s), at most `max_ceiling_s` (default `timeout_s`) from the handshake.
+        `pool_export`: grant writes in place to a sender on `kv_device` (default: the caches',
+        kv_device_id). With `auth` the ticket is signed and only a handshake proving the
+        secret is heard."""
         self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
         check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
-        super().__init__(transport, transfer_id, timeout_s, start_timeout_s)
-        self.layout = layout
-        self.dst_block_ids = list(dst_block_ids)
-        self.num_tokens = num_tokens
+        self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
+        super().__init__(transport, transfer_id, timeout_s, self.max_ceiling_s, log_id)
+        self.layout, self.dst_block_ids, self.num_tokens = layout, list(dst_block_ids), num_tokens
         self.num_blocks = self.suffix.num_blocks  # blocks per layer the KV fills
         self.first_token: transfer_pb2.FirstToken | None = None
+        self.num_computed_tokens = 0  # of the prompt, as the sender's last progress said
         self.num_bytes_received = 0
         # KV bytes of the prompt not sent: held here already
         self.num_bytes_skipped = layout.layer_bytes(num_cached_blocks) * layout.num_layers
@@ -96,7 +101,7 @@ class KVReceiver(TransferSession):
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
             layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
         )  # fmt: skip
-        self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device)
+        self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         # set once no write of the sender can land any more: the blocks may be reused
         self.writes_settled = self._in_place.writes_settled
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))
@@ -128,6 +133,7 @@ class KVReceiver(TransferSession):
             self.fail(refusal.error)
             return None
         self._recv_seq += 1
+        self.touch()
         manifest = msg.layer_manifest
         self.layer_token_end[manifest.layer_idx] = manifest.token_end
         self.num_landing += 1
@@ -149,6 +155,7 @@ class KVReceiver(TransferSession):
         refusal = checks.refusal(self, peer_id, msg, None)
         if refusal is None:
             self._recv_seq += 1
+            self.touch()
         if kind == "handshake" and (refusal is None or refusal.of_handshake):
             self._on_handshake(peer_id, msg.handshake, refusal)
         elif refusal is not None:
@@ -168,37 +175,43 @@ class KVReceiver(TransferSession):
         neither feeds nor fails the session."""
         unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg)
         if unproven is not None:
-            logger.warning("receiver %s: ignored a message from %s: %s",
-                           self.transfer_id, peer_id, unproven)  # fmt: skip
+            self.log(logging.WARNING, "receiver %s: ignored a message from %s: %s",
+                     self.transfer_id, peer_id, unproven)  # fmt: skip
             return False
         superseded = checks.superseded_sender(self, peer_id, msg)
         if superseded is not None:
-            logger.info("receiver %s: dropped %s", self.transfer_id, superseded)
+            self.log(logging.INFO, "receiver %s: dropped %s", self.transfer_id, superseded)
             return False
         return True
 
     def _act_on(self, peer_id: str, msg: TransferMessage) -> None:
         """A header-only message the checks accepted (other than a handshake)."""
         kind = kind_of(msg)
-        if kind == "layer_manifest":
+        if kind == "progress":
+            self.num_computed_tokens = msg.progress.num_computed_tokens
+            if self.num_computed_tokens:
+                self.start()
+        elif kind == "layer_manifest":
             self._land_in_place(msg.layer_manifest)
         elif kind == "first_token":
             self.first_token = msg.first_token
             self._maybe_succeed()
-        else:  # a failed result (a successful one is refused)
-            self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False)
+        else:  # a failed result (a successful one is refused); the sender logged why
+            self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False,
+                      level=logging.INFO)  # fmt: skip
             if msg.result.writes_drained:
                 self._in_place.on_drained(peer_id, self.sender_id)
 
     def _drop_sender(self, peer_id: str) -> None:
         """Forget the sender `peer_id` replaces: its later messages are dropped, the layers
         received so far will be sent again (the blocks are simply overwritten)."""
-        logger.warning("receiver %s: %s takes over from %s (a prefill retry); the layers start "
-                       "over", self.transfer_id, peer_id, self.sender_id)  # fmt: skip
+        self.log(logging.WARNING, "receiver %s: %s takes over from %s (a prefill retry); the "
+                 "layers start over", self.transfer_id, peer_id, self.sender_id)  # fmt: skip
         assert self.sender_id is not None
         self.superseded.add(self.sender_id)
         self.sender_id = None
         self.layer_token_end = [self.suffix.cached_tokens] * self.layout.num_layers
+        self.num_computed_tokens = 0
         self._send_seq = self._recv_seq = 0
 
     def _on_handshake(
@@ -207,8 +220,8 @@ class KVReceiver(TransferSession):
         handshake: transfer_pb2.TransferHandshake,
         refusal: checks.Refusal | None,
     ) -> None:
-        """Answer it: refused (the session fails), or accepted (the deadline starts; writes in
-        place are granted if asked for from this GPU)."""
+        """Answer it: refused (the session fails), or accepted (the ceiling is the sender's, up
+        to ours; writes in place are granted if asked for from this GPU)."""
         self.sender_id = peer_id
         self._peer_address = handshake.src_address or None
         ack = transfer_pb2.HandshakeAck(accepted=refusal is None, protocol_version=PROTOCOL_VERSION)
@@ -218,7 +231,9 @@ class KVReceiver(TransferSession):
             if self._peer_address is not None:
                 self.spawn(self._notify(handshake_ack=ack))
             return
-        self.start()
+        if self.state == TransferState.BOOTSTRAPPING and handshake.timeout_s > 0:
+            # the sender's ceiling, up to ours (a takeover's handshake does not move it)
+            self.set_ceiling(min(handshake.timeout_s, self.max_ceiling_s))
         self._advance(TransferState.WAITING)
         self._in_place.grant(handshake, ack)
         self.spawn(self._send(handshake_ack=ack))
@@ -250,6 +265,7 @@ class KVReceiver(TransferSession):
     def _landed(self, manifest: transfer_pb2.LayerManifest, layer_ids: list[int]) -> None:
         """Layers are in our blocks (unpacked here, or written by the sender)."""
         self.num_bytes_received += manifest.num_bytes * len(layer_ids)
+        self.start()  # (unless progress said so first)
         self._advance(TransferState.TRANSFERRING)
         for layer_idx in layer_ids:
             for callback in self._layer_callbacks:

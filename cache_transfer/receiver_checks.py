@@ -14,6 +14,7 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
        by kind:
        handshake            handshake_refusal: version, layout, layers, tokens, blocks (and
                             those held here: the suffix), address
+       progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
        first_token          first_token_refusal: once, after every layer is complete
@@ -59,6 +60,8 @@ class ReceiverView(Protocol):
     def layer_token_end(self) -> Sequence[int]: ...  # tokens of each layer accepted so far
     @property
     def num_landing(self) -> int: ...  # payloads accepted whose bytes have not landed yet
+    @property
+    def num_computed_tokens(self) -> int: ...  # as the sender's last progress said
     @property
     def first_token(self) -> transfer_pb2.FirstToken | None: ...
     @property
@@ -123,6 +126,8 @@ def refusal(
         reason = payload_refusal(r, msg, payload_bytes)
     elif reason is None and kind == "layer_manifest":
         reason = written_layers_refusal(r, msg.layer_manifest)
+    elif reason is None and kind == "progress":
+        reason = progress_refusal(r, msg.progress)
     elif reason is None and kind == "handshake":
         reason = handshake_refusal(r, msg.handshake)
         if reason is not None:
@@ -168,6 +173,19 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
             return f"{field} is {got!r}, this receiver expects {want!r}"
     if not handshake.src_address:
         return "no src_address to reply to"
+    return None
+
+
+def progress_refusal(r: ReceiverView, progress: transfer_pb2.Progress) -> str | None:
+    """The sender's engine progressed: its computed tokens of the prompt only grow, up to the
+    prompt's length, and none come after the first token."""
+    if r.first_token is not None:
+        return "progress after the first token"
+    if not r.num_computed_tokens <= progress.num_computed_tokens <= r.num_tokens:
+        return (
+            f"progress of {progress.num_computed_tokens} computed tokens after "
+            f"{r.num_computed_tokens}, of a {r.num_tokens}-token prompt"
+        )
     return None
 
 

@@ -1,13 +1,16 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── start() ── handshake ──► BOOTSTRAPPING ── ack ──► WAITING
-    (started at creation unless given start_timeout_s: a prefill node starts it, and the
-    transfer's deadline, when the engine starts the prefill)
+    created from the ticket ── handshake (at once: queued or computing) ──► BOOTSTRAPPING
+        ── ack ──► WAITING
+    beat(n) while the prefill node's engine makes progress (queued behind other prompts, or
+    computing this one): a Progress message when nothing else went out for beat_interval_s
+    start() when the engine starts this prefill (marks elapsed_s)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
     for layers the caller packed (several layers: one message)
         ──► TRANSFERRING ── send_first_token() ── result ok ──► SUCCESS
-    refused handshake, the deadline, a transport error, abort(), or a failed result ──► FAILED
+    refused handshake, no progress for timeout_s, the ceiling, a transport error, abort() /
+    cancel(), or a failed result ──► FAILED
 
 Layers wait for the handshake's ack before they are packed (a refused layout costs no
 bandwidth; `LayerSpans` turns them into manifests). Writes in place: a receiver on our own GPU
@@ -18,10 +21,12 @@ that grants it gets each layer written into its blocks by us, then a manifest wi
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from cache_transfer.finished_receivers import ALREADY_ENDED
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
@@ -38,6 +43,8 @@ from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
 
+MAX_BEAT_INTERVAL_S = 5.0  # a sender whose node progresses says so at least this often
+
 
 class KVSender(TransferSession):
     role = "sender"
@@ -50,17 +57,18 @@ class KVSender(TransferSession):
         ticket: node_pb2.TransferTicket,
         timeout_s: float,
         auth: ClusterAuth | None = None,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
+        log_id: str = "",
     ) -> None:
-        """`sharing`, `kv_device`, `device`: write in place (see above) into a receiver on
-        `kv_device` (this node's cache's, as tickets name it), mapping its pool on `device`.
-        With `auth`, a ticket whose signature does not verify fails the session at once and
-        nobody is contacted (its dst_address may be anyone's); the handshake proves the secret.
-        The handshake goes out at the start (TransferSession)."""
-        super().__init__(transport, ticket.transfer_id, timeout_s, start_timeout_s)
+        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
+        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
+        into a receiver on `kv_device` (our cache's, as tickets name it), mapping its pool on
+        `device`. With `auth`, a ticket whose signature does not verify fails the session at
+        once, nobody contacted (its dst_address may be anyone's)."""
+        super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
         self._auth = auth
         self._ticket = ticket
         self.layout = layout
@@ -74,9 +82,11 @@ class KVSender(TransferSession):
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
-        # layer sends whose messages the transport has not numbered yet (send_first_token
-        # goes right behind them: the transport keeps that order, so it need not wait for them
-        # to complete)
+        self._last_sent_s = self._loop.time()
+        # silent at most this long while the node progresses (receivers time out at timeout_s)
+        self.beat_interval_s = min(timeout_s / 4, MAX_BEAT_INTERVAL_S)
+        # layer sends the transport has not numbered yet (send_first_token goes right behind
+        # them: the transport keeps that order, so it need not wait for them to complete)
         self._unsubmitted: set[asyncio.Future[None]] = set()
         self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
@@ -86,7 +96,7 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {forged}", notify_peer=False)
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
-        elif self.started:
+        else:
             self.spawn(self._handshake())
 
     @property
@@ -116,8 +126,28 @@ class KVSender(TransferSession):
         (any thread); report such layers with `send_written_layers`."""
         return self._in_place.writer
 
-    def _on_start(self) -> None:
-        self.spawn(self._handshake())
+    def beat(self, num_computed_tokens: int) -> None:
+        """This node's engine made progress (`num_computed_tokens` of this prompt are
+        computed; 0: it is still queued): tell the receiver, unless a message went out within
+        `beat_interval_s`. A no-op until acked, and from the first token on."""
+        if (
+            self.finished
+            or self.state < TransferState.WAITING
+            or self._first_token_sent
+            or self._loop.time() - self._last_sent_s < self.beat_interval_s
+        ):
+            return
+        self._last_sent_s = self._loop.time()  # (one beat in flight at a time)
+        self.spawn(self._send_progress(num_computed_tokens))
+
+    async def _send_progress(self, num_computed_tokens: int) -> None:
+        if not self.finished and not self._first_token_sent:  # numbered before the token
+            progress = transfer_pb2.Progress(num_computed_tokens=num_computed_tokens)
+            await self._send(progress=progress)
+
+    def _on_sending(self) -> None:
+        self._last_sent_s = self._loop.time()
+        self.touch()
 
     async def send_layer(
         self,
@@ -182,9 +212,8 @@ class KVSender(TransferSession):
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
     ) -> None:
-        """Send the sampled first token, after every layer's KV: once every layer's message is
-        handed to the transport (which delivers in that order), not once it is sent. A no-op
-        once finished."""
+        """Send the sampled first token once every layer's message is handed to the transport
+        (which delivers in that order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -207,20 +236,21 @@ class KVSender(TransferSession):
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
             self._on_ack(msg.handshake_ack)
-        elif not msg.result.ok:
-            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False)
+        elif not msg.result.ok:  # (the receiver logged why)
+            self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False,
+                      level=logging.INFO)  # fmt: skip
         elif not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
         else:
             self._succeed()
 
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
+    def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
         """As any session; granted writes in place, the receiver hears only once every write
         this sender launched is done (writes_drained), whoever ended the transfer."""
         if self.finished or not self._in_place.granted:
-            super().fail(reason, notify_peer=notify_peer)
+            super().fail(reason, notify_peer=notify_peer, level=level)
             return
-        super().fail(reason, notify_peer=False)
+        super().fail(reason, notify_peer=False, level=level)
         if self._peer_address is not None:
             self.spawn(self._drain_then_notify(reason))
 
@@ -299,7 +329,7 @@ class KVSender(TransferSession):
     async def _handshake(self) -> None:
         handshake = handshake_for(
             self._ticket, self.layout, self._transport.address, self._auth,
-            self._in_place.kv_device, self.may_write_in_place, self.timeout_s,
+            self._in_place.kv_device, self.may_write_in_place, self.remaining_s,
         )  # fmt: skip
         await self._send(handshake=handshake)
 
@@ -315,13 +345,16 @@ class KVSender(TransferSession):
     def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
         if self._handshake_resolved.is_set():
             self.fail("refused a second handshake ack")
-        elif not ack.accepted:
-            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False)
+        elif not ack.accepted:  # (a receiver that ended already logged why: INFO here)
+            level = logging.INFO if ack.reason.startswith(ALREADY_ENDED) else logging.WARNING
+            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False,
+                      level=level)  # fmt: skip
         else:
             refused = self._in_place.take_grant(ack.pool) if ack.HasField("pool") else None
             if refused is not None:
                 self.fail(refused)
                 return
+            self.touch()
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
 

@@ -1,15 +1,22 @@
 """`TransferSession`: what the sender and receiver of one KV hand-off share.
 
     BOOTSTRAPPING ─► WAITING ─► TRANSFERRING ─► SUCCESS
-          └────────────┴─────────────┴────────► FAILED  (refusal, deadline, abort, lost peer)
+          └────────────┴─────────────┴────────► FAILED  (refusal, no progress, ceiling, abort,
+                                                         cancel, lost peer)
 
-A deadline timer fails the session if it has not finished `timeout_s` after it started,
-whether or not anyone waits on it. A session starts at creation, or, given `start_timeout_s`,
-at `start()` (a prefill node starts its sender when the engine starts the prefill; a receiver
-starts at the sender's handshake): the time a request queues before that is not the
-transfer's, and is bounded by `start_timeout_s` instead. Outgoing messages carry this side's
-sequence numbers; incoming ones must carry the peer's next number, so a lost, repeated or
-injected message fails the transfer.
+Two timers end a session that does not finish, whether or not anyone waits on it:
+
+- no progress: `timeout_s` without a message moving (`touch()`: the receiver's accepted
+  messages; the sender's sends and the ack). A prefill node that keeps computing (this prompt,
+  or the prompts queued ahead of it) says so (`Progress` messages), so a long prompt or a
+  backlog never fails a hand-off; a stalled one fails within `timeout_s`.
+- the ceiling: `ceiling_s` from the session's creation (`set_ceiling` moves it), however it
+  progresses: what bounds a peer that keeps saying it progresses.
+
+`start()` marks when the prefill started (`elapsed_s`: the hand-off's own time, not the
+queue's). Outgoing messages carry this side's sequence numbers; incoming ones must carry the
+peer's next number, so a lost, repeated or injected message fails the transfer. Log lines carry
+the request's id (`log_id`).
 """
 
 from __future__ import annotations
@@ -43,18 +50,21 @@ class TransferSession:
         transport: KVTransport,
         transfer_id: str,
         timeout_s: float,
-        start_timeout_s: float | None = None,
+        ceiling_s: float | None = None,
+        log_id: str = "",
     ) -> None:
-        """`timeout_s`: from the start to SUCCESS; `start_timeout_s` (None: started at once):
-        the longest the session waits for `start()`."""
+        """`timeout_s`: the no-progress timeout; `ceiling_s` (default `timeout_s`): the longest
+        the session may take from now; `log_id`: the request id its log lines carry."""
         if not transfer_id:
             raise ValueError("transfer_id must be a non-empty string")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if start_timeout_s is not None and not start_timeout_s > 0:
-            raise ValueError(f"start_timeout_s must be > 0 or None, got {start_timeout_s}")
+        ceiling_s = timeout_s if ceiling_s is None else ceiling_s
+        if not ceiling_s > 0:
+            raise ValueError(f"ceiling_s must be > 0, got {ceiling_s}")
         self.transfer_id = transfer_id
         self.timeout_s = timeout_s
+        self.log_id = log_id
         self.state = TransferState.BOOTSTRAPPING
         self.error: str | None = None
         self._transport = transport
@@ -62,14 +72,15 @@ class TransferSession:
         self._send_seq = 0
         self._recv_seq = 0
         self._loop = asyncio.get_running_loop()
-        self._start_s = self._loop.time()
+        now = self._loop.time()
+        self._start_s = now
+        self.started = False
         self._done = asyncio.Event()
-        self.started = start_timeout_s is None
-        if start_timeout_s is None:
-            self._timer = self._loop.call_later(timeout_s, self._on_deadline)
-        else:
-            self._timer = self._loop.call_later(start_timeout_s, self._on_start_deadline)
-            self._start_timeout_s = start_timeout_s
+        self._last_progress_s = now
+        self._idle_timer = self._loop.call_later(timeout_s, self._on_idle_timer)
+        self.ceiling_s = ceiling_s
+        self._ceiling_at = now + ceiling_s
+        self._ceiling_timer = self._loop.call_later(ceiling_s, self._on_ceiling)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finish_callbacks: list[Callable[[TransferSession], None]] = []
 
@@ -84,8 +95,8 @@ class TransferSession:
 
     @property
     def remaining_s(self) -> float:
-        """Of the deadline (all of `timeout_s` until the start)."""
-        return max(0.0, self.timeout_s - self.elapsed_s)
+        """Until the ceiling."""
+        return max(0.0, self._ceiling_at - self._loop.time())
 
     @property
     def expected_seq(self) -> int:
@@ -93,17 +104,23 @@ class TransferSession:
         return self._recv_seq
 
     def start(self) -> None:
-        """Start the transfer's deadline now (a no-op once started or finished)."""
-        if self.started or self.finished:
-            return
-        self.started = True
-        self._start_s = self._loop.time()
-        self._timer.cancel()
-        self._timer = self._loop.call_later(self.timeout_s, self._on_deadline)
-        self._on_start()
+        """Mark the prefill's start (`elapsed_s` counts from it); a no-op once started."""
+        if not self.started and not self.finished:
+            self.started = True
+            self._start_s = self._loop.time()
 
-    def _on_start(self) -> None:
-        """What a role does when its session starts (the sender sends its handshake)."""
+    def touch(self) -> None:
+        """Progress: the no-progress timer starts over."""
+        self._last_progress_s = self._loop.time()
+
+    def set_ceiling(self, ceiling_s: float) -> None:
+        """The session ends at most `ceiling_s` from now (no-op once finished)."""
+        if self.finished:
+            return
+        self.ceiling_s = ceiling_s
+        self._ceiling_at = self._loop.time() + ceiling_s
+        self._ceiling_timer.cancel()
+        self._ceiling_timer = self._loop.call_later(ceiling_s, self._on_ceiling)
 
     def add_finish_callback(self, callback: Callable[[TransferSession], None]) -> None:
         """Call `callback(self)` once, when the session reaches SUCCESS or FAILED."""
@@ -122,20 +139,31 @@ class TransferSession:
         return self.state
 
     def abort(self, reason: str) -> None:
-        """End the session as FAILED and tell the peer (no-op once finished)."""
+        """End the session as FAILED and tell the peer (no-op once finished): a failure, logged
+        as one (WARNING)."""
         self.fail(f"aborted: {reason}")
 
-    def fail(self, reason: str, *, notify_peer: bool = True) -> None:
-        """Mark FAILED (logged) and, unless the peer ended it, send it a failed result."""
+    def cancel(self, reason: str) -> None:
+        """End the session as FAILED and tell the peer because nobody needs it any more (the
+        request finished or was cancelled): logged at DEBUG."""
+        self.fail(f"cancelled: {reason}", level=logging.DEBUG)
+
+    def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
+        """Mark FAILED (logged at `level`) and, unless the peer ended it, send it a failed
+        result."""
         if self.finished:
             return
         self.state = TransferState.FAILED
         self.error = reason
-        logger.warning("%s %s failed: %s", self.role, self.transfer_id, reason)
+        self.log(level, "%s %s failed: %s", self.role, self.transfer_id, reason)
         if notify_peer and self._peer_address is not None:
             result = transfer_pb2.TransferResult(ok=False, error=reason)
             self.spawn(self._notify(result=result))
         self._finish()
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        """A log line about this session, tagged with its request's id."""
+        logger.log(level, msg, *args, extra={"request_id": self.log_id} if self.log_id else None)
 
     async def settle(self, timeout_s: float) -> None:
         """Give background sends (results, failure notices) `timeout_s` to finish; cancel the
@@ -161,16 +189,25 @@ class TransferSession:
             self._finish()
 
     def _finish(self) -> None:
-        self._timer.cancel()
+        self._idle_timer.cancel()
+        self._ceiling_timer.cancel()
         self._done.set()
         for callback in self._finish_callbacks:
             callback(self)
 
-    def _on_deadline(self) -> None:
-        self.fail(f"timed out after {self.timeout_s:.3g}s in state {self.state.name}")
+    def _on_idle_timer(self) -> None:
+        """Re-armed for what is left while progress came since (no timer churn per message)."""
+        left_s = self._last_progress_s + self.timeout_s - self._loop.time()
+        if left_s > 0:
+            self._idle_timer = self._loop.call_later(left_s, self._on_idle_timer)
+            return
+        self.fail(f"timed out: no progress for {self.timeout_s:.3g}s (in state {self.state.name})")
 
-    def _on_start_deadline(self) -> None:
-        self.fail(f"not started within {self._start_timeout_s:.3g}s (queued too long)")
+    def _on_ceiling(self) -> None:
+        self.fail(
+            f"timed out: not done within its ceiling of {self.ceiling_s:.3g}s (in state "
+            f"{self.state.name})"
+        )
 
     def _check_envelope(self, msg: TransferMessage) -> str | None:
         """Why an incoming message is out of sequence, or None (and count it)."""
@@ -199,6 +236,7 @@ class TransferSession:
             self._send_seq += 1
         if submitted is not None and not submitted.done():
             submitted.set_result(None)
+        self._on_sending()
         if len(encoded) == 1:
             sending = self._transport.send(self._peer_address, *encoded[0])
         else:
@@ -206,10 +244,12 @@ class TransferSession:
         try:
             # Not wait_for: on 3.11 it runs `sending` as a task of its own, a loop iteration
             # later, so a caller that goes on packing the next layer holds this one back.
-            if self.remaining_s <= 0:
+            # one send that takes longer than the no-progress timeout is no progress either
+            bound_s = min(self.remaining_s, self.timeout_s)
+            if bound_s <= 0:
                 sending.close()
                 raise TimeoutError
-            async with asyncio.timeout(self.remaining_s):
+            async with asyncio.timeout(bound_s):
                 await sending
         except TimeoutError:
             self.fail(f"send to {self._peer_address} timed out", notify_peer=False)
@@ -218,6 +258,9 @@ class TransferSession:
             self.fail(f"send to {self._peer_address} failed: {e}", notify_peer=False)
             return False
         return True
+
+    def _on_sending(self) -> None:
+        """Messages are going out (numbered): what a role counts as its progress."""
 
     async def _notify(self, **kind: MessageBody) -> None:
         """Best-effort message once the session is finished (its deadline no longer applies)."""
@@ -229,4 +272,5 @@ class TransferSession:
                 self._transport.send(self._peer_address, header), NOTIFY_TIMEOUT_S
             )
         except (TimeoutError, TransportError) as e:
-            logger.info("%s %s: could not tell the peer (%s)", self.role, self.transfer_id, e)
+            self.log(logging.INFO, "%s %s: could not tell the peer (%s)", self.role,
+                     self.transfer_id, e)  # fmt: skip

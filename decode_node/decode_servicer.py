@@ -5,8 +5,9 @@ Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's shar
     ──► reserve ceil((prompt + 1) / block) blocks, the prompt's cached prefix first (its
         blocks held, not sent: the ticket's num_cached_blocks, KVSuffix) ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
-        the prefill node's handshake within transfer_timeout_s (it handshakes when its
-        prefill starts), then transfer_timeout_s from the handshake
+        it fails after transfer_timeout_s without progress (the prefill node handshakes once
+        it has the ticket, then reports progress while it computes this prompt or those
+        queued ahead of it), or at the prefill node's ceiling (at most --max-handoff-s)
         SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
                     (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
@@ -78,6 +79,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             config.max_queued_requests, config.queue_timeout_s,
         )  # fmt: skip
         self._block_size = node.layout.block_size
+        self._max_handoff_s = config.max_handoff_s
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
         # reserve (and receive) only what the prefix cache lacks (KVSuffix)
         self._suffix = config.suffix_handoff and node.core.config.cache.enable_prefix_caching
@@ -124,7 +126,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
         reason = request.reason or "no reason given"
-        found = self._manager.abort(request.transfer_id, f"cancelled by the router ({reason})")
+        found = self._manager.cancel(request.transfer_id, f"by the router ({reason})")
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
@@ -136,7 +138,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             return await self._engine.abort(request_id)
         job.aborted = True
         if job.receiver is not None:
-            job.receiver.abort("the request was aborted")
+            job.receiver.cancel("the request was aborted")
         self._engine.abort_nowait(request_id)  # frees a reservation too
         return True
 
@@ -192,11 +194,11 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
         receiver = self._manager.create_receiver(
             job.block_ids[num_cached:], request.prompt_len, timeout_s,
-            start_timeout_s=timeout_s, num_cached_blocks=num_cached,
+            max_ceiling_s=self._max_handoff_s, log_id=request_id, num_cached_blocks=num_cached,
         )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
-            receiver.abort("the request was aborted")
+            receiver.cancel("the request was aborted")
         job.trace.transfer_id = receiver.transfer_id
         receiver.add_layer_callback(job.trace.on_layer_landed)
         receiver.add_finish_callback(self._metrics.transfer_finished)
@@ -317,7 +319,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self.admission.notify()  # its blocks free up (the engine frees them at its next step)
         receiver = job.receiver
         if receiver is not None:
-            receiver.abort("the decode call ended")
+            receiver.cancel("the decode call ended")
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 

@@ -47,6 +47,7 @@ from engine.kv_cache_manager import PrefixReservation
 from engine.kv_events import KVEventBatch
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from engine.structured import CompiledGrammar
 from pdserve.block_hash import BlockHash
 from pdserve.sampling_params import SamplingParams
 
@@ -87,17 +88,28 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
+    async def prepare_structured(
+        self, params: SamplingParams, timeout_s: float | None = None
+    ) -> CompiledGrammar | None:
+        """The compiled grammar of `params.structured_output` (None without one), compiled off
+        the engine thread and this loop (cached by digest), waited for at most `timeout_s`
+        (the request's deadline): pass it to `make_request`. InvalidRequestError: refused or
+        too slow; StructuredOutputBusyError: too many compiling, retry later."""
+        return await self.core.structured.prepare(params, timeout_s)
+
     def make_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str = "",
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """A validated Request (InvalidRequestError if not), built on the caller's thread:
         `EngineCore.make_request` reads only fixed configuration, and a trip to the engine
-        thread would wait for its current step."""
-        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt)
+        thread would wait for its current step. A structured output needs `grammar` from
+        `prepare_structured` (or its spec compiled and cached)."""
+        return self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
 
     @property
     def vocab_size(self) -> int:

@@ -34,10 +34,13 @@ from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
 from engine.outputs import StepOutput
+from engine.prompt_logprobs import with_prompt_logprobs
 from engine.request import Request, RequestStatus
+from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.structured import CompiledGrammar, StructuredOutputManager
 from kernels.attention import get_attention_backend
 from pdserve import envs
 from pdserve.config import EngineConfig
@@ -58,6 +61,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
     # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
     kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
@@ -114,6 +118,9 @@ class EngineCore:
         )  # fmt: skip
         if tp is not None:  # rank 0: publishes each step, waits until the group is ready
             tp.attach(self.runner)
+        # Structured outputs (engine/structured/README.md): grammars and the sampler's masks
+        self.structured = StructuredOutputManager.for_model(self.loaded.tokenizer_dir, self.arch)
+        self.runner.token_bitmask = self.structured.token_bitmask(self.device)
         self._reservations = KVReservations(
             self.kv_cache_manager, self.kv_offload.settle if self.kv_offload else None
         )
@@ -169,42 +176,27 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, cache_salt: str = "") -> Request:  # fmt: skip
-        """Build a validated request carrying this model's EOS ids (and its prefix-cache
-        namespace, `cache_salt`). Reads only the engine's fixed configuration (model, context
-        length, pool size), so any thread may call it (the nodes do, from their event loop,
-        without waiting for the engine thread's step)."""
+                     params: SamplingParams, cache_salt: str = "",
+                     grammar: CompiledGrammar | None = None) -> Request:  # fmt: skip
+        """Build a validated request carrying this model's EOS ids (its prefix-cache namespace
+        `cache_salt`; `grammar`: `structured.prepare`'s). Reads only the fixed configuration
+        (model, context, pool size): any thread may call it (the nodes' event loops do)."""
         self.validate(prompt_token_ids, params)
         return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        sampling_params=params, eos_token_ids=self.arch.eos_token_ids,
-                       cache_salt=cache_salt)  # fmt: skip
+                       cache_salt=cache_salt,
+                       grammar=self.structured.grammar_for(params, grammar))  # fmt: skip
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) == 0:
-            raise InvalidRequestError("the prompt is empty: send at least one token")
-        vocab_size = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}"
-            )
-        params.validate()
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds the context length {self.max_model_len}; shorten the prompt or "
-                f"lower max_tokens"
-            )
-        if total > self.pool.num_blocks * self.pool.block_size:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens); lower max_tokens"
-            )
+        check_request(
+            prompt_token_ids, params, self.arch.vocab_size, self.max_model_len,
+            self.pool.num_blocks * self.pool.block_size, tensor_parallel=self.tp is not None,
+        )  # fmt: skip
 
     def add_request(self, request: Request) -> None:
         self._check_new_id(request.request_id)
         self.validate(request.prompt_token_ids, request.sampling_params)
+        self.structured.start_matcher(request)  # advanced by its output (a migrated request)
         self.scheduler.add_request(request)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
@@ -225,6 +217,7 @@ class EngineCore:
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
         try:
+            self.structured.start_matcher(request)  # advanced by the first token (or raises)
             self.scheduler.add_prefilled(request)
         except BaseException:
             # The reservation is spent either way: free it rather than leak it.
@@ -260,7 +253,8 @@ class EngineCore:
         (`Scheduler.schedule_ahead`), then the one in flight is waited for and its outputs
         returned, so the host's work overlaps the device's. When the next step cannot be
         chosen ahead (a slot only preemption could free), the one in flight is waited for
-        first and the next is scheduled as usual and left in flight."""
+        first and the next is scheduled as usual and left in flight. A constrained step launched
+        ahead samples once the one in flight landed (`ModelRunner.launch`, defer_sampling)."""
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -274,7 +268,8 @@ class EngineCore:
                 self._in_flight = (ahead, self._launch(ahead, prev=in_flight[1]))
                 self.num_steps_ahead += 1
             outputs = self._wait(*in_flight)
-            if ahead is not None:
+            if self._in_flight is not None:
+                self._sample_deferred(*self._in_flight)
                 return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -287,12 +282,20 @@ class EngineCore:
     ) -> LaunchedStep:
         if self.kv_offload is not None:
             self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
-        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev)
-        self.scheduler.on_launched(scheduler_output)
+        defer = prev is not None and scheduler_output.has_grammar  # masks need prev's tokens
+        launched = self.runner.launch(scheduler_output, self.on_layer_done, prev, defer)
+        self.scheduler.on_launched(scheduler_output, sampled=not defer)
         return launched
 
+    def _sample_deferred(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> None:
+        if launched.deferred is not None:  # the step before it landed: masks can be built
+            self.runner.sample_deferred(launched)
+            self.scheduler.on_sampled(scheduler_output)
+
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
-        return self.scheduler.update_from_output(scheduler_output, launched.wait().sampled)
+        result = launched.wait()
+        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        return with_prompt_logprobs(outputs, scheduler_output, result.prompt_logprobs)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks and leave the group (nothing at TP 1)."""
@@ -320,8 +323,8 @@ class EngineCore:
             num_reserved=len(self._reservations),
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_query_tokens=prefix.query_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens, prefix_cache_query_tokens=prefix.query_tokens,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
             if self.kv_offload is not None else KVOffloadStats(),
         )  # fmt: skip

@@ -1,6 +1,8 @@
 """The offline API (vLLM-like): `LLM(model=...).generate(prompts, params)`.
 
-prompts (text or token ids) -> Tokenizer.encode -> EngineCore.add_request
+prompts (text or token ids) -> Tokenizer.encode
+    -> EngineCore.structured.compile (structured outputs: the grammar, compiled once, cached)
+    -> EngineCore.make_request -> EngineCore.add_request
 loop EngineCore.step():
     new tokens -> IncrementalDetokenizer -> StopStringMatcher (a match aborts the request)
 -> one RequestOutput per prompt, in prompt order
@@ -43,6 +45,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
         self._ids = itertools.count()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (its generation config's, or its model card's;
+        engine/model/sources.py), what `generate` and `chat` use without sampling params."""
+        return SamplingParams(**self.engine.loaded.sampling_defaults)  # type: ignore[arg-type]
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel worker ranks (nothing to do at TP 1); they also
         exit with this process."""
@@ -58,7 +65,7 @@ class LLM:
             prompts = [cast(Prompt, prompts)]  # a single prompt
         prompts = cast(Sequence[Prompt], prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -97,7 +104,8 @@ class LLM:
             token_ids = self._require_tokenizer().encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        return self.engine.make_request(str(next(self._ids)), token_ids, params)
+        grammar = self.engine.structured.compile(params)  # None when unconstrained
+        return self.engine.make_request(str(next(self._ids)), token_ids, params, grammar=grammar)
 
     def _track(self, request, prompt: Prompt) -> _Tracked:
         output = RequestOutput(
@@ -117,6 +125,8 @@ class LLM:
         output = tracked.output
         output.token_ids.extend(step_output.new_token_ids)
         output.num_cached_tokens = step_output.num_cached_tokens
+        if step_output.prompt_logprobs is not None:
+            output.prompt_logprobs = step_output.prompt_logprobs
         if output.logprobs is not None and step_output.new_logprobs:
             output.logprobs.extend(step_output.new_logprobs)
         if tracked.detokenizer is None:

@@ -1,5 +1,5 @@
 """The sampler's logits processors, each vectorized over the rows that need it: penalties
-(repetition, frequency, presence), min_tokens masking, top-k / top-p and min-p."""
+(repetition, frequency, presence), logit_bias, min_tokens masking, top-k / top-p and min-p."""
 
 from __future__ import annotations
 
@@ -82,15 +82,34 @@ def apply_penalties(
     return logits.index_copy(0, row_idx, penalized)
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Add each request's `logit_bias` (token id -> bias) to its row; a new tensor when any
+    request has one (ids were checked against the vocabulary when the request was made)."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias
+        rows += [i] * len(bias)
+        token_ids += bias.keys()
+        biases += bias.values()
+    if not rows:
+        return logits
+    device = logits.device
+    index = (on_device(rows, device), on_device(token_ids, device))
+    return logits.index_put(index, on_device(biases, device, logits.dtype), accumulate=True)
+
+
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Mask EOS (unless ignore_eos) and stop_token_ids while a request's output is shorter
-    than min_tokens. Returns a new tensor when any row is masked."""
+    than min_tokens. Returns a new tensor when any row is masked. A request under a grammar
+    is left alone: its grammar decides where the output may end."""
     vocab_size = logits.shape[1]
     rows: list[int] = []
     token_ids: list[int] = []
     for i, request in enumerate(requests):
         params = request.sampling_params
-        if request.num_sampled_tokens >= params.min_tokens:
+        if request.num_sampled_tokens >= params.min_tokens or request.matcher is not None:
             continue
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:

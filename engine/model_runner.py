@@ -14,6 +14,12 @@ queue the copy of the ids (no wait), so the caller can schedule and launch the n
 before this one's tokens are on the host (async scheduling, `EngineCore.step`); the next
 step's `PENDING` decodes read their input from this step's ids on the device. The phases are
 public so that benchmarks/engine/profile_step.py can time each one.
+
+Structured outputs: the sampler applies the grammar mask of the constrained rows
+(`TokenBitmask`, engine/structured/), built from their matchers just before sampling. A step
+launched ahead of the previous one's tokens (`launch(defer_sampling=True)`) queues its forward
+only; `sample_deferred` samples it once the tokens it waited for advanced the matchers.
+Prompt logprobs (engine/prompt_logprobs.py) are queued after the forward, copied beside the ids.
 """
 
 from __future__ import annotations
@@ -28,11 +34,17 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.distributed import TensorParallel
 from engine.distributed.step_message import StepMessage
 from engine.outputs import PrefillLayerChunk
+from engine.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobResults,
+    launch_prompt_logprobs,
+)
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
 from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder
+from engine.structured import TokenBitmask
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
@@ -47,6 +59,8 @@ LayerHook = Callable[[int, tuple[PrefillLayerChunk, ...]], None]
 class ModelRunnerOutput:
     # request_id -> (sampled token, its logprobs if asked); only chunks with sample=True
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request_id -> (first prompt position, its prompt logprobs from there), if it asked
+    prompt_logprobs: PromptLogprobResults = field(default_factory=dict)
 
 
 @dataclass
@@ -55,10 +69,15 @@ class LaunchedStep:
 
     sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
     sample: PendingSample | None = None
+    # launched with defer_sampling: the forward's batch and hidden states, until sampled
+    deferred: tuple[FlatBatch, torch.Tensor] | None = None
+    prompt_logprobs: PendingPromptLogprobs | None = None
     check: Callable[[], None] | None = None  # tensor parallelism: raises if a rank failed
 
     def device_tokens(self) -> DeviceTokens | None:
         """Where the next step finds each request's token while this one runs."""
+        if self.deferred is not None:
+            raise RuntimeError("the step's sampling was deferred: sample_deferred it first")
         if self.sample is None:
             return None
         rows = {request: i for i, request in enumerate(self.sampling_requests)}
@@ -67,6 +86,10 @@ class LaunchedStep:
     def wait(self) -> ModelRunnerOutput:
         """The sampled tokens on the host (waits for the device, GIL released)."""
         output = ModelRunnerOutput()
+        if self.deferred is not None:
+            raise RuntimeError("the step's sampling was deferred: sample_deferred it first")
+        if self.prompt_logprobs is not None:
+            output.prompt_logprobs = self.prompt_logprobs.result()
         if self.sample is None:
             return output
         sampled = self.sample.result()
@@ -99,6 +122,7 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputBuilder(block_size, scratch_block, device)
         self.decode_graphs = decode_graphs
+        self.token_bitmask: TokenBitmask | None = None  # set when structured outputs can run
         # Rank 0 of a tensor-parallel group (EngineCore sets it): each step's inputs go to the
         # other ranks, which run the same forward (`follow`)
         self.tp: TensorParallel | None = None
@@ -123,13 +147,32 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
         on_layer_done: LayerHook | None = None,
         prev: LaunchedStep | None = None,
+        defer_sampling: bool = False,
     ) -> LaunchedStep:
         """Queue one step: `prepare` (inputs; `PENDING` decodes read `prev`'s ids), `forward`
-        (graph replay or eager), the sampler, and the copy of its ids. No wait."""
+        (graph replay or eager), the sampler, and the copy of its ids. No wait. With
+        `defer_sampling`, the forward only: `sample_deferred` samples it (once `prev`'s tokens
+        are on the host and every token before this step's has been accepted)."""
         prev_tokens = prev.device_tokens() if prev else None
         batch = self._build(scheduler_output.chunks, prev_tokens)
         hidden = self.forward(batch, on_layer_done)
-        return self.sample_async(batch, hidden, prev_tokens)
+        prompt_logprobs = launch_prompt_logprobs(self.model, batch, hidden)
+        if defer_sampling:
+            step = LaunchedStep(deferred=(batch, hidden))
+        else:
+            step = self.sample_async(batch, hidden, prev_tokens)
+        step.prompt_logprobs = prompt_logprobs
+        return step
+
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Sample a step launched with `defer_sampling`: every token of the requests before
+        this step's is on the host now (no pending token for penalties to find)."""
+        if step.deferred is None:
+            raise RuntimeError("the step was sampled at launch")
+        (batch, hidden), step.deferred = step.deferred, None
+        sampled = self.sample_async(batch, hidden)
+        step.sampling_requests, step.sample = sampled.sampling_requests, sampled.sample
+        step.check = sampled.check
 
     def prepare(self, scheduler_output: SchedulerOutput) -> FlatBatch:
         """The step's device inputs (host numpy, one copy); no sync."""
@@ -177,17 +220,21 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Logits of the sampling rows, the sampler on the device for the whole batch, and the
         queued copy of the sampled ids (with any logprobs) to the host. `prev`: where the
-        tokens still pending on the device are (penalties count them)."""
+        tokens still pending on the device are (penalties count them). Constrained requests'
+        grammar masks are built here, from their matchers as they stand."""
         step = LaunchedStep(check=self.tp.check if self.tp is not None else None)
         if not batch.sampling_chunks:
             return step
+        step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
+        mask = None
+        if self.token_bitmask is not None:  # host work first: the device runs the forward
+            mask = self.token_bitmask.build([r.matcher for r in requests])
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
             rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed (same rows)
         else:
             rows = hidden[batch.logits_indices]
         logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
-        step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
-        step.sample = self.sampler.launch(logits, requests, prev)
+        step.sample = self.sampler.launch(logits, requests, prev, mask)
         return step
 
     def _build(

@@ -21,6 +21,9 @@ class StepOutput:
     # its blocks stay held until `EngineCore.release(request_id)`.
     prefill_done: bool = False
     num_cached_tokens: int = 0
+    # prompt_logprobs asked: with the request's first token, one entry per prompt token (the
+    # first None: nothing precedes it), each the prompt token's logprob given its prefix
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +81,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

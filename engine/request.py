@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +75,22 @@ class Request:
     # Whether its KV may enter the prefix cache: False for KV received from a peer that proved
     # nothing (an open cluster), so a forged hand-off never serves another request.
     cache_kv: bool = True
+    # Structured outputs (engine/structured/): the compiled grammar it was made with, and once
+    # added, its own matcher, advanced by every output token (None: unconstrained).
+    grammar: CompiledGrammar | None = None
+    matcher: GrammarMatcher | None = None
+    # prompt_logprobs: entry p is prompt token p + 1's, computed from position p's hidden state
+    # (so far; the prompt's first token has none); sent once, with its first output token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.prompt_len - 1
+        )
 
     @property
     def prompt_len(self) -> int:

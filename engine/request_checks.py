@@ -1,21 +1,25 @@
 """Stop checks on a request's last output token, and the refusal of a request that could
-never run (both the scheduler's, read on their own: what ends a request, what never starts)."""
+never run (the engine's and the scheduler's, read on their own: what ends a request, what
+never starts)."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from pdserve.config import SchedulerConfig
-from pdserve.sampling_params import InvalidRequestError
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 def stop_status(request: Request, max_model_len: int) -> RequestStatus | None:
     """The status the request's last output token finishes it with, or None: "stop" (EOS
-    unless ignored, a stop token, once min_tokens are out) wins over "length" (max_tokens, or
-    the context full)."""
+    unless ignored, a stop token, once min_tokens are out; its grammar ended) wins over
+    "length" (max_tokens, or the context full); a grammar that failed aborts it."""
     params = request.sampling_params
+    if request.matcher is not None and request.matcher.is_terminated:
+        failed = bool(request.matcher.error)
+        return RequestStatus.FINISHED_ABORTED if failed else RequestStatus.FINISHED_STOPPED
     num_output_tokens = len(request.output_token_ids)
     if num_output_tokens >= params.min_tokens:
         last_token_id = request.output_token_ids[-1]
@@ -26,6 +30,47 @@ def stop_status(request: Request, max_model_len: int) -> RequestStatus | None:
     if num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def check_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    num_kv_tokens: int,
+    tensor_parallel: bool = False,
+) -> None:
+    """Refuse a request this engine cannot serve: ids beyond the vocabulary (prompt,
+    logit_bias), bad sampling values, more tokens than the context or the whole KV cache;
+    prompt logprobs with tensor parallelism (their LM-head slices would be collectives the
+    worker ranks do not run)."""
+    if len(prompt_token_ids) == 0:
+        raise InvalidRequestError("the prompt is empty: send at least one token")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    params.validate()
+    bad = [t for t in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}", "logit_bias"
+        )
+    if tensor_parallel and params.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs is not served with tensor parallelism yet", "prompt_logprobs"
+        )
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{total} exceeds the context length {max_model_len}; shorten the prompt or "
+            f"lower max_tokens"
+        )
+    if total > num_kv_tokens:
+        raise InvalidRequestError(
+            f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
+            f"({num_kv_tokens} tokens); lower max_tokens"
+        )
 
 
 def check_scheduler_config(config: SchedulerConfig, max_model_len: int) -> None:

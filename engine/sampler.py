@@ -4,7 +4,10 @@
 logits [num_reqs, vocab] (raw)
   ├─ repetition penalty (prompt + output), presence / frequency penalties (output; a token
   │  still pending on the device under async scheduling is counted there: DeviceTokens)
+  ├─ logit_bias: each request's bias added to its tokens' logits
   ├─ min_tokens: EOS and stop_token_ids masked while the output is shorter
+  ├─ grammar mask (structured outputs): the tokens a row's grammar refuses -> -inf
+  │  (GrammarMask, built on the host by engine/structured/ and copied once per step)
   ├─ greedy rows: argmax                      (all greedy, no penalties: argmax alone)
   ├─ random rows: / temperature -> top-k -> top-p -> softmax -> min-p
   │               -> argmax(probs / Exp(1) noise)
@@ -32,6 +35,7 @@ import torch
 
 from engine.host_copy import HostCopy, on_device
 from engine.logits_processors import (
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -40,6 +44,7 @@ from engine.logits_processors import (
 from engine.request import Request
 from engine.sampler_output import PendingSample, SamplerOutput, with_logprobs
 from engine.scheduler_output import DeviceTokens
+from engine.structured import GrammarMask, apply_grammar_mask
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-5
@@ -71,11 +76,13 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[Request],
         pending: DeviceTokens | None = None,
+        grammar_mask: GrammarMask | None = None,
     ) -> PendingSample:
         """Queue the sampling of every row on the logits' device and the one copy of its
         results to the host; `PendingSample.result()` waits for them. Reads each request's
         params and `num_sampled_tokens` now (the caller may then mark the tokens pending);
-        `pending`: the previous step's ids, where a penalized request's pending token is."""
+        `pending`: the previous step's ids, where a penalized request's pending token is;
+        `grammar_mask`: the constrained rows' allowed tokens (structured outputs)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [num_reqs, vocab] with one row per request; got shape "
@@ -83,7 +90,10 @@ class Sampler:
             )
         raw_logits = logits
         logits = apply_penalties(logits.float(), requests, pending)
+        logits = apply_logit_bias(logits, requests)
         logits = apply_min_tokens(logits, requests)
+        if grammar_mask is not None:
+            logits = apply_grammar_mask(logits, grammar_mask)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             token_ids = self._sample_random_rows(logits, requests, random_rows)

@@ -27,6 +27,7 @@ every request, including a preempted one recomputing its output, fits an empty s
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping
 
@@ -39,6 +40,7 @@ from engine.request_checks import check_admissible, check_scheduler_config, stop
 from engine.scheduler_output import PENDING, ScheduledChunk, SchedulerOutput
 from pdserve.config import SchedulerConfig
 
+logger = logging.getLogger(__name__)
 SampledTokens = Mapping[str, tuple[int, TokenLogprobs | None]]  # request_id -> (token, logprobs)
 
 
@@ -51,6 +53,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_preemptions = 0  # total since construction
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, in total
         self._requests: dict[str, Request] = {}  # every request not finished or released
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}  # in admission order: the last is preempted first
@@ -176,15 +179,27 @@ class Scheduler:
         self._schedule_waiting(output, budget)
         return output if output.chunks else None
 
-    def on_launched(self, scheduler_output: SchedulerOutput) -> None:
+    def on_launched(self, scheduler_output: SchedulerOutput, sampled: bool = True) -> None:
         """The step is queued on the device: its requests' KV positions count as computed and
         each sampling chunk's token as pending, so the next step can be scheduled before the
-        tokens are on the host (`schedule_ahead`)."""
+        tokens are on the host (`schedule_ahead`). `sampled=False`: its sampling waits (a
+        grammar mask needs the previous step's tokens); `on_sampled` once it is queued."""
         for chunk in scheduler_output.chunks:
-            chunk.request.num_computed_tokens = chunk.end_pos
+            request = chunk.request
+            request.num_computed_tokens = chunk.end_pos
+            # prompt tokens run through the model (a prefix-cache hit is not; a recompute is)
+            self.num_prompt_tokens_computed += max(
+                0, min(chunk.end_pos, request.prompt_len) - chunk.start_pos
+            )
+        if sampled:
+            self.on_sampled(scheduler_output)
+        self._in_flight.launched(scheduler_output)
+
+    def on_sampled(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's sampling is queued: each sampling chunk's token is pending."""
+        for chunk in scheduler_output.chunks:
             if chunk.sample:
                 chunk.request.num_pending_tokens += 1
-        self._in_flight.launched(scheduler_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SampledTokens
@@ -249,7 +264,11 @@ class Scheduler:
         kv_cache_manager = self.kv_cache_manager
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
-            computed_block_ids, num_hit_tokens = kv_cache_manager.get_computed_blocks(request)
+            computed_block_ids, num_hit_tokens = (
+                ([], 0)  # its prompt logprobs need every prompt position computed
+                if request.wants_prompt_logprobs
+                else kv_cache_manager.get_computed_blocks(request)
+            )
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > budget:
                 if not self.config.enable_chunked_prefill:
@@ -297,6 +316,11 @@ class Scheduler:
         request.output_token_ids.append(token_id)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
+        if request.matcher is not None and not request.matcher.accept_token(token_id):
+            logger.warning(
+                "request %r: its grammar refused token %d (%s); the request is aborted",
+                request.request_id, token_id, request.matcher.error,
+            )  # fmt: skip
         status = stop_status(request, self.max_model_len)
         prefill_done = False
         if status is not None:

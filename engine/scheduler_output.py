@@ -63,3 +63,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def has_grammar(self) -> bool:
+        """A chunk samples under a grammar (structured outputs: its mask needs the matcher)."""
+        return any(c.sample and c.request.matcher is not None for c in self.chunks)

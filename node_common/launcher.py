@@ -26,7 +26,7 @@ from engine.engine_core import EngineCore
 from node_common.node_base import NodeBase
 from pdserve.cli import build_parser, engine_config, node_config, setup_logging
 from pdserve.lifecycle import run_server
-from pdserve.security import load_cluster_auth, open_cluster_warning
+from pdserve.security import OPEN_CLUSTER, load_cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +60,19 @@ def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> i
         parser.error(str(error))
     role = _role(server_cls)
     setup_logging(args, role)
-    if auth is None:
-        logger.warning(open_cluster_warning(f"pd-{role}"))
+    name = f"pd-{role}"
 
     async def start() -> NodeBase:
         logger.info("loading model %s on %s", engine.model.model, engine.model.device)
         core = await asyncio.to_thread(EngineCore, engine)
-        return await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
+        server = await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
+        caveats = [OPEN_CLUSTER] if auth is None else []
+        caveats += [server.manager.transport_caveat] if server.manager.transport_caveat else []
+        if caveats:  # one line, however many
+            logger.warning("%s: %s; README.md, 'Security', says how to close it", name,
+                           "; ".join(caveats))  # fmt: skip
+        return server
 
-    name = f"pd-{role}"
     return run_server(name, start, lambda s: _ready_line(name, s))
 
 

@@ -38,6 +38,7 @@ from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
 from pdserve.config import NodeConfig
+from pdserve.sampling_defaults import defaults_to_proto
 from pdserve.security import load_cluster_auth
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -183,6 +184,7 @@ class NodeBase(abc.ABC):
             "num_kv_transfer_bytes": self.manager.num_bytes_moved,
             "num_kv_skipped_bytes": self.manager.num_bytes_skipped,
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "num_prefilled_tokens": stats.prompt_tokens_computed,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
             **_host_tier_fields(stats.kv_offload),
         }
@@ -240,6 +242,7 @@ class NodeBase(abc.ABC):
             kv_transport=self.kv_address.split("://", 1)[0],
             protocol_version=transfer_pb2.PROTOCOL_VERSION_CURRENT,
             max_num_seqs=self.core.config.scheduler.max_num_seqs,
+            default_sampling=defaults_to_proto(self.core.loaded.sampling_defaults),
         )
 
 

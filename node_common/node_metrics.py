@@ -5,7 +5,7 @@
 scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
            waiting, KV blocks, host-tier blocks, pending transfers; counters: finished,
            prefix-cache hits (all tiers, host tier), host-tier offload and promotion bytes,
-           local prefills, fallbacks)
+           local prefills, prefilled tokens, fallbacks)
 transfer session finished ──► transfer_finished: bytes moved and skipped (the decode node held
                               them: a suffix-only hand-off), per successful hand-off both as a
                               histogram, duration histogram, result ok | failed (by direction:
@@ -61,6 +61,9 @@ _COUNTERS = {
     "num_kv_promotion_bytes": (
         "pdserve_node_kv_promotion_bytes", "KV bytes copied from the host tier back to the device"),
     "num_local_prefills": ("pdserve_node_local_prefills", "prompts prefilled on this decode node"),
+    "num_prefilled_tokens": (
+        "pdserve_node_prefilled_tokens",
+        "prompt tokens this node's engine computed (prefix-cache hits not; recomputes again)"),
     "num_in_place_transfers": (
         "pdserve_node_kv_transfers_in_place",
         "successful KV hand-offs the prefill node wrote into the decode node's blocks itself"),

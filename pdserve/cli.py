@@ -72,16 +72,17 @@ def build_parser(role: str, description: str | None = None) -> ArgumentParser:
     both = (ROUTER, NODE)
     default_port = DEFAULT_ROUTER_PORT if role in ("router", "serve") else 0
     parser.add_forwarded(parser, "--host", targets=both, default=DEFAULT_HOST,
-                         help="address to listen on")  # fmt: skip
+                         help=f"address to listen on (default: {DEFAULT_HOST})")  # fmt: skip
     parser.add_forwarded(
         parser, "--port", targets=(ROUTER,), type=int, default=default_port,
         help=f"gRPC port (default {default_port}{'' if default_port else ': a free one'})",
     )  # fmt: skip
-    parser.add_forwarded(parser, "--log-level", targets=both, default="info", choices=LOG_LEVELS)
+    parser.add_forwarded(parser, "--log-level", targets=both, default="info", choices=LOG_LEVELS,
+                         help="(default: info)")  # fmt: skip
     parser.add_forwarded(
         parser, "--log-format", targets=both, default="text", choices=LOG_FORMATS,
         help="text: one line per record, [req=ID] on lines about a request; json: one JSON "
-        "object per line (ts, level, role, logger, request_id, msg)",
+        "object per line (ts, level, role, logger, request_id, msg) (default: text)",
     )  # fmt: skip
     _add_registry_flags(parser)
     add_config_flags(parser, parser.add_argument_group("security"), SecurityConfig, both)
@@ -108,11 +109,13 @@ def _add_registry_flags(parser: ArgumentParser) -> None:
     parser.add_forwarded(
         group, "--registry-heartbeat-s", targets=both, type=float,
         default=RegistryConfig.heartbeat_s,
-        help="how often nodes refresh their record and routers resync their view",
+        help="how often nodes refresh their record and routers resync their view (default: "
+        f"{RegistryConfig.heartbeat_s})",
     )  # fmt: skip
     parser.add_forwarded(
         group, "--registry-ttl-s", targets=both, type=float, default=RegistryConfig.ttl_s,
-        help="a node record not refreshed for this long expires (about 3 heartbeats)",
+        help="a node record not refreshed for this long expires (about 3 heartbeats) "
+        f"(default: {RegistryConfig.ttl_s})",
     )  # fmt: skip
 
 
@@ -128,17 +131,19 @@ def add_config_flags(
         meta = f.metadata
         if not meta.get("cli", False) or f.name in exclude:
             continue
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
         value_type = _value_type(f.type)
+        # a switch that is on by default is turned off: --no-NAME
+        off = "no-" if value_type is bool and f.default else ""
+        flag = meta["flag"] or "--" + off + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
         if value_type is bool:
             kwargs["action"] = "store_false" if f.default else "store_true"
         else:
             kwargs["type"] = _argparse_type(meta["parse"] or value_type, flag)
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
-            if f.default is not None and "default" not in kwargs["help"]:
-                kwargs["help"] += f" (default: {f.default})"
+            if "default" not in kwargs["help"]:
+                kwargs["help"] += f" (default: {'none' if f.default is None else f.default})"
         parser.add_forwarded(group, flag, targets=targets, **kwargs)
 
 

@@ -131,12 +131,24 @@ class SecurityConfig:
 
 
 def transfer_timeout_knob() -> Any:
-    """The one KV hand-off timeout: the prefill must start within it and the hand-off end
-    within it of that start (router, prefill and decode alike; see router/README.md)."""
+    """The one KV hand-off timeout: how long it may go without progress (router, prefill and
+    decode alike; see router/README.md)."""
     return knob(
         30.0,
-        "how long a KV hand-off may wait for its prefill to start, and then take, before the "
-        "decode node prefills the prompt itself (prefill nodes cap the router's at theirs)",
+        "a KV hand-off fails after this long without progress (the prefill node reports it "
+        "while it computes this prompt or those queued ahead of it), and the decode node "
+        "prefills the prompt itself (prefill nodes cap the router's at theirs)",
+    )
+
+
+def prefill_rate_knob() -> Any:
+    """The slowest prefill that hand-offs and the router wait for (one knob, every role)."""
+    return knob(
+        20.0,
+        "the slowest prefill, in prompt tokens per second, that KV hand-offs and the router's "
+        "wait for a first token allow for: behind N prompt tokens (its own and those queued "
+        "ahead of it on the prefill node) a hand-off that keeps making progress may take "
+        "--transfer-timeout-s + N / this",
     )
 
 
@@ -155,7 +167,12 @@ class NodeConfig:
         "listening on 0.0.0.0)",
     )
     transfer_timeout_s: float = transfer_timeout_knob()
-    kv_write_in_place: bool = knob(True, "one GPU: P writes the KV into D's blocks (CUDA IPC)")
+    min_prefill_tokens_per_s: float = prefill_rate_knob()
+    kv_write_in_place: bool = knob(
+        True,
+        "turn writes in place off: on one GPU the prefill node then sends the KV instead of "
+        "writing it into the decode node's blocks itself over CUDA IPC (default: on)",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
     metrics_port: int = knob(
         0,
@@ -177,7 +194,12 @@ class NodeConfig:
         "node) before exiting with an error",
     )
     max_transfer_timeout_s: float = knob(
-        120.0, "decode: a Decode's transfer_timeout_s is clamped to this (reservations expire)"
+        120.0, "decode: a Decode's transfer_timeout_s (its no-progress timeout) is clamped to this"
+    )
+    max_handoff_s: float = knob(
+        1800.0,
+        "decode: the longest a KV hand-off may take from its prefill node's handshake, however "
+        "long that node says its queue and prefill take (reserved blocks always come back)",
     )
     max_pending_kv_share: float = knob(
         0.75,
@@ -214,8 +236,9 @@ class NodeConfig:
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535] (0: a free port), got {value}")
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        for name in ("transfer_timeout_s", "min_prefill_tokens_per_s", "max_handoff_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 
@@ -259,7 +282,12 @@ class RouterConfig:
     node_rpc_timeout_s: float = knob(5.0, "deadline of GetNodeInfo, GetTokenizer, Abort calls")
     ticket_timeout_s: float = knob(30.0, "how long a decode node may take to reserve KV blocks")
     transfer_timeout_s: float = transfer_timeout_knob()
-    token_timeout_s: float = knob(120.0, "the longest wait for a request's next token")
+    min_prefill_tokens_per_s: float = prefill_rate_knob()
+    token_timeout_s: float = knob(
+        120.0,
+        "the longest wait for a request's next token; for its first, plus the prompt tokens "
+        "its prefilling node has in flight / --min-prefill-tokens-per-s",
+    )
     grace_s: float = knob(5.0, "on stop, how long in-flight requests may take")
     api_key_file: str | None = knob(
         None,
@@ -315,11 +343,12 @@ class RouterConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        for name in ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s",
-                     "transfer_timeout_s", "token_timeout_s", "http_header_timeout_s",
-                     "http_body_timeout_s", "http_keep_alive_s"):  # fmt: skip
+        waits = ("node_wait_s", "node_rpc_timeout_s", "ticket_timeout_s", "transfer_timeout_s",
+                 "min_prefill_tokens_per_s", "token_timeout_s", "http_header_timeout_s",
+                 "http_body_timeout_s", "http_keep_alive_s")  # fmt: skip
+        for name in waits:
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
         addrs = [*self.prefill_addrs, *self.decode_addrs]

@@ -44,7 +44,11 @@ class CacheConfig:
     block_size: int = knob(
         16, "tokens per KV block (flash_attn needs a multiple of 256; with it, 16 becomes 256)"
     )
-    num_blocks: int | None = knob(None, "exact KV pool size in blocks", flag="--num-kv-blocks")
+    num_blocks: int | None = knob(
+        None,
+        "exact KV pool size in blocks (default: from --kv-cache-memory)",
+        flag="--num-kv-blocks",
+    )
     kv_cache_memory: int | None = knob(
         None,
         "KV cache size, e.g. 2GiB (default: 1 GiB on CPU, a fraction of free GPU memory)",
@@ -55,7 +59,10 @@ class CacheConfig:
         "on CUDA without --kv-cache-memory: the fraction of free GPU memory the KV cache takes",
     )
     enable_prefix_caching: bool = knob(
-        True, "reuse the KV blocks of shared prompt prefixes", flag="--no-prefix-caching"
+        True,
+        "turn the prefix cache off: every prompt is prefilled whole (default: on: prompts "
+        "that share a prefix reuse its KV blocks)",
+        flag="--no-prefix-caching",
     )
     prefix_cache_salt: str | None = prefix_cache_salt_knob()
     kv_offload_memory: int = knob(
@@ -73,7 +80,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = knob(2048, "token budget of one step (prefill chunks + decodes)")
     max_num_seqs: int = knob(128, "requests running at once")
     enable_chunked_prefill: bool = knob(
-        True, "split long prompts over several steps", flag="--no-chunked-prefill"
+        True,
+        "prefill each prompt in one step, however long (default: on: a prompt longer than "
+        "--max-num-batched-tokens is split over several steps)",
+        flag="--no-chunked-prefill",
     )
     async_scheduling: str = knob("auto", "launch the next decode step before this one's tokens "
                                  "are on the host (auto: on CUDA, not in the prefill role)",

@@ -5,18 +5,24 @@
     pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
     pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
 
-Starts the decode nodes, then the prefill nodes (each on a free port; each prints the line
+First it holds every fixed port it will use (the router's --port and --http-port, the nodes'
+--metrics-port N + i): a taken one fails it at once, naming the port and the flag that moves
+it (`pdserve.port_reservations`). Then it starts the decode nodes, then the prefill nodes (each
+on a free port; each prints the line
 "pd-<role> listening on HOST:PORT ..."), then the router pointed at them (with --registry: the
 nodes register there and the router discovers them); prints where the router listens. Each flag
 goes, as given, to the processes it concerns (`pdserve.cli.forwarded_argv`: engine and node
 flags to every node, routing flags to the router, common ones to both). Ctrl-C or SIGTERM stops
 every process it started (SIGTERM, then SIGKILL after a grace period); if any of them dies, it
-stops the rest and exits non-zero. Torch-free: the nodes load the model, not this process.
+stops the rest and exits non-zero, saying how it ended (its exit code, or the signal that
+killed it: SIGKILL is most often the kernel's out-of-memory killer). Torch-free: the nodes load
+the model, not this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
@@ -25,6 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from pdserve import envs
@@ -37,6 +44,7 @@ from pdserve.cli import (
     setup_logging,
 )
 from pdserve.config import CacheConfig
+from pdserve.port_reservations import PortReservations, PortTaken
 
 _LISTENING = re.compile(r"listening on (\S+)")
 _HTTP_URL = re.compile(r"\(http (\S+)\)")
@@ -134,6 +142,31 @@ def node_devices(
     return devices, -(-num_nodes // num_gpus)
 
 
+def _client_command() -> str:
+    """pd-client as this environment has it: `.venv/bin/pd-client` from the repository's root
+    (the README's form), else its full path, else the bare name."""
+    client = Path(sys.executable).parent / "pd-client"
+    if not client.exists():
+        return "pd-client"
+    relative = os.path.relpath(client)
+    return relative if not relative.startswith("..") else str(client)
+
+
+def describe_exit(code: int) -> str:
+    """How a child ended, from its `Popen.returncode`: "exited with code 2", or "killed by
+    SIGKILL (out of memory?)" (a negative code: the signal's number)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = (
+        " (out of memory? the kernel's OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+    )
+    return f"killed by {name}{hint}"
+
+
 class LocalCluster:
     def __init__(
         self, args: argparse.Namespace, node_argv: list[str], router_argv: list[str]
@@ -144,6 +177,18 @@ class LocalCluster:
         self.router_argv = router_argv
         self.children: list[_Child] = []
         self.router: _Child | None = None
+        self.ports = PortReservations(args.host)
+
+    def reserve_ports(self) -> None:
+        """Hold every fixed port the cluster will use (PortTaken when one is in use)."""
+        args, ports = self.args, self.ports
+        ports.reserve(args.port, "the router's gRPC API", "--port N")
+        ports.reserve(args.http_port, "the router's HTTP API", "--http-port N (0: off)")
+        for slot in range(args.decode + args.prefill) if args.metrics_port else ():
+            ports.reserve(
+                args.metrics_port + slot, f"node {slot}'s /metrics (--metrics-port N gives node "
+                "i the port N + i)", "another --metrics-port N (0: off)",
+            )  # fmt: skip
 
     def _spawn(self, name: str, module: str, argv: list[str]) -> _Child:
         process = subprocess.Popen(
@@ -171,9 +216,9 @@ class LocalCluster:
                     f"{time.monotonic() - start_s:.0f} s so far)", file=sys.stderr, flush=True,
                 )  # fmt: skip
             if child.address is None:
-                raise RuntimeError(
-                    f"{child.name} did not start (exit code {child.process.poll()}); see its log above"
-                )
+                code = child.process.poll()
+                how = "still running" if code is None else describe_exit(code)
+                raise RuntimeError(f"{child.name} did not start ({how}); see its log above")
             addresses.append(child.address)
         return addresses
 
@@ -184,6 +229,8 @@ class LocalCluster:
         ]
         devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
+        if args.metrics_port:  # the nodes bind them now
+            self.ports.release(args.metrics_port + slot for slot in range(len(roles)))
         for slot, (role, index) in enumerate(roles):  # decode first: tickets come from them
             metrics_port = args.metrics_port + slot if args.metrics_port else 0
             argv = _node_argv(self.node_argv, share, metrics_port)
@@ -200,6 +247,7 @@ class LocalCluster:
         decode_addrs = self._await_ready(started["decode"], loading)
         prefill_addrs = self._await_ready(started["prefill"], loading)
         router_argv = _router_argv(self.router_argv, args, prefill_addrs, decode_addrs)
+        self.ports.release([args.port, args.http_port])  # the router binds them now
         self.router = self._spawn("router", "router.cli", router_argv)
         return self._await_ready([self.router], "connecting to the nodes")[0]
 
@@ -209,11 +257,12 @@ class LocalCluster:
             for child in self.children:
                 code = child.process.poll()
                 if code is not None:
-                    print(f"pd-serve: {child.name} exited with code {code}", file=sys.stderr)
-                    return code or 1
+                    print(f"pd-serve: {child.name} {describe_exit(code)}", file=sys.stderr)
+                    return code if code > 0 else 1
             time.sleep(0.2)
 
     def stop(self) -> None:
+        self.ports.release_all()
         for child in self.children:
             if child.process.poll() is None:
                 child.process.terminate()
@@ -229,8 +278,10 @@ class LocalCluster:
 def build_serve_parser() -> ArgumentParser:
     parser = build_parser("serve", description="Run a local pdserve cluster: router + nodes.")
     group = parser.add_argument_group("cluster")
-    group.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: colocated)")
-    group.add_argument("--decode", type=int, default=1, help="decode nodes (>= 1)")
+    group.add_argument(
+        "--prefill", type=int, default=1, help="prefill nodes (0: colocated) (default: 1)"
+    )
+    group.add_argument("--decode", type=int, default=1, help="decode nodes (>= 1) (default: 1)")
     return parser
 
 
@@ -257,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, on_signal)
     code = 0
     try:
+        cluster.reserve_ports()
         address = cluster.start()
         mode = (
             "colocated" if args.prefill == 0 else f"{args.prefill} prefill + {args.decode} decode"
@@ -265,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         if http_url := cluster.router and cluster.router.http_url:
             print(f"pd-serve: OpenAI-compatible API on {http_url}/v1 "
                   f"(metrics: {http_url}/metrics)", flush=True)  # fmt: skip
-        print(f'pd-serve: try  pd-client --addr {address} "Hello"', flush=True)
+        print(f'pd-serve: try  {_client_command()} --addr {address} "Hello"', flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0
-    except RuntimeError as exc:
+    except (RuntimeError, PortTaken) as exc:
         print(f"pd-serve: {exc}", file=sys.stderr)
         code = 1
     finally:

@@ -3,6 +3,10 @@
 generation_pb2.SamplingParams ──SamplingParams.from_proto──► SamplingParams (validated)
 SamplingParams ──to_proto(node_pb2.NodeSamplingParams)──► what the nodes receive
 node_pb2.NodeSamplingParams ──SamplingParams.from_proto──► the engine's SamplingParams
+
+Structured outputs (`structured_output`, pdserve/structured_output.py), `logit_bias` and
+`prompt_logprobs` are validated here too, without the engine: the router refuses what no node
+could serve (a token id beyond the vocabulary is the engine's check).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any, TypeVar
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from pdserve.errors import InvalidRequestError
+from pdserve.structured_output import StructuredOutputParams
 from pdserve.v1 import generation_pb2, node_pb2
 
 # proto3 `optional` fields of both SamplingParams messages: unset means "the default".
@@ -29,6 +35,7 @@ OPTIONAL_PROTO_FIELDS = (
     "seed",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
 )
 # The two wire forms: the client's (with stop strings) and the one nodes receive.
 ProtoT = TypeVar("ProtoT", generation_pb2.SamplingParams, node_pb2.NodeSamplingParams)
@@ -57,13 +64,10 @@ _FLOAT_FIELDS = (
 )
 
 
-class InvalidRequestError(ValueError):
-    """A request or its parameters cannot be served; the message says what to fix, `param`
-    (when one is to blame) names the parameter (OpenAI's error "param")."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+MAX_LOGPROBS = 20  # logprobs and prompt_logprobs: top-n alternatives at most
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_ABS_LOGIT_BIAS = 100.0
+__all__ = ["InvalidRequestError", "SamplingParams", "StructuredOutputParams", "int_field_range"]
 
 
 @dataclass
@@ -82,23 +86,32 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n alternatives
+    # vLLM's: each prompt token's logprob given its prefix (the first: None) and top-n at each
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured_output: StructuredOutputParams | None = None  # the output must match it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         self.validate()
 
     @classmethod
     def from_proto(
-        cls, proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams
+        cls,
+        proto: generation_pb2.SamplingParams | node_pb2.NodeSamplingParams,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
         """From a `SamplingParams` (client) or `NodeSamplingParams` (nodes) message: the fields
-        it sets (unset optional ones keep the defaults). Raises InvalidRequestError."""
-        kwargs: dict[str, Any] = {
-            name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)
-        }
+        it sets; unset optional ones take `defaults` (the model's: pdserve.sampling_defaults),
+        else the dataclass's. Raises InvalidRequestError."""
+        kwargs: dict[str, Any] = dict(defaults or {})
+        kwargs.update(
+            {name: getattr(proto, name) for name in OPTIONAL_PROTO_FIELDS if proto.HasField(name)}
+        )
         for name, value in kwargs.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidRequestError(
@@ -106,7 +119,14 @@ class SamplingParams:
                 )
         if isinstance(proto, generation_pb2.SamplingParams):
             kwargs["stop"] = list(proto.stop)
-        return cls(**kwargs, stop_token_ids=list(proto.stop_token_ids), ignore_eos=proto.ignore_eos)
+        if proto.HasField("structured_output"):
+            kwargs["structured_output"] = StructuredOutputParams.from_proto(proto.structured_output)
+        return cls(
+            **kwargs,
+            stop_token_ids=list(proto.stop_token_ids),
+            ignore_eos=proto.ignore_eos,
+            logit_bias=dict(proto.logit_bias),
+        )
 
     def to_proto(self, message_type: type[ProtoT]) -> ProtoT:
         """Every value explicit (None ones unset), so the receiver samples with exactly these;
@@ -119,6 +139,9 @@ class SamplingParams:
         )
         if isinstance(message, generation_pb2.SamplingParams):
             message.stop.extend(self.stop)
+        message.logit_bias.update(self.logit_bias)
+        if self.structured_output is not None:
+            message.structured_output.CopyFrom(self.structured_output.to_proto())
         return message
 
     @property
@@ -171,9 +194,38 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be non-negative token ids")
+        self._validate_logit_bias()
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutputParams
+        ):
+            raise bad("structured_output", "structured_output must be a StructuredOutputParams")
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                "logit_bias",
+            )
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",
+                    "logit_bias",
+                )
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, int | float)
+                or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS
+            ):
+                raise InvalidRequestError(
+                    f"logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}",
+                    "logit_bias",
+                )

@@ -129,9 +129,12 @@ def load_cluster_auth(config: SecurityConfig) -> ClusterAuth | None:
     return ClusterAuth(read_secret(path), window_s=config.auth_window_s)
 
 
+OPEN_CLUSTER = (
+    "open cluster (no --cluster-secret-file): any process that reaches a node may call it, "
+    "reserve its KV blocks and send it KV"
+)
+
+
 def open_cluster_warning(role: str) -> str:
-    return (
-        f"{role}: NO CLUSTER SECRET: this cluster is open (unauthenticated): any process that "
-        "reaches a node may call it, reserve its KV blocks and send it KV. Pass "
-        "--cluster-secret-file (or set PDSERVE_CLUSTER_SECRET_FILE) on every router and node."
-    )
+    """The router's start-up warning of an open cluster (nodes add theirs to one line)."""
+    return f"{role}: {OPEN_CLUSTER}; README.md, 'Security', says how to close it"

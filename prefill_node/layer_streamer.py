@@ -7,8 +7,9 @@
     engine thread  on_layer_done(layer_idx, chunks)             right after a layer's KV is queued
                    (chunks: the step's PrefillLayerChunk records, engine/outputs.py)
                      a request's first chunk: loop.call_soon_threadsafe: sender.start() (or at
-                       attach): the handshake and the transfer's deadline start with the
-                       prefill, not while the request queues
+                       attach): the hand-off's own time starts with the prefill
+                     the last layer of a chunk: the request's computed tokens (`progress()`,
+                       read by ProgressBeats)
                      for each chunk that ends its prompt, of a request whose sender is live
                      or not attached yet (its layers wait, packed, in its queue):
                        LayerPacker.pack (prefill_node/layer_packer.py): packed, or written in
@@ -147,6 +148,8 @@ class LayerStreamer:
                 outgoing.computing = True
                 outgoing.trace.mark("computing")
                 self._loop.call_soon_threadsafe(self._start, outgoing)
+            if layer_idx == len(self._kv_caches) - 1:
+                outgoing.num_computed_tokens = chunk.end_pos
             if not chunk.ends_prompt:
                 continue
             sender = outgoing.sender  # (set by the event loop: read once)
@@ -155,7 +158,8 @@ class LayerStreamer:
             try:
                 layer = self._packer.pack(outgoing, chunk.block_ids, layer_idx)
             except Exception:  # never let one request's send kill the engine thread
-                logger.exception("request %s: could not pack layer %d", chunk.request_id, layer_idx)
+                logger.exception("request %s: could not pack layer %d", chunk.request_id,
+                                 layer_idx, extra={"request_id": chunk.request_id})  # fmt: skip
                 outgoing.broken = True
                 continue
             if layer.ready is None:
@@ -190,25 +194,33 @@ class LayerStreamer:
         outgoing.trace.mark("result")
         return sender
 
+    def progress(self) -> list[tuple[KVSender, int]]:
+        """(event loop) Each live sender, with how many of its prompt's tokens are computed."""
+        return [
+            (outgoing.sender, outgoing.num_computed_tokens)
+            for outgoing in self._outgoing.values()
+            if outgoing.sender is not None and not outgoing.sender.finished
+        ]
+
     def computing(self, request_id: str) -> bool:
         """The engine computed a chunk of the request's prompt (its prefill started)."""
         outgoing = self._outgoing.get(request_id)
         return outgoing is not None and outgoing.computing
 
     def abort(self, request_id: str, reason: str) -> bool:
-        """Fail the request's transfer (the receiver is told); False when none is open."""
+        """Cancel the request's transfer (the receiver is told); False when none is open."""
         outgoing = self._outgoing.get(request_id)
         if outgoing is None or outgoing.sender is None:
             return False
-        outgoing.sender.abort(reason)
+        outgoing.sender.cancel(reason)
         return True
 
     def close(self, request_id: str, reason: str) -> None:
-        """Forget the request; fail its sender if it is still live. Sends in progress end on
+        """Forget the request; cancel its sender if it is still live. Sends in progress end on
         their own (a failed sender sends nothing more)."""
         outgoing = self._outgoing.pop(request_id, None)
         if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
-            outgoing.sender.abort(reason)
+            outgoing.sender.cancel(reason)
 
     def _queue(self, outgoing: Outgoing, layer: PackedLayer) -> None:
         """(event loop) Queue a packed layer; start the request's drain task if none runs."""
@@ -309,7 +321,8 @@ class LayerStreamer:
             handed.set_result(None)
             await sending
         except Exception as error:  # a bug, not the peer: fail this transfer only
-            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers)
+            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers,
+                             extra={"request_id": sender.log_id})  # fmt: skip
             sender.abort(f"sending layers {layers} failed: {error!r}")
             return
         finally:

@@ -31,8 +31,9 @@ class PackedLayer:
 
 @dataclass
 class Outgoing:
-    """One request's sends. `broken`, `computing` and `src_ids*` are the engine thread's, the
-    rest the event loop's (the engine thread reads `sender` and `num_cached_blocks`)."""
+    """One request's sends. `broken`, `computing`, `num_computed_tokens` and `src_ids*` are
+    the engine thread's, the rest the event loop's (the engine thread reads `sender` and
+    `num_cached_blocks`)."""
 
     trace: TransferTrace
     num_blocks: int  # the prompt's blocks, each layer's packed size
@@ -44,6 +45,7 @@ class Outgoing:
     draining: bool = False  # a drain task runs
     broken: bool = False  # packing a layer failed: later layers are not sent
     computing: bool = False  # (engine thread) the engine computed a chunk of it
+    num_computed_tokens: int = 0  # (engine thread) of the prompt, once a step's last layer ran
     started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
     same_gpu: bool = False  # the receiver shares our GPU (known at attach)
     hold_until: int = 0  # (same_gpu) earlier layers wait, queued, until this one is queued

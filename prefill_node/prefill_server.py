@@ -1,7 +1,8 @@
 """`PrefillServer`: one prefill node (see README.md for a request's lifecycle).
 
 PrefillServer(core, config)   a NodeBase (node_common) around a prefill-only EngineCore, with
-                              a LayerStreamer installed as the engine's on_layer_done hook,
+                              a LayerStreamer and ProgressBeats as the engine's on_layer_done
+                              hook,
                               serving PrefillNode (Prefill) through a PrefillServicer; start/stop
                               as every node
 """
@@ -10,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import grpc
 
 from engine.engine_core import EngineStats
+from engine.outputs import PrefillLayerChunk
 from node_common.node_base import NodeBase
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.prefill_servicer import PrefillServicer
+from prefill_node.progress_beats import ProgressBeats
 from prefill_node.transfer_trace import TransferTrace
 
 
@@ -31,10 +35,15 @@ class PrefillServer(NodeBase):
     servicer: PrefillServicer
 
     def make_servicer(self) -> PrefillServicer:
-        self.streamer = LayerStreamer(
-            self.core.pool.kv_caches, self.layout, asyncio.get_running_loop()
-        )
-        self.core.on_layer_done = self.streamer.on_layer_done
+        loop = asyncio.get_running_loop()
+        self.streamer = LayerStreamer(self.core.pool.kv_caches, self.layout, loop)
+        beats = ProgressBeats(loop, self.streamer.progress)
+
+        def on_layer_done(layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:
+            self.streamer.on_layer_done(layer_idx, chunks)
+            beats.on_layer_done(layer_idx, chunks)
+
+        self.core.on_layer_done = on_layer_done
         return PrefillServicer(self, self.streamer)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:

@@ -5,13 +5,15 @@ check the request, and its ticket if it carries one (layout hash: FAILED_PRECOND
 LayerStreamer.open(request_id, prompt_len)
 hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
     timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► create_sender(ticket, the
-    request's transfer_timeout_s capped by the node's) ─► LayerStreamer.attach   (the sender's
-    handshake and deadline start with the prefill, or at attach if that comes later)
+    request's transfer_timeout_s capped by the node's: the no-progress timeout; the ceiling:
+    that + the prompt tokens queued here, this one's included, / --min-prefill-tokens-per-s)
+    ─► LayerStreamer.attach   (the sender handshakes at once; ProgressBeats keep the receiver
+    waiting while this node's engine makes progress, queued or computing)
 AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile, concurrently)
-    the hand-off fails first (no or bad ticket; the sender fails: not started within
-    transfer_timeout_s, the decode side failed it, the connection broke) ──► abort the
-    prefill (queued: at once; computing: after the step under way, whose first token still
-    goes out) ──► the ticket's status, or ABORTED (the router cancels D's side)
+    the hand-off fails first (no or bad ticket; the sender fails: no progress, its ceiling,
+    the decode side failed it, the connection broke) ──► abort the prefill (queued: at once;
+    computing: after the step under way, whose first token still goes out; one line logged)
+    ──► the ticket's status, or ABORTED (the router cancels D's side)
 ──► PrefillFirstToken                                     at once
 await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
 AsyncEngine.release_nowait (held blocks) ──► PrefillTransferResult
@@ -64,6 +66,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             NodeCounters(),
         )  # fmt: skip
         self._streamer = streamer
+        self._prefill_rate = node.config.min_prefill_tokens_per_s
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
         self._tickets = TicketBox()
@@ -226,8 +229,10 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                     f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
                 ) from None
             self._check_ticket(request, ticket)
+        # the queue ahead of it counts: the engine computes it first (ProgressBeats say so)
+        ceiling_s = timeout_s + self.counters.num_queued_prefill_tokens / self._prefill_rate
         try:
-            sender = self._manager.create_sender(ticket, timeout_s, start_timeout_s=timeout_s)
+            sender = self._manager.create_sender(ticket, timeout_s, ceiling_s, request_id)
         except ValueError as error:  # the transfer id is already in progress here
             raise TicketError(grpc.StatusCode.ALREADY_EXISTS, str(error)) from None
         sender.add_finish_callback(self._metrics.transfer_finished)
@@ -270,7 +275,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             first = out
         if first is None or first.finish_reason == FinishReason.ABORT or not first.new_token_ids:
             if handoff.done() and not handoff.cancelled() and handoff.exception() is None:
-                handoff.result().abort("the request was aborted on the prefill node")
+                handoff.result().cancel("the request was aborted on the prefill node")
             return None
         return first
 

@@ -21,6 +21,7 @@ import grpc
 
 from pdserve import envs
 from pdserve.config import DEFAULT_HOST, DEFAULT_ROUTER_PORT
+from pdserve.sampling_defaults import default_help
 from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
 from router.client import GenerationClient, GenerationResult
@@ -48,7 +49,8 @@ def _field(name: str) -> Callable[[str], int]:
     return _int_within(*int_field_range(generation_pb2.SamplingParams, name))
 
 
-# (flag, type, help) of SamplingParams fields; unset flags leave the engine's default.
+# (flag, type, help) of SamplingParams fields; unset flags take the served model's default
+# (its generation config's, or its model card's), else SamplingParams'.
 _SAMPLING_FLAGS = (
     ("--max-tokens", _field("max_tokens"), "tokens to generate at most"),
     ("--temperature", float, "0: greedy"),
@@ -58,7 +60,7 @@ _SAMPLING_FLAGS = (
     ("--repetition-penalty", float, "> 0; 1 disables"),
     ("--presence-penalty", float, "in [-2, 2]"),
     ("--frequency-penalty", float, "in [-2, 2]"),
-    ("--seed", _field("seed"), "same seed, same tokens"),
+    ("--seed", _field("seed"), "same seed, same tokens; unset: a random one per request"),
     ("--min-tokens", _field("min_tokens"), "no stop before this many tokens"),
     ("--logprobs", _field("logprobs"), "0: the sampled token's; n: plus the top n"),
 )
@@ -73,33 +75,49 @@ _SAMPLING_FIELDS = (
 def build_client_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-client", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--addr", default=f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}", help="router")
+    address = f"{DEFAULT_HOST}:{DEFAULT_ROUTER_PORT}"
+    parser.add_argument("--addr", default=address, help=f"router (default: {address})")
     parser.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message (chat template)"
     )
     parser.add_argument(
-        "--system", action="append", default=[], help="with --chat: a system message first"
+        "--system",
+        action="append",
+        default=[],
+        help="with --chat: a system message first (repeatable; default: none)",
     )
     parser.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object at the end instead of streaming text",
     )
-    parser.add_argument("--request-id", default="")
-    parser.add_argument("--timeout-s", type=float, default=None, help="deadline of the call")
-    sampling = parser.add_argument_group("sampling (unset: the engine's default)")
+    parser.add_argument(
+        "--request-id", default="", help="(default: the router assigns a unique one)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=None, help="deadline of the call (default: none)"
+    )
+    sampling = parser.add_argument_group(
+        "sampling (unset: the served model's default, from its generation config or model "
+        "card, else SamplingParams')"
+    )
     for flag, type_, help_text in _SAMPLING_FLAGS:
-        sampling.add_argument(flag, type=type_, default=None, help=help_text)
-    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        default = default_help(flag[2:].replace("-", "_"))
+        sampling.add_argument(flag, type=type_, default=None, help=f"{help_text} ({default})")
+    sampling.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable; default: none)"
+    )
     sampling.add_argument(
         "--stop-token-id",
         dest="stop_token_ids",
         type=_field("stop_token_ids"),
         action="append",
         default=None,
-        help="stop token id (repeatable)",
+        help="stop token id (repeatable; default: none)",
     )
-    sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    sampling.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="(default: stop at EOS)"
+    )
     return parser
 
 

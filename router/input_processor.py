@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import BlockHash, block_hashes
+from pdserve.sampling_defaults import defaults_from_proto
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, node_pb2
@@ -66,6 +67,8 @@ class InputProcessor:
         chat messages) longer than `max_prompt_chars` characters are refused before
         tokenizing (0: CHARS_PER_TOKEN_CAP x the context length)."""
         self._tokenizer = tokenizer
+        # the model's sampling defaults: what a field the client left unset becomes
+        self._sampling_defaults = defaults_from_proto(model_info.default_sampling)
         self._max_model_len = model_info.max_model_len
         self._vocab_size = model_info.vocab_size
         self._max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN_CAP * self._max_model_len
@@ -75,7 +78,7 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """`cache_salt`: the request's prefix-cache namespace (`CacheSalts.salt`)."""
         _check_request_id(request.request_id)
-        params = SamplingParams.from_proto(request.sampling)
+        params = SamplingParams.from_proto(request.sampling, self._sampling_defaults)
         if params.seed is None:  # P and a falling-back D must draw the same first token
             params = dataclasses.replace(params, seed=random.getrandbits(_SEED_BITS))
         self._check_token_ids("sampling.stop_token_ids", params.stop_token_ids)
@@ -85,6 +88,14 @@ class InputProcessor:
                 "sampling.stop_token_ids"
             )
         prompt_token_ids = self._prompt_token_ids(request)
+        if len(prompt_token_ids) >= self._max_model_len:  # the prompt alone is too long
+            kind = request.WhichOneof("input") or "prompt"
+            raise InvalidRequestError(
+                f"the {kind} is {len(prompt_token_ids)} tokens; the model's context length of "
+                f"{self._max_model_len} tokens must hold it and at least one generated token: "
+                "shorten it",
+                kind,
+            )
         total_len = len(prompt_token_ids) + params.max_tokens
         if total_len > self._max_model_len:
             raise InvalidRequestError(

@@ -5,15 +5,13 @@ stream()
   D.Decode(DISAGGREGATED | LOCAL_PREFILL)     ─ read ticket first (ticket_timeout_s) when P
   P.Prefill(request)                          ─ at once, beside D.Decode: P computes while D
                                                 reserves (the ticket is not in yet)
-  _read_prefill task: P.AttachTicket(ticket) once D's ticket is in (node_rpc_timeout_s);
-                      PrefillFirstToken -> NodeTokens(0); PrefillTransferResult (logged)
-                      P unreachable before its first token: Prefill on another prefill node
-                      (retry_prefill, the ticket inline), once; P failed otherwise (its
-                      AttachTicket too), or reported a failed
-                      transfer: D.CancelTransfer (D frees the reservation and prefills
-                      locally at once, not at its transfer deadline)
+  PrefillLeg.read task (prefill_leg.py): P.AttachTicket(ticket) once D's ticket is in;
+                      PrefillFirstToken -> NodeTokens(0); PrefillTransferResult; a retry on
+                      another prefill node, or D.CancelTransfer when P failed
   _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
-  both tasks -> one queue -> yielded (token_timeout_s per wait) until a finish_reason
+  both tasks -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
+                      first also waits for the prefill: + the prompt tokens its node has in
+                      flight, this one's included, / min_prefill_tokens_per_s)
   D UNAVAILABLE before any token was yielded: NodeUnreachableError (the dispatcher retries)
   D UNAVAILABLE after:  DecodeLostError (the dispatcher migrates the request)
 A migrated request (output_token_ids: its tokens already streamed) runs LOCAL_PREFILL on D,
@@ -32,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
@@ -40,20 +38,15 @@ from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
 from router.errors import DecodeLostError, NodeUnreachableError, RouterError, node_error
 from router.input_processor import ProcessedRequest
-from router.node_client import NodeClient
-from router.node_load import InflightWork
 from router.output_processor import NodeTokens
 from router.policies import Route
+from router.prefill_leg import PrefillLeg, RetryPrefill
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
 
 _TASK_EXIT_TIMEOUT_S = 1.0  # cancelled reader tasks end at their next await
 _background_aborts: set[asyncio.Task[None]] = set()  # D.Aborts sent for cancelled requests
-
-# Given the prefill node that was unreachable: another one to run the Prefill on (counted as a
-# retry), or None.
-RetryPrefill = Callable[[NodeClient], NodeClient | None]
 
 
 class RequestCalls:
@@ -70,28 +63,25 @@ class RequestCalls:
         output_token_ids: Sequence[int] = (),
     ) -> None:
         self._decode = route.decode
-        # The current prefill node (a retry changes it); a migrated request prefills on D.
-        self._prefill = route.prefill if not output_token_ids else None
+        # a migrated request prefills on D
+        self._first_prefill = route.prefill if not output_token_ids else None
         self._output_token_ids = list(output_token_ids)
         self._request = request
         self._config = config
-        self._stats = stats
         self._timeout_s = timeout_s
-        self._retry_prefill = retry_prefill
         self._events: asyncio.Queue[NodeTokens | RouterError] = asyncio.Queue()
+        self._prefill = PrefillLeg(
+            request, self._decode, config, stats, self._events, timeout_s, retry_prefill
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._decode_call: grpc.aio.UnaryStreamCall | None = None
-        self._prefill_call: grpc.aio.UnaryStreamCall | None = None
-        self._ticket_sent = False  # the current Prefill call has the ticket (inline or attached)
         self._decode_ended = False  # D's stream delivered its finish or failed
         self._num_yielded = 0
-        self._prefill_sent_first = False  # P's first token is in the queue
         max_tokens = request.sampling_params.max_tokens
         self._decode_work = self._decode.load.track(request.prompt_len + max_tokens)
-        self._prefill_work: InflightWork | None = None
 
     async def stream(self) -> AsyncGenerator[NodeTokens, None]:
-        prefill = self._prefill
+        prefill = self._first_prefill
         disaggregated = prefill is not None
         decode_call = self._decode_call = self._decode.decode_stub.Decode(
             node_pb2.DecodeRequest(
@@ -108,20 +98,22 @@ class RequestCalls:
             timeout=self._timeout_s,
         )
         if prefill is not None:
-            self._start_prefill(prefill, None)  # close() cancels it if D sends no ticket
+            self._prefill.start(prefill, None)  # close() cancels it if D sends no ticket
             ticket = await self._read_ticket(decode_call)
-            self._tasks.append(asyncio.create_task(self._read_prefill(ticket)))
+            self._tasks.append(asyncio.create_task(self._prefill.read(ticket)))
         self._tasks.append(asyncio.create_task(self._read_decode(decode_call)))
+        wait_s = self._first_token_wait_s()
         while True:
             try:  # asyncio.timeout: a client's cancel stays a cancel (see RedisNodeSource.watch)
-                async with asyncio.timeout(self._config.token_timeout_s):
+                async with asyncio.timeout(wait_s):
                     event = await self._events.get()
             except TimeoutError:
                 raise RouterError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"request {self._request.request_id}: no tokens from decode node "
-                    f"{self._decode.address} for {self._config.token_timeout_s} s",
+                    f"{self._decode.address} for {wait_s:.0f} s",
                 ) from None
+            wait_s = self._config.token_timeout_s
             if isinstance(event, RouterError):
                 raise self._decode_failure(event)
             self._num_yielded += 1
@@ -143,14 +135,21 @@ class RequestCalls:
         finally:
             for task in self._tasks:
                 task.cancel()
-            for call in (self._decode_call, self._prefill_call):
-                if call is not None:
-                    call.cancel()
+            if self._decode_call is not None:
+                self._decode_call.cancel()
+            self._prefill.close()
             if self._tasks:
                 await asyncio.wait(self._tasks, timeout=_TASK_EXIT_TIMEOUT_S)
             self._decode_work.done()
-            if self._prefill_work is not None:
-                self._prefill_work.done()
+
+    def _first_token_wait_s(self) -> float:
+        """token_timeout_s, and the prefill the first token waits for: the prompt tokens its
+        node has in flight, this one's included (D prefills: prompt + a migration's tokens)."""
+        if self._prefill.node is not None:
+            tokens = self._prefill.tokens_in_flight
+        else:
+            tokens = self._request.prompt_len + len(self._output_token_ids)
+        return self._config.token_timeout_s + tokens / self._config.min_prefill_tokens_per_s
 
     def _decode_failure(self, error: RouterError) -> RouterError:
         """D's stream failed: retryable if it was unreachable before any token went out."""
@@ -216,123 +215,6 @@ class RequestCalls:
             "finish_reason",
         )
 
-    def _start_prefill(self, prefill: NodeClient, ticket: node_pb2.TransferTicket | None) -> None:
-        """P.Prefill on `prefill` (the current prefill node from now), with `ticket` inline, or
-        (None) to be attached by _forward_prefill."""
-        # P starts the prefill within transfer_timeout_s and ends the hand-off within
-        # transfer_timeout_s of that (as D waits): the call outlives neither.
-        timeout_s = 2 * self._config.transfer_timeout_s
-        if self._timeout_s is not None:
-            timeout_s = min(timeout_s, self._timeout_s)
-        if self._prefill_work is not None:
-            self._prefill_work.done()
-        self._prefill = prefill
-        self._prefill_work = prefill.load.track(self._request.prompt_len)
-        self._prefill_call = prefill.prefill_stub.Prefill(
-            node_pb2.PrefillRequest(
-                request_id=self._request.request_id,
-                prompt_token_ids=self._request.prompt_token_ids,
-                sampling=self._request.node_sampling,
-                ticket=ticket,
-                transfer_timeout_s=self._config.transfer_timeout_s,
-                cache_salt=self._request.cache_salt,
-            ),
-            timeout=timeout_s,
-        )
-        self._ticket_sent = ticket is not None
-
-    async def _read_prefill(self, ticket: node_pb2.TransferTicket) -> None:
-        """Forwards P's first token; if P is unreachable before it, runs the Prefill on another
-        prefill node once; if P fails otherwise before the hand-off ends, tells D to prefill
-        locally instead of waiting out its transfer timeout."""
-        try:
-            failure = await self._forward_prefill_with_retry(ticket)
-        finally:
-            if self._prefill_work is not None:
-                self._prefill_work.done()
-        if failure is None:
-            return
-        self._stats.prefill_failure()
-        prefill, call = self._prefill_leg()
-        logger.warning(
-            "request %s: prefill node %s failed (%s); decode node %s prefills locally",
-            self._request.request_id,
-            prefill.address,
-            failure,
-            self._decode.address,
-        )
-        call.cancel()  # (P may still wait for its ticket, holding blocks)
-        await self._cancel_transfer(ticket.transfer_id, f"prefill node failed: {failure}")
-
-    async def _forward_prefill_with_retry(self, ticket: node_pb2.TransferTicket) -> str | None:
-        """`_forward_prefill`, once more on another prefill node if the first was unreachable
-        before its first token; why the hand-off failed, or None."""
-        prefill, call = self._prefill_leg()
-        try:
-            return await self._forward_prefill(ticket)
-        except grpc.aio.AioRpcError as error:
-            failure = _describe(error)
-            other = None
-            if error.code() == grpc.StatusCode.UNAVAILABLE and not self._prefill_sent_first:
-                other = self._retry_prefill(prefill)
-            if other is None:
-                return failure
-        logger.warning(
-            "request %s: prefill node %s unreachable (%s); retrying on %s",
-            self._request.request_id, prefill.address, failure, other.address,
-        )  # fmt: skip
-        call.cancel()
-        self._start_prefill(other, ticket)
-        try:
-            return await self._forward_prefill(ticket)
-        except grpc.aio.AioRpcError as error:
-            return _describe(error)
-
-    async def _forward_prefill(self, ticket: node_pb2.TransferTicket) -> str | None:
-        """Attaches the ticket if P's call went without it, reads P's two messages; returns
-        why the hand-off failed (P's stream, or the transfer P reports failed), or None."""
-        prefill, call = self._prefill_leg()
-        if not self._ticket_sent:
-            self._ticket_sent = True
-            await prefill.attach_ticket(
-                self._request.request_id, ticket, self._config.node_rpc_timeout_s
-            )
-        message = await call.read()
-        if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
-            return "its stream did not start with the first token"
-        first = message.first_token
-        self._prefill_sent_first = True
-        self._events.put_nowait(
-            NodeTokens(
-                output_index=0,
-                token_ids=[first.token_id],
-                logprobs=[first.logprob] if first.HasField("logprob") else [],
-                finish_reason=first.finish_reason,
-                num_cached_tokens=first.num_cached_tokens,
-            )
-        )
-        message = await call.read()
-        if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_result":
-            return "its stream ended without a transfer result"
-        result = message.transfer_result
-        if not result.ok:  # D is told at once (it may never hear from P: a broken connection)
-            return f"its KV transfer failed: {result.error}"
-        return None
-
-    def _prefill_leg(self) -> tuple[NodeClient, grpc.aio.UnaryStreamCall]:
-        """The current prefill node and its Prefill call (set by `_start_prefill`, which a
-        disaggregated route runs before any reader of P's stream starts)."""
-        if self._prefill is None or self._prefill_call is None:
-            raise RuntimeError(f"request {self._request.request_id}: no Prefill call started")
-        return self._prefill, self._prefill_call
-
-    async def _cancel_transfer(self, transfer_id: str, reason: str) -> None:
-        decode = self._decode
-        try:
-            await decode.cancel_transfer(transfer_id, reason, self._config.node_rpc_timeout_s)
-        except grpc.aio.AioRpcError as error:  # D still falls back at its transfer timeout
-            logger.warning("CancelTransfer %s on %s failed: %s", transfer_id, decode.address, error)
-
     async def _abort_decode(self) -> None:
         try:  # bounded by node_rpc_timeout_s
             await self._decode.abort(self._request.request_id, self._config.node_rpc_timeout_s)
@@ -340,7 +222,3 @@ class RequestCalls:
             pass
         except Exception:  # noqa: BLE001 - e.g. the channel closed under a background abort
             logger.debug("abort of %s failed", self._request.request_id, exc_info=True)
-
-
-def _describe(error: grpc.aio.AioRpcError) -> str:
-    return f"{error.code().name}: {error.details()}"

@@ -71,6 +71,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
+            # (NodeSamplingParams shares SamplingParams' field numbers)
+            default_sampling=generation_pb2.SamplingParams.FromString(
+                info.default_sampling.SerializeToString()
+            ),
         )
 
     async def GetTokenizer(

@@ -13,6 +13,9 @@
 #   pdl          decode at batch 1-128 (the graph sizes) with PDSERVE_PDL=0 and =1, twice in turn (what
 #                programmatic dependent launch saves: kernels/pdl.py)
 #   profile      pd-bench profile: host phases and kernels per decode step
+#   structured   structured outputs: compile time, TTFT with a cold and a cached schema, and a
+#                decode step with every request under a JSON schema against unconstrained
+#                (llama3-8b bf16, batch 32: benchmarks/engine/bench_structured.py)
 # Writes logs to $OUT when set (the device tool's output folder).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +27,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio/pyzmq/ucxx for the two-process 
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 log_dir="${OUT:-/tmp}"
-checks=" ${GPU_CHECKS:-tests attention sweep engine engine_sync pdl profile} "
+checks=" ${GPU_CHECKS:-tests attention sweep engine engine_sync pdl profile structured} "
 want() { [[ "$checks" == *" $1 "* ]]; }
 if [ "${WITH_FA:-0}" = 1 ]; then
   bash .fa/build.sh && export PYTHONPATH="$HOME/fa/src:$PYTHONPATH"
@@ -70,6 +73,9 @@ if want profile; then
     --batch-sizes 1,32,128 --json "$log_dir/profile_llama3_8b.json" 2>&1 | tee "$log_dir/profile_llama3_8b.log"
   python3 -m benchmarks.cli profile --model synthetic:smollm2-135m --attention-backend triton \
     --batch-sizes 1,32 --json "$log_dir/profile_smollm2.json" 2>&1 | tee "$log_dir/profile_smollm2.log"
+fi
+if want structured; then
+  python3 -m benchmarks.engine.bench_structured --dtype bfloat16 2>&1 | tee "$log_dir/bench_structured.log"
 fi
 if [ "${WITH_FA:-0}" = 1 ] && want engine; then
   python3 -m benchmarks.cli engine --attention-backend flash_attn \

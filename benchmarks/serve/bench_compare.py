@@ -28,6 +28,7 @@ from benchmarks.serve.bench_serve import (
     add_dataset_flags,
     add_run_flags,
     check_flags,
+    place_outputs,
     prepare,
     report,
     run_sweep,
@@ -78,7 +79,9 @@ def _run_config(spec: ClusterSpec, extra: list[str], args: argparse.Namespace,
                 prepared: list) -> tuple[list[dict], dict]:  # fmt: skip
     log = Path(args.cluster_log)
     log = log.with_name(f"{log.stem}-{spec.name.replace(':', '')}{log.suffix}")
-    with BenchCluster(spec, extra, log, args.cluster_timeout_s) as cluster:
+    with BenchCluster(
+        spec, extra, log, args.cluster_timeout_s, progress=not args.no_progress
+    ) as cluster:
         if not prepared:
             prepared.extend(prepare(cluster.address, args))
         requests, options, _ = prepared
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     check_flags(parser, args, extra)
     payload: dict[str, Any] = {"command": shlex.join(["pd-bench", "compare", *argv]),
                                "configs": []}  # fmt: skip
+    place_outputs(args, "compare")
     runs: list[dict] = []
     prepared: list = []
     try:

@@ -1,13 +1,15 @@
 """`pd-bench serve`: a serving benchmark with SLO goodput, against a router or its own cluster.
 
     pd-bench serve --addr 127.0.0.1:50051 --dataset sharegpt --num-prompts 200 \\
-        --request-rate 1,2,4 --slo-ttft-ms 250 --slo-tpot-ms 25 --json out.json --plot out.png
+        --request-rate 1,2,4 --slo-ttft-ms 250 --slo-tpot-ms 25 --json serve.json --plot serve.png
     pd-bench serve --prefill 1 --decode 1 --model smollm2-135m --device cpu \\
         --dataset sharegpt --num-prompts 8 --max-output-tokens 8 --request-rate 4
 
 Without --addr it starts `pd-serve --prefill N --decode M` with every flag it does not know
 itself (--model, --device, --dtype, --policy, ...: see `pd-serve --help`), waits until the
-router answers, runs each request rate on it, and stops it. Each rate sends the same requests
+router answers (printing pd-serve's own start-up lines), runs each request rate on it, and
+stops it. Its files (--json, --plot, pd-serve's log) go to a new folder under --results-dir
+(pd-bench-results/, git-ignored). Each rate sends the same requests
 (same dataset sample, fresh arrival times from --seed) after --num-warmups warm-up requests.
 Metrics and their definitions: benchmarks/serve/metrics.py. `--multi-turn` replays ShareGPT
 conversations turn by turn (benchmarks/serve/bench_multi_turn.py). Torch-free.
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import shlex
 import sys
+import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +43,20 @@ from pdserve.tokenizer import Tokenizer
 from router.client import GenerationClient
 
 CLUSTER_TIMEOUT_S = 900.0  # the first start of a model may convert it (GGUF) or compile
+RESULTS_DIR = "pd-bench-results"  # git-ignored
+
+
+def place_outputs(args: argparse.Namespace, command: str) -> Path:
+    """A fresh folder for this run's files (under --results-dir); --json, --plot and
+    --cluster-log given as relative paths go there."""
+    folder = Path(args.results_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("json", "plot", "cluster_log"):
+        value = getattr(args, name)
+        if value is not None and not Path(value).is_absolute():
+            setattr(args, name, str(folder / value))
+    print(f"pd-bench {command}: results in {folder}", file=sys.stderr)
+    return folder
 
 
 def _rates(text: str) -> list[float]:
@@ -102,13 +120,17 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     slo = parser.add_argument_group("SLO (goodput counts completed requests meeting both)")
     slo.add_argument("--slo-ttft-ms", type=float, default=None, help="time to first token target")
     slo.add_argument("--slo-tpot-ms", type=float, default=None, help="time per output token target")
-    out = parser.add_argument_group("output")
+    out = parser.add_argument_group("output (relative paths: in a new folder under --results-dir)")
+    out.add_argument("--results-dir", default=RESULTS_DIR, metavar="DIR",
+                     help="each run writes its files into DIR/<date-time>-<command>/ "
+                     "(default %(default)s, which .gitignore ignores)")  # fmt: skip
     out.add_argument("--json", default=None, metavar="FILE",
-                     help="every figure, the command and per-request timings")  # fmt: skip
+                     help="every figure, the command and per-request timings (default: none)")  # fmt: skip
     out.add_argument("--plot", default=None, metavar="FILE.png",
-                     help="goodput, p90 TTFT and p90 TPOT against request rate")  # fmt: skip
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    out.add_argument("--cluster-log", default="pd-bench-cluster.log", metavar="FILE",
+                     help="goodput, p90 TTFT and p90 TPOT against request rate (default: none)")  # fmt: skip
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar, nor pd-serve's start-up lines")  # fmt: skip
+    out.add_argument("--cluster-log", default="pd-serve.log", metavar="FILE",
                      help="where a started pd-serve's output goes (default %(default)s; "
                      "compare: one file per configuration, its name appended)")  # fmt: skip
     out.add_argument("--cluster-timeout-s", type=float, default=CLUSTER_TIMEOUT_S,
@@ -169,8 +191,7 @@ def prepare(addr: str, args: argparse.Namespace) -> tuple[list[SampleRequest], S
 def _warm_up(addr: str, requests: list[SampleRequest], options: SendOptions, num: int) -> None:
     if num <= 0:
         return
-    warm = [SampleRequest(r.prompt_len, min(r.max_tokens, 8), r.prompt, r.prompt_token_ids)
-            for r in (requests * num)[:num]]  # fmt: skip
+    warm = [dataclasses.replace(r, max_tokens=min(r.max_tokens, 8)) for r in (requests * num)[:num]]
     records, _ = asyncio.run(run_requests(addr, warm, [0.0] * num, options, run_name="warmup"))
     failed = [r for r in records if not r.completed]
     if failed:
@@ -271,12 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     check_flags(parser, args, extra)
     payload: dict[str, Any] = {"command": shlex.join(["pd-bench", "serve", *argv])}
+    place_outputs(args, "serve")
     cluster = None
     try:
         if args.addr is None:
             spec = ClusterSpec(f"{args.prefill}P{args.decode}D" if args.prefill else
                                f"colocated:{args.decode}", args.prefill, args.decode)  # fmt: skip
-            cluster = BenchCluster(spec, extra, Path(args.cluster_log), args.cluster_timeout_s)
+            cluster = BenchCluster(spec, extra, Path(args.cluster_log), args.cluster_timeout_s,
+                                   progress=not args.no_progress)  # fmt: skip
             addr, config = cluster.start(), spec.name
             payload["configs"] = [{**asdict(spec), "serve_argv": cluster.argv()[1:]}]
         else:

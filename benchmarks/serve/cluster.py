@@ -12,8 +12,9 @@ kv_counters(decode_addresses(), security()): the hand-offs' KV bytes moved and s
 stop:  SIGINT to pd-serve, as Ctrl-C (it stops its nodes), SIGKILL to its session after a grace period;
        returns the pids pd-serve had started that outlived it
 ```
-pd-serve's output goes to `log` (its last lines) and, when given, to a log file. Torch-free:
-pd-serve's nodes load the model in their own processes.
+pd-serve's output goes to `log` (its last lines) and, when given, to a log file; with
+`progress`, its own lines ("pd-serve: ...": what it waits for, where it listens) also to
+stderr while it starts. Torch-free: pd-serve's nodes load the model in their own processes.
 """
 
 from __future__ import annotations
@@ -133,8 +134,11 @@ class BenchCluster:
     """
 
     def __init__(self, spec: ClusterSpec | None, serve_flags: list[str],
-                 log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S) -> None:  # fmt: skip
+                 log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
+                 progress: bool = False) -> None:  # fmt: skip
         self.spec = spec
+        self.progress = progress  # echo pd-serve's own lines to stderr until it is ready
+        self.num_log_lines = 0  # lines pd-serve wrote so far (log_since counts from one)
         self.serve_flags = list(serve_flags)
         self.log_path = log_path
         self.timeout_s = timeout_s
@@ -165,6 +169,9 @@ class BenchCluster:
     def _watch(self, stdout: IO[str], log_file: IO[str] | None) -> None:
         for line in stdout:
             self.log.append(line)
+            self.num_log_lines += 1
+            if self.progress and not self._found.is_set() and line.startswith("pd-serve:"):
+                sys.stderr.write(line)
             if log_file is not None:
                 log_file.write(line)
                 log_file.flush()
@@ -178,6 +185,9 @@ class BenchCluster:
             log_file.close()
 
     def start(self) -> str:
+        if self.progress:
+            where = f"; its log: {self.log_path}" if self.log_path is not None else ""
+            print(f"pd-bench: starting pd-serve ({self.name}){where}", file=sys.stderr)
         log_file = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,6 +209,11 @@ class BenchCluster:
             self.stop()
             raise RuntimeError(f"{error}; {self._log_tail()}") from None
         return address
+
+    def log_since(self, num_lines: int) -> list[str]:
+        """The lines pd-serve wrote after its first `num_lines` (those still kept in `log`)."""
+        kept = list(self.log)
+        return kept[max(0, len(kept) - (self.num_log_lines - num_lines)) :]
 
     def node_stats(self, name: str, timeout_s: float = RPC_TIMEOUT_S) -> node_pb2.NodeStats:
         """Node `name` ("decode-0")'s stats over gRPC."""

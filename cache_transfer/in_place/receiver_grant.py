@@ -26,11 +26,16 @@ QUARANTINE_MARGIN_S = 2.0
 
 class InPlaceGrant:
     def __init__(
-        self, transfer_id: str, pool_export: transfer_pb2.KVPoolExport | None, kv_device: str
+        self,
+        transfer_id: str,
+        pool_export: transfer_pb2.KVPoolExport | None,
+        kv_device: str,
+        log_id: str = "",
     ) -> None:
         """`pool_export`: this node's caches, exported (None: never grant); `kv_device`: their
-        GPU, as the ticket names it."""
+        GPU, as the ticket names it; `log_id`: the request id log lines carry."""
         self._transfer_id = transfer_id
+        self._tag = {"request_id": log_id} if log_id else None
         self._pool_export = pool_export
         self._kv_device = kv_device
         self._loop = asyncio.get_running_loop()
@@ -75,7 +80,7 @@ class InPlaceGrant:
         `sender_id`)."""
         if peer_id != sender_id or not self.granted:
             logger.warning("receiver %s: ignored a drained notice from %s",
-                           self._transfer_id, peer_id)  # fmt: skip
+                           self._transfer_id, peer_id, extra=self._tag)  # fmt: skip
             return
         if self._quarantine_timer is not None:
             self._quarantine_timer.cancel()
@@ -84,6 +89,6 @@ class InPlaceGrant:
     def _on_quarantine_deadline(self) -> None:
         logger.warning(
             "receiver %s: the in-place sender never said it drained; its deadline is past, so "
-            "its blocks are reused", self._transfer_id,
+            "its blocks are reused", self._transfer_id, extra=self._tag,
         )  # fmt: skip
         self.writes_settled.set()

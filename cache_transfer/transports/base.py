@@ -54,6 +54,10 @@ class TransportHandler(Protocol):
 class KVTransport(abc.ABC):
     """One endpoint: a listener peers send to, plus reused connections to peers."""
 
+    # What its node should warn about at start, in a few words (e.g. a listener that cannot
+    # bind the given host), or None.
+    caveat: str | None = None
+
     @property
     @abc.abstractmethod
     def address(self) -> str:

@@ -131,23 +131,9 @@ class TensorParallel:
             torch.cuda.set_device(devices[0])  # graphs, streams and events of rank 0's device
         store = create_store(n, start_s)
         broadcast = ShmBroadcast.create(n - 1)
-        specs = [
-            WorkerSpec(
-                r,
-                n,
-                str(devices[r]),
-                partitions[r],
-                store.port,
-                broadcast.path,
-                start_s,
-                par.tp_step_timeout_s,
-                config,
-                worker_init,
-                logging.getLogger().getEffectiveLevel(),
-                threads,
-            )  # fmt: skip
-            for r in range(1, n)
-        ]
+        level, steps_s = logging.getLogger().getEffectiveLevel(), par.tp_step_timeout_s
+        common = (store.port, broadcast.path, start_s, steps_s, config, worker_init, level, threads)
+        specs = [WorkerSpec(r, n, str(devices[r]), partitions[r], *common) for r in range(1, n)]
         workers = None
         try:
             workers = WorkerGroup(specs)

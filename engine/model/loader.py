@@ -8,7 +8,7 @@ ModelConfig.model -> ModelSource (sources.py) -> ModelArchConfig
      Triton skinny GEMM, kernels/gemm)
   -> weights: safetensors (streamed, one tensor at a time) | seeded random (synthetic);
      tensor parallelism: the rank's slices only (shard_loading.py)
-  -> LoadedModel(model, arch, name, tokenizer_dir)
+  -> LoadedModel(model, arch, name, tokenizer_dir, sampling_defaults)
 ```
 """
 
@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from kernels.gemm import cpu_packed
 from pdserve import envs
 from pdserve.config import ModelConfig
 from pdserve.progress import track
+from pdserve.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class LoadedModel:
     # The Triton kernels went with PDL when it loaded (kernels/pdl.py: a process-wide setting,
     # so a model loaded later in the same process sets it for both)
     dependent_launch: bool = False
+    # the model's sampling defaults (ModelSource.sampling_defaults; empty: SamplingParams')
+    sampling_defaults: SamplingDefaults = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -134,7 +137,9 @@ def load_model(
         model.layer_ops.name,
         ", programmatic dependent launch" if pdl else "",
     )
-    return LoadedModel(model, arch, source.name, source.tokenizer_dir, pdl)
+    return LoadedModel(
+        model, arch, source.name, source.tokenizer_dir, pdl, source.sampling_defaults
+    )
 
 
 def _rank_arch(arch: ModelArchConfig, part: ModelPartition) -> ModelArchConfig:

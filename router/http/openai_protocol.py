@@ -92,7 +92,7 @@ def parse_completion(
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
     max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
-    sampling = _sampling(body, 16 if max_tokens is None else max_tokens, logprobs)
+    sampling = _sampling(body, max_tokens, logprobs)  # unset: the model's default, else 16
     requests = []
     for prompt in prompts:
         request = generation_pb2.GenerateRequest()

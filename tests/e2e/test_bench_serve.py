@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slow
 SERVE_TIMEOUT_S = 600
 
 
-def _bench(*argv: str) -> subprocess.CompletedProcess:
+def _bench(*argv: str, progress: bool = False) -> subprocess.CompletedProcess:
+    quiet = [] if progress else ["--no-progress"]
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.cli", "serve", "--no-progress", *argv],
+        [sys.executable, "-m", "benchmarks.cli", "serve", *quiet, *argv],
         capture_output=True, text=True, timeout=SERVE_TIMEOUT_S, check=False,
     )  # fmt: skip
 
@@ -41,15 +42,22 @@ def _check_consistent(run: dict) -> None:
 
 
 def test_sharegpt_run_on_its_own_cpu_cluster(tmp_path):
-    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    """Its files land in a fresh folder under --results-dir (relative names there), and it
+    shows pd-serve's start-up lines while the cluster starts."""
     result = _bench(
         "--prefill", "1", "--decode", "1", "--model", MODEL, "--device", "cpu",
         "--dtype", "float32", "--dataset", "sharegpt", "--num-prompts", "6",
         "--max-output-tokens", "8", "--request-rate", "8", "--slo-ttft-ms", "60000",
-        "--json", str(out), "--plot", str(plot), "--cluster-log", str(tmp_path / "cluster.log"),
+        "--results-dir", str(tmp_path / "results"), "--json", "serve.json", "--plot", "serve.png",
+        progress=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TTFT" in result.stdout and "goodput" in result.stdout
+    assert "pd-serve: router listening" in result.stderr  # its start, shown as it goes
+    (folder,) = (tmp_path / "results").iterdir()
+    assert folder.name.endswith("-serve")
+    out, plot = folder / "serve.json", folder / "serve.png"
+    assert "pd-decode listening" in (folder / "pd-serve.log").read_text()
     payload = json.loads(out.read_text())
     assert payload["dataset"]["name"] == "sharegpt" and payload["dataset"]["num_requests"] == 6
     (run,) = payload["runs"]
@@ -70,6 +78,7 @@ def test_failed_requests_count_as_failed_against_a_running_router(cluster_coloca
     result = _bench(
         "--addr", cluster_colocated.router, "--dataset", "jsonl", "--dataset-path",
         str(requests), "--request-rate", "inf,20", "--num-warmups", "0", "--json", str(out),
+        "--results-dir", str(tmp_path / "results"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     payload = json.loads(out.read_text())

@@ -171,3 +171,39 @@ def test_cancel_mid_stream_frees_decode_blocks_within_a_second(cluster_1p1d):
     freed_after_s = time.monotonic() - cancelled_at
     decode = stats["decode-0"]
     assert decode.num_free_kv_blocks == decode.num_kv_blocks, (decode, freed_after_s)
+
+
+def test_a_request_ending_on_its_first_token_logs_no_warning(cluster_1p1d):
+    """Issue 34: max_tokens=1, or a first token that stops the request (here a stop token id,
+    as an EOS would): the hand-off is cancelled quietly (DEBUG), and no process of the cluster
+    logs a WARNING or ERROR about it; nothing falls back, nothing leaks."""
+    prompts = PROMPTS[:3]
+    router = cluster_1p1d.router
+    first = [r.token_ids[0] for r in generate_many(router, prompts, temperature=0.0, max_tokens=1)]
+    local_prefills_before = cluster_1p1d.node_stats("decode-0").num_local_prefills
+    mark = cluster_1p1d.num_log_lines
+
+    async def main():
+        async with GenerationClient(router) as client:
+            ones = [client.generate_all(p, temperature=0.0, max_tokens=1, timeout_s=120)
+                    for p in prompts]  # fmt: skip
+            stops = [
+                client.generate_all(p, temperature=0.0, max_tokens=16, stop_token_ids=[token],
+                                    timeout_s=120)
+                for p, token in zip(prompts, first, strict=True)
+            ]  # fmt: skip
+            return await asyncio.gather(*ones, *stops)
+
+    results = asyncio.run(asyncio.wait_for(main(), 300))
+    assert [r.finish_reason for r in results] == ["length"] * 3 + ["stop"] * 3
+    stats = cluster_1p1d.wait_all_blocks_free(timeout_s=10)
+    assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.values()), stats
+    assert all(s.num_pending_transfers == 0 for s in stats.values()), stats
+    time.sleep(1.0)  # a late message (a result, an ack) would be logged by now
+    assert stats["decode-0"].num_local_prefills == local_prefills_before  # none fell back
+    noisy = [
+        line
+        for line in cluster_1p1d.log_since(mark)
+        if " WARNING " in line or " ERROR " in line or "Traceback" in line
+    ]
+    assert not noisy, "".join(noisy)

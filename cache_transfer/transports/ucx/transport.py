@@ -16,8 +16,9 @@ The listener binds `host` when ucxx's `create_listener` takes a `host` (UCXX's C
 ListenerBuilder has one); ucxx 0.52's Python API has none and listens on every interface, so
 then a specific `host` gets a warning at start (the port is reachable on every interface: only
 KV handshakes proving the cluster secret are heard, and an unauthenticated peer allocates
-nothing; firewall it, or use the tcp transport, which binds `host`). `host` also chooses the
-address advertised to peers.
+nothing; firewall it, or use the tcp transport, which binds `host`): the transport's `caveat`,
+which the node puts in its one start-up warning. `host` also chooses the address advertised to
+peers.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class UcxTransport(KVTransport):
             ) from None
         RUNTIME.acquire(self)
         try:
-            self._listener = _listen(self._on_connect, host, port)
+            self._listener, self.caveat = _listen(self._on_connect, host, port)
         except Exception as error:  # e.g. "Device is busy": the port is still held
             RUNTIME.forget(self)
             raise TransportBindError(
@@ -139,22 +140,20 @@ class UcxTransport(KVTransport):
         return f"{peer_address}#{next(self._peer_numbers)}"
 
 
-def _listen(callback: object, host: str, port: int) -> ucxx.Listener:
+def _listen(callback: object, host: str, port: int) -> tuple[ucxx.Listener, str | None]:
     """A ucxx listener on `host`:`port` where ucxx can bind an address; else on every
-    interface, with a warning when `host` is a specific address."""
+    interface, and what to say about it when `host` is a specific address."""
     if host in WILDCARD_HOSTS:
-        return ucxx.create_listener(callback, port)
+        return ucxx.create_listener(callback, port), None
     if "host" in inspect.signature(ucxx.create_listener).parameters:
-        return ucxx.create_listener(callback, port, host=host)
+        return ucxx.create_listener(callback, port, host=host), None
     listener = ucxx.create_listener(callback, port)
-    logger.warning(
-        "ucx KV listener: ucxx %s cannot bind an address, so port %d listens on every "
-        "interface, not only %s. With a cluster secret only KV handshakes proving it are heard "
-        "(an unauthenticated peer allocates nothing); firewall the port, or use --kv-transport "
-        "tcp to listen on %s only",
-        getattr(ucxx, "__version__", "?"), listener.port, host, host,
-    )  # fmt: skip
-    return listener
+    caveat = (
+        f"its ucx KV port {listener.port} listens on every interface, not only {host} (ucxx "
+        f"{getattr(ucxx, '__version__', '?')} binds no address): firewall it, or use "
+        f"--kv-transport tcp to listen on {host} only"
+    )
+    return listener, caveat
 
 
 def _parse_address(address: str) -> tuple[str, int]:

@@ -40,15 +40,16 @@ def break_first_token_sends(server) -> None:
 
 
 def record_cancels(server) -> list[tuple[str, str]]:
-    """(transfer_id, reason) of every transfer `server`'s manager is told to abort."""
+    """(transfer_id, reason) of every transfer `server`'s manager is told to cancel (what
+    CancelTransfer does)."""
     cancels: list[tuple[str, str]] = []
-    abort = server.manager.abort
+    cancel = server.manager.cancel
 
-    def recording_abort(transfer_id: str, reason: str) -> bool:
+    def recording_cancel(transfer_id: str, reason: str) -> bool:
         cancels.append((transfer_id, reason))
-        return abort(transfer_id, reason)
+        return cancel(transfer_id, reason)
 
-    server.manager.abort = recording_abort
+    server.manager.cancel = recording_cancel
     return cancels
 
 

@@ -51,7 +51,15 @@ def test_start_keeps_listed_gpus_visible_and_passes_the_index(monkeypatch) -> No
     monkeypatch.setattr(local_cluster.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(local_cluster.sys, "stderr", open(os.devnull, "w"))  # noqa: SIM115
     args = types.SimpleNamespace(
-        device="auto", prefill=1, decode=1, registry=None, port=0, metrics_port=0, model="m"
+        device="auto",
+        prefill=1,
+        decode=1,
+        registry=None,
+        port=0,
+        metrics_port=0,
+        model="m",
+        host="127.0.0.1",
+        http_port=0,
     )
     cluster = LocalCluster(args, ["--model", "m"], [])
     cluster.start()

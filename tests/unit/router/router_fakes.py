@@ -139,6 +139,7 @@ class FakeNode(
         self.ticket_gate = asyncio.Event()  # D: the ticket waits for it
         self.ticket_gate.set()
         self.attach_fail_code: grpc.StatusCode | None = None  # P: AttachTicket fails with it
+        self.first_token_delay_s = 0.0  # P: a prefill this long (a long prompt, a backlog)
         self.hold_at = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -196,6 +197,7 @@ class FakeNode(
                 ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
+            await asyncio.sleep(self.first_token_delay_s)
             if not self.transfer_error:
                 self.model.deliver(ticket.transfer_id, first_token)
             first = node_pb2.PrefillFirstToken(

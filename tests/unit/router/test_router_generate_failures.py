@@ -171,3 +171,27 @@ def test_client_deadline_is_deadline_exceeded(tokenizer_files, output_ids) -> No
 
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(h.decode[0].cancelled) == 1  # the node call does not outlive the client's
+
+
+@pytest.mark.parametrize("allowance", ["prefill", "none"])
+def test_the_wait_for_a_first_token_covers_the_prefill(tokenizer_files, output_ids, allowance):
+    """Issue 34: a prefill longer than token_timeout_s (a long prompt, a backlog) is waited
+    for: the first token's wait adds the prompt tokens its prefill node has in flight over
+    min_prefill_tokens_per_s (30 tokens at 10/s: 3 s); without that allowance (a rate of a
+    billion tokens/s) the same 1.5 s prefill is DEADLINE_EXCEEDED at token_timeout_s."""
+    rate = 10.0 if allowance == "prefill" else 1e9
+
+    async def body():
+        async with RouterHarness(
+            tokenizer_files, output_ids, token_timeout_s=0.5, min_prefill_tokens_per_s=rate
+        ) as h:
+            h.prefill[0].first_token_delay_s = 1.5
+            return await h.client.generate_all(prompt_token_ids=[5] * 30, max_tokens=4)
+
+    if allowance == "prefill":
+        result = run(body())
+        assert result.token_ids == output_ids[:4]
+        return
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        run(body())
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -104,6 +104,29 @@ def test_a_chat_error_names_the_parameter_the_body_used(tokenizer_files, output_
     assert [e["param"] for e in errors] == ["max_completion_tokens", "max_tokens"]
 
 
+def test_a_prompt_longer_than_the_context_blames_the_prompt(tokenizer_files, output_ids) -> None:
+    """Issue 34: param "messages" / "prompt" (the client set no max_tokens to lower)."""
+    long_text = " ".join(["word"] * 400)
+
+    async def body():
+        async with harness(tokenizer_files, output_ids) as h:
+            http = httpx.AsyncClient(base_url=base_url(h))
+            chat = await http.post(
+                "/chat/completions",
+                json={"model": "fake-model", "messages": [{"role": "user", "content": long_text}]},
+            )
+            completion = await http.post("/completions", json={
+                "model": "fake-model", "prompt": long_text})  # fmt: skip
+            await http.aclose()
+            return chat, completion
+
+    chat, completion = run(body())
+    assert chat.status_code == completion.status_code == 400
+    assert chat.json()["error"]["param"] == "messages"
+    assert completion.json()["error"]["param"] == "prompt"
+    assert "max_tokens" not in completion.json()["error"]["message"]
+
+
 def test_api_keys_guard_the_v1_routes(tokenizer_files, output_ids, tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# clients\nsecret-1\n")

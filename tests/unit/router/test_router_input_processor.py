@@ -65,6 +65,40 @@ def test_unset_sampling_fields_take_the_engine_defaults(processor) -> None:
     assert not node.HasField("logprobs")  # None: no logprobs
 
 
+def test_unset_sampling_fields_take_the_models_defaults(tokenizer) -> None:
+    """Issue 34: as vLLM's --generation-config auto: the model's defaults (NodeInfo's
+    default_sampling) fill what the client left unset; what it set wins."""
+    info = node_pb2.NodeInfo(max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE)
+    info.default_sampling.CopyFrom(
+        node_pb2.NodeSamplingParams(temperature=0.2, top_p=0.9, max_tokens=8)
+    )
+    processor = InputProcessor(tokenizer, info)
+
+    unset = processor.process(build_request("hello")).sampling_params
+    mine = processor.process(build_request("hello", temperature=0.0, max_tokens=3))
+
+    assert (unset.temperature, unset.top_p, unset.max_tokens) == (0.2, 0.9, 8)
+    assert unset.top_k == SamplingParams().top_k  # not the model's: the engine's
+    assert (mine.sampling_params.temperature, mine.sampling_params.top_p) == (0.0, 0.9)
+    assert mine.sampling_params.max_tokens == 3
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prompt_token_ids", "messages"])
+def test_a_prompt_longer_than_the_context_blames_the_prompt(processor, kind) -> None:
+    """Issue 34: not max_tokens, which the client may never have set."""
+    long_text = " ".join(["word"] * (2 * MAX_MODEL_LEN))
+    request = {
+        "prompt": build_request(long_text),
+        "prompt_token_ids": build_request(prompt_token_ids=[5] * MAX_MODEL_LEN),
+        "messages": build_request(messages=[{"role": "user", "content": long_text}]),
+    }[kind]
+    with pytest.raises(InvalidRequestError) as error:
+        processor.process(request)
+
+    assert error.value.param == kind
+    assert f"the {kind} is" in str(error.value) and "max_tokens" not in str(error.value)
+
+
 def test_set_sampling_fields_reach_the_nodes_exactly(processor) -> None:
     processed = processor.process(
         build_request(

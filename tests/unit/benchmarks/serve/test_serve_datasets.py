@@ -19,9 +19,22 @@ from benchmarks.serve.datasets import (
 class WordTokenizer:
     """One token per whitespace-separated word, plus a BOS with special tokens."""
 
+    chat_template: str | None = None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [len(word) for word in text.split()]
         return [0, *ids] if add_special_tokens else ids
+
+
+class ChatWordTokenizer(WordTokenizer):
+    """... with a chat template: a user message becomes "<user> WORDS <assistant>"."""
+
+    chat_template = "(a template)"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        (message,) = messages
+        assert message["role"] == "user" and add_generation_prompt
+        return f"<user> {message['content']} <assistant>"
 
 
 def _conversation(human: str, gpt: str, first: str = "human") -> dict:
@@ -64,6 +77,27 @@ def test_sharegpt_keeps_what_vllm_keeps(tmp_path):
     capped = load_requests(DatasetSpec(path=spec.path, max_output_tokens=8), WordTokenizer(),
                            8192, 100)  # fmt: skip
     assert sorted(r.max_tokens for r in capped) == [8, 8]
+
+
+def test_sharegpt_conversations_go_as_chat_messages(tmp_path):
+    """Issue 34: as `vllm bench serve` sends chat datasets: the human turn is a user message,
+    the model's chat template applied (counted as templated, no second BOS); a model without a
+    chat template gets the plain text."""
+    from benchmarks.serve.runner import SendOptions, to_proto
+
+    spec = DatasetSpec(path=_sharegpt_file(tmp_path, [_conversation(_words(10), _words(20))]))
+    (chat,) = load_requests(spec, ChatWordTokenizer(), max_model_len=8192, vocab_size=100)
+    (plain,) = load_requests(spec, WordTokenizer(), max_model_len=8192, vocab_size=100)
+
+    assert chat.chat and not plain.chat
+    assert chat.prompt_len == 12 and plain.prompt_len == 11  # two template words vs a BOS
+    proto = to_proto(chat, SendOptions(), "r1")
+    assert proto.WhichOneof("input") == "messages"
+    assert [(m.role, m.content) for m in proto.messages.messages] == [("user", _words(10))]
+    assert to_proto(plain, SendOptions(), "r2").WhichOneof("input") == "prompt"
+    ids = to_proto(chat, SendOptions(send_text=False), "r3")  # no server tokenizer: the ids
+    assert list(ids.prompt_token_ids.ids) == list(chat.prompt_token_ids)
+    assert json.loads(json.dumps(chat.to_json()))["chat"] is True
 
 
 def test_sharegpt_sample_is_seeded_and_reads_a_cut_file(tmp_path):

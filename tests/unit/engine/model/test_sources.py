@@ -121,3 +121,31 @@ def test_resolve_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda:0")
+
+
+def test_sampling_defaults_come_from_the_generation_config(hf_checkpoints, tmp_path):
+    """Issue 34: as vLLM's --generation-config auto; other keys (do_sample, eos) are not
+    sampling defaults."""
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    for file in hf_checkpoints["llama"].path.iterdir():
+        if file.name != "generation_config.json":  # (written below, not through a link)
+            (folder / file.name).symlink_to(file)
+    generation = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 100,
+                  "do_sample": True, "eos_token_id": 2}  # fmt: skip
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+
+    defaults = resolve_model_source(str(folder)).sampling_defaults
+
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 100}
+    assert resolve_model_source(str(hf_checkpoints["llama"].path)).sampling_defaults == {}
+
+
+def test_an_alias_whose_files_set_no_sampling_gets_its_model_cards():
+    """smollm2-135m: the GGUF and its generation_config.json carry none; its model card
+    samples at temperature 0.2, top_p 0.9."""
+    from engine.model.sources import ModelSource
+
+    source = ModelSource(name="smollm2-135m", hf_dir=Path("/nonexistent"))
+    assert source.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    assert ModelSource(name="other", hf_dir=Path("/nonexistent")).sampling_defaults == {}
