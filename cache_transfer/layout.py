@@ -66,6 +66,10 @@ class KVLayout:
         """Bytes of one packed layer of a request holding `num_blocks` blocks."""
         return num_blocks * self.bytes_per_block
 
+    def kv_bytes(self, num_blocks: int) -> int:
+        """Bytes of `num_blocks` blocks in every layer."""
+        return self.layer_bytes(num_blocks) * self.num_layers
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)

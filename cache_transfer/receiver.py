@@ -66,14 +66,12 @@ class KVReceiver(TransferSession):
         log_id: str = "",
         num_cached_blocks: int = 0,
     ) -> None:
-        """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
-        block_size) - `num_cached_blocks` receive the KV: the prompt's first
-        `num_cached_blocks` blocks are held here already, `KVSuffix`, and not sent).
-        `timeout_s`: the no-progress timeout; the ceiling is the sender's (its handshake's
-        timeout_s), at most `max_ceiling_s` (default `timeout_s`) from the handshake.
-        `pool_export`: grant writes in place to a sender on `kv_device` (default: the caches',
-        kv_device_id). With `auth` the ticket is signed and only a handshake proving the
-        secret is heard."""
+        """`dst_block_ids`: every block reserved for the request but the prompt's first
+        `num_cached_blocks`, held here already (`KVSuffix`: not sent). `timeout_s`: the
+        no-progress timeout; the ceiling is the sender's handshake's, at most `max_ceiling_s`
+        (default `timeout_s`) from the handshake. `pool_export`: grant writes in place to a
+        sender on `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is
+        signed and only a handshake proving the secret is heard."""
         self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
         check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
@@ -83,19 +81,15 @@ class KVReceiver(TransferSession):
         self.first_token: transfer_pb2.FirstToken | None = None
         self.num_computed_tokens = 0  # of the prompt, as the sender's last progress said
         self.num_bytes_received = 0
-        # KV bytes of the prompt not sent: held here already
-        self.num_bytes_skipped = layout.layer_bytes(num_cached_blocks) * layout.num_layers
-        # tokens of each layer accepted so far (the held prefix counts)
-        self.layer_token_end = [self.suffix.cached_tokens] * layout.num_layers
+        self.num_bytes_skipped = layout.kv_bytes(num_cached_blocks)  # the prompt's, held here
+        self.layer_token_end = [self.suffix.cached_tokens] * layout.num_layers  # accepted so far
         self.num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
-        self._kv_caches = kv_caches
+        self._kv_caches, self._staging, self._auth = kv_caches, staging, auth
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
-        self._staging = staging
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
-        self._auth = auth
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self._ticket = issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,

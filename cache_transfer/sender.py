@@ -37,8 +37,7 @@ from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
-from cache_transfer.suffix import KVSuffix
-from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit
+from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit, ticket_suffix
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
@@ -69,16 +68,14 @@ class KVSender(TransferSession):
         `device`. With `auth`, a ticket whose signature does not verify fails the session at
         once, nobody contacted (its dst_address may be anyone's)."""
         super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
-        self._auth = auth
-        self._ticket = ticket
-        self.layout = layout
-        self.num_tokens = ticket.num_tokens
-        self.suffix = _suffix_of(layout, ticket)  # what the receiver lacks (None: misfit)
-        # blocks per layer to send (the receiver holds the prompt's first num_cached_blocks)
-        self.num_blocks = self.suffix.num_blocks if self.suffix else 0
+        self._auth, self._ticket = auth, ticket
+        self.layout, self.num_tokens = layout, ticket.num_tokens
+        self.suffix = ticket_suffix(layout, ticket)  # what the receiver lacks: KVSuffix
+        self.num_blocks = self.suffix.num_blocks  # blocks per layer to send
+        self.num_bytes_skipped = layout.kv_bytes(self.suffix.num_cached_blocks)  # D holds them
         self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
-        self._spans = LayerSpans(layout, self.suffix or KVSuffix(layout.block_size, 1))
+        self._spans = LayerSpans(layout, self.suffix)
         self._handshake_resolved = asyncio.Event()  # acked, or the session finished
         self.add_finish_callback(lambda _: self._handshake_resolved.set())
         self._first_token_sent = False
@@ -98,12 +95,6 @@ class KVSender(TransferSession):
             self.fail(f"refused the ticket: {reason}")
         else:
             self.spawn(self._handshake())
-
-    @property
-    def num_bytes_skipped(self) -> int:
-        """KV bytes of the prompt not sent: the receiver held them already."""
-        num_cached = self.suffix.num_cached_blocks if self.suffix else 0
-        return self.layout.layer_bytes(num_cached) * self.layout.num_layers
 
     @property
     def dst_kv_device(self) -> str:
@@ -357,12 +348,3 @@ class KVSender(TransferSession):
             self.touch()
             self._advance(TransferState.WAITING)
             self._handshake_resolved.set()
-
-
-def _suffix_of(layout: KVLayout, ticket: node_pb2.TransferTicket) -> KVSuffix | None:
-    """The part of the prompt's KV `ticket` asks for; None when it makes no sense (the
-    ticket is then refused: `ticket_misfit` says why)."""
-    try:
-        return KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
-    except ValueError:
-        return None

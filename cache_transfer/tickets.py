@@ -89,6 +89,15 @@ def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | No
     return None
 
 
+def ticket_suffix(layout: KVLayout, ticket: node_pb2.TransferTicket) -> KVSuffix:
+    """The part of the prompt's KV `ticket` asks for. A ticket whose held blocks make no
+    sense is refused (`ticket_misfit` says why): for it, the whole prompt."""
+    try:
+        return KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
+    except ValueError:
+        return KVSuffix(layout.block_size, max(1, ticket.num_tokens))
+
+
 def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
     """Set the ticket's expiry (`timeout_s` from now) and signature, in place."""
     ticket.expires_at_unix_s = round(time.time() + timeout_s, 3)

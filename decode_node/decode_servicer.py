@@ -193,8 +193,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
         receiver = self._manager.create_receiver(
-            job.block_ids[num_cached:], request.prompt_len, timeout_s,
-            max_ceiling_s=self._max_handoff_s, log_id=request_id, num_cached_blocks=num_cached,
+            job.block_ids[num_cached:], request.prompt_len, timeout_s, num_cached_blocks=num_cached,
+            max_ceiling_s=self._max_handoff_s, log_id=request.request_id,
         )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort

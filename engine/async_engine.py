@@ -189,16 +189,7 @@ class AsyncEngine:
         """The block hashes the prefix cache (both tiers) stored and removed since the last
         call, and with `snapshot` every hash it holds after them (the first call starts the
         log and answers with a snapshot: engine/kv_events.py)."""
-        kv = self.core.kv_cache_manager
-
-        def read() -> tuple[KVEventBatch, list[BlockHash] | None]:
-            log = kv.kv_events
-            if not log.enabled:
-                kv.watch_kv_events()
-                return KVEventBatch(), log.held()
-            return log.take(), log.held() if snapshot else None
-
-        return await self._ask(read)
+        return await self._ask(lambda: self.core.kv_cache_manager.read_kv_events(snapshot))
 
     async def detach_reservation(self, request_id: str) -> list[int]:
         """Take `request_id`'s reserved blocks from it without freeing them (a KV writer may

@@ -28,7 +28,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.block_hash import request_block_hashes
-from engine.kv_events import KVEventLog
+from engine.kv_events import KVEventBatch, KVEventLog
 from engine.request import Request
 from pdserve.block_hash import BlockHash, root_hash
 
@@ -311,6 +311,13 @@ class KVCacheManager:
         """Start logging the hashes held (`kv_events`), from every one cached now."""
         host = self.host_tier.cached_hashes() if self.host_tier is not None else []
         self.kv_events.enable([*self._cached, *host])
+
+    def read_kv_events(self, snapshot: bool) -> tuple[KVEventBatch, list[BlockHash] | None]:
+        """The changes since the last read; every hash held with `snapshot` or at the first."""
+        if not self.kv_events.enabled:
+            self.watch_kv_events()
+            return KVEventBatch(), self.kv_events.held()
+        return self.kv_events.take(), self.kv_events.held() if snapshot else None
 
     def _cache(self, block_hash: BlockHash, block_id: int) -> int:
         """The block the prefix cache keeps for `block_hash`: `block_id` unless it has one."""

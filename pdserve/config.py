@@ -52,12 +52,8 @@ DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 # event loop longer than 50 ms to read and decode (router/http/json_body.py).
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
-POLICY_NAMES = (
-    "round_robin",
-    "least_loaded",
-    "prefix_aware",
-    "kv_events",
-)  # router.policies.POLICIES
+# router.policies.POLICIES
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
 
 
 REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -211,11 +207,7 @@ class NodeConfig:
         256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
     )
     suffix_handoff: bool = knob(
-        True,
-        "decode: a prompt whose leading blocks this node's prefix cache holds (a conversation's "
-        "earlier turns) reserves and receives only the rest (--no-suffix-handoff: the whole "
-        "prompt's KV crosses the wire every time)",
-        flag="--no-suffix-handoff",
+        True, "decode: receive only prompt KV its prefix cache lacks", flag="--no-suffix-handoff"
     )
 
     def __post_init__(self) -> None:

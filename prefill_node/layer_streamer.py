@@ -111,7 +111,7 @@ class LayerStreamer:
         if outgoing.sender is not None:
             raise ValueError(f"request {request_id!r} already has a sender")
         num_cached = outgoing.num_blocks - sender.num_blocks  # the receiver holds (KVSuffix)
-        if sender.suffix is None or num_cached != sender.suffix.num_cached_blocks:
+        if num_cached != sender.suffix.num_cached_blocks:
             raise ValueError(
                 f"request {request_id!r}: a sender of {sender.num_blocks} blocks for a prompt "
                 f"of {outgoing.num_blocks}"
