@@ -10,9 +10,18 @@
 #       (synthetic:smollm2-135m fp32, a 512-token context + 64; the ratio is not judged)
 #       PYTHON picks the interpreter (default python3)
 # Writes its logs to $OUT when set (the device tool's output folder).
+# On the GPU machine carry .whl (the nodes' KV transport, the router's and nodes' gRPC health and
+# reflection, which the image lacks), made by: ../shared/tools/gpu-wheels.sh grpcio==1.85.3 \
+#   protobuf==7.36.2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ "${DRY_RUN:-0}" != 1 ]; then
+  SITE=$(mktemp -d)
+  timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl ||
+    { echo "gpu_multi_turn_check: installing .whl failed"; exit 2; }
+  export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 py="${PYTHON:-python3}"
 log_dir="${OUT:-/tmp}"
 mkdir -p "$log_dir"
