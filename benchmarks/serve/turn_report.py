@@ -7,7 +7,7 @@ turn  n  prompt  growth  TTFT mean / median / p90 (ms)  KV MiB  skipped MiB  KV 
 ```
 `growth`: prompt tokens beyond the previous turn's prompt (its answer and the new message; the
 whole prompt for turn 1): a suffix-only hand-off moves KV in proportion to it, a full one in
-proportion to the prompt.
+proportion to the prompt. A last row, `2+`, takes every turn after the first together.
 """
 
 from __future__ import annotations
@@ -26,25 +26,31 @@ def _mean(values: list[float]) -> float | None:
 
 
 def turn_summary(records: list[TurnRecord]) -> list[dict[str, Any]]:
-    """One row per turn index: its completed turns' figures."""
-    rows = []
-    for turn in sorted({r.turn for r in records}):
-        done = [r for r in records if r.turn == turn and r.completed]
-        exact = [r for r in done if r.kv_bytes is not None and r.kv_skipped_bytes is not None]
-        growth = sum(r.growth_len for r in exact)
-        rows.append({
-            "turn": turn,
-            "num_completed": len(done),
-            "mean_prompt_len": _mean([r.prompt_len for r in done]),
-            "mean_growth_len": _mean([r.growth_len for r in done]),
-            "ttft_ms": distribution_ms([r.ttft_s for r in done if r.ttft_s is not None]),
-            "num_exact_kv": len(exact),
-            "mean_kv_bytes": _mean([r.kv_bytes or 0 for r in exact]),
-            "mean_kv_skipped_bytes": _mean([r.kv_skipped_bytes or 0 for r in exact]),
-            "kv_bytes_per_growth_token": sum(r.kv_bytes or 0 for r in exact) / growth
-            if growth else None,
-        })  # fmt: skip
+    """One row per turn index, its completed turns' figures; then, with later turns, one row
+    "2+" over every turn after the first (a conversation's reused turns, together)."""
+    indices = sorted({r.turn for r in records})
+    rows = [_turn_row(turn, [r for r in records if r.turn == turn]) for turn in indices]
+    if len(indices) > 1:
+        rows.append(_turn_row("2+", [r for r in records if r.turn >= 2]))
     return rows
+
+
+def _turn_row(turn: int | str, records: list[TurnRecord]) -> dict[str, Any]:
+    done = [r for r in records if r.completed]
+    exact = [r for r in done if r.kv_bytes is not None and r.kv_skipped_bytes is not None]
+    growth = sum(r.growth_len for r in exact)
+    return {
+        "turn": turn,
+        "num_completed": len(done),
+        "mean_prompt_len": _mean([r.prompt_len for r in done]),
+        "mean_growth_len": _mean([r.growth_len for r in done]),
+        "ttft_ms": distribution_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        "num_exact_kv": len(exact),
+        "mean_kv_bytes": _mean([r.kv_bytes or 0 for r in exact]),
+        "mean_kv_skipped_bytes": _mean([r.kv_skipped_bytes or 0 for r in exact]),
+        "kv_bytes_per_growth_token": sum(r.kv_bytes or 0 for r in exact) / growth
+        if growth else None,
+    }  # fmt: skip
 
 
 def turn_table(config: str, rows: list[dict[str, Any]]) -> str:

@@ -139,8 +139,9 @@ def test_turns_resend_the_chat_with_the_models_answers(tmp_path) -> None:
     assert [(r.turn, r.completed) for r in second] == [(1, True), (2, False)]  # then it ended
     assert all(r.kv_bytes == 1000 and r.kv_skipped_bytes == 10 for r in records if r.completed)
     rows = turn_summary(records)
-    assert [(row["turn"], row["num_completed"]) for row in rows] == [(1, 2), (2, 1)]
+    assert [(row["turn"], row["num_completed"]) for row in rows] == [(1, 2), (2, 1), ("2+", 1)]
     assert rows[1]["kv_bytes_per_growth_token"] == pytest.approx(1000 / 13)
+    assert rows[2]["kv_bytes_per_growth_token"] == pytest.approx(1000 / 13)  # turn 2 alone
     text = turn_table("1P1D", rows)
     assert text.splitlines()[0].split()[:3] == ["config", "turn", "n"] and duration_s > 0
 
