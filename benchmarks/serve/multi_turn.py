@@ -6,7 +6,8 @@ one task per conversation, started at the run's arrival times:
           a chat client does); prompt_len: the chat template rendered and tokenized here, as
           the router does; the conversation ends before a turn past --multi-turn-max-len
     wait for a --max-concurrency slot; with one request in flight at a time and the nodes'
-    counters at hand (KVCounters): read them before and after (this turn's hand-off bytes)
+    counters at hand (KVCounters): read them before and after (this turn's hand-off bytes;
+    unknown when a node does not answer in time: the run goes on)
     send the messages; the answer's text comes back streamed
     --think-time-s, then the next turn; a failed turn ends its conversation
 ```
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import grpc
 
 from benchmarks.serve.conversations import Conversation
 from benchmarks.serve.metrics import RequestRecord
@@ -67,12 +71,22 @@ class _Run:
         )  # fmt: skip
         text: list[str] = []
         async with self.slots:
-            before = await self.kv_counters() if self.kv_counters else None
+            before = await self._read_counters()
             await send(self.client, proto, record, self.options.timeout_s, self.clock_start, text)
-            if before is not None and self.kv_counters is not None and record.completed:
-                after = await self.kv_counters()
+            after = await self._read_counters() if before is not None and record.completed else None
+            if before is not None and after is not None:
                 record.kv_bytes, record.kv_skipped_bytes = (a - b for a, b in zip(after, before))
         return "".join(text)
+
+    async def _read_counters(self) -> tuple[int, int] | None:
+        """The nodes' KV counters; None when there are none, or a node did not answer."""
+        if self.kv_counters is None:
+            return None
+        try:
+            return await self.kv_counters()
+        except grpc.aio.AioRpcError as error:  # this turn's bytes are unknown; the run goes on
+            print(f"KV counters unread: {error.code().name}: {error.details()}", file=sys.stderr)
+            return None
 
 
 async def _conversation(

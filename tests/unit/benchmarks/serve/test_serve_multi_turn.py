@@ -204,3 +204,38 @@ async def serve_router(servicer) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+def test_an_unread_counter_leaves_that_turns_bytes_unknown(tmp_path, capsys) -> None:
+    """A node too busy to answer GetStats in time: that turn's KV bytes are unknown (not
+    counted as exact), the run goes on."""
+    convs = conversations(tmp_path, chat((words(4, "u"), words(5)), (words(6, "v"), words(4))))
+    reads = iter(range(100))
+
+    async def counters():  # the third read (turn 2's before) fails
+        read = next(reads)
+        if read == 2:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "slow"
+            )
+        return read * 1000, 0
+
+    async def main():
+        server, addr = await serve(FakeRouter())
+        try:
+            records, _ = await run_conversations(
+                addr, convs, ChatTokenizer(), [0.0], SendOptions(),
+                TurnOptions(think_time_s=0.0, max_len=100), max_concurrency=1,
+                kv_counters=counters,
+            )  # fmt: skip
+        finally:
+            await server.stop(None)
+        return records
+
+    records = asyncio.run(main())
+    assert [(r.turn, r.completed, r.kv_bytes) for r in records] == [
+        (1, True, 1000),
+        (2, True, None),
+    ]
+    assert turn_summary(records)[1]["num_exact_kv"] == 0
+    assert "KV counters unread: DEADLINE_EXCEEDED: slow" in capsys.readouterr().err
