@@ -5,6 +5,7 @@ against.
     pd-bench compare [...]     the same sweep on several cluster configurations, goodput ratio
     pd-bench dataset [...]     sample a serve dataset into a JSONL file (it travels to the GPU)
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
+    pd-bench mac [...]         the KV hand-off's frame MACs (host, GPU digest) vs the copy rate
     pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
     pd-bench turn-ttft [...]   a conversation's next turn against a fresh prompt (KV reuse)
     pd-bench attention [...]   paged attention kernels (GPU)
@@ -23,6 +24,7 @@ import sys
 
 COMMANDS = {
     "transfer": "benchmarks.transfer.bench_transfer",
+    "mac": "benchmarks.transfer.bench_mac",
     "ttft": "benchmarks.serve.bench_ttft",
     "turn-ttft": "benchmarks.serve.bench_turn_ttft",
     "attention": "benchmarks.kernels.bench_attention",
@@ -36,7 +38,7 @@ COMMANDS = {
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
-    "transfer", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
+    "transfer", "mac", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
     "kv-offload",
 )  # fmt: skip
 

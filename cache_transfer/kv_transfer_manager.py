@@ -8,12 +8,13 @@
                   per layer; await sender.send_first_token(...); await sender.wait();
                   release the blocks either way
 
-Incoming messages are decoded once and routed to their session by transfer id and kind.
-Headers that do not decode, or name no live session, are refused and logged (at DEBUG when
-they are late for a session that ended here: a race, not an attack); no session is touched. A session leaves the manager the moment it finishes. A handshake for a receiver that
-finished already (e.g. it was not started in time, or cancelled) is answered with a refused
-ack, so its sender fails at once instead of at its deadline (`FinishedReceivers`, which the
-manager owns).
+Incoming messages are decoded once and routed to their session by transfer id and kind
+(with their bytes: a MAC covers them). Headers that do not decode, or name no live session,
+are refused and logged (at DEBUG when they are late for a session that ended here: a race, not
+an attack); no session is touched. A session leaves the manager the moment it finishes. A
+hello or handshake for a receiver that finished already (e.g. it was cancelled) is answered
+with a refusal, so its sender fails at once instead of at its deadline (`FinishedReceivers`,
+which the manager owns).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class KVTransferManager:
         sharing: PoolSharing | None = None,
         kv_device: torch.device | None = None,
         kv_device_name: str | None = None,
+        encrypt: bool = False,
     ) -> None:
         """Start receiving on `transport` (call inside the running event loop). `kv_caches`
         (per layer `(k_cache, v_cache)`) is where received KV lands; a node that only sends
@@ -67,17 +69,17 @@ class KVTransferManager:
         signed and verified and handshakes prove the secret (cache_transfer.tickets).
         With `sharing`, writes in place: receivers grant them to a sender on this GPU, senders
         whose cache is on `kv_device` (named `kv_device_name`, default kv_device_id) ask to
-        write into a receiver there."""
+        write into a receiver there. `encrypt` (needs `auth`; host payloads): senders encrypt
+        their payloads and first token, receivers take encrypted transfers only."""
+        if encrypt and auth is None:
+            raise ValueError("encrypted KV frames (--kv-encrypt) need a cluster secret")
         if kv_caches is not None:
             _check_caches(layout, kv_caches)
-        self.layout = layout
-        self.auth = auth
-        self.num_succeeded = 0
-        self.num_failed = 0
+        self.layout, self.auth, self.encrypt = layout, auth, encrypt
+        self.num_succeeded = self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
         # KV bytes of successful hand-offs: moved (sent or received) and held by the receiver
-        self.num_bytes_moved = 0
-        self.num_bytes_skipped = 0
+        self.num_bytes_moved = self.num_bytes_skipped = 0
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
         self.transport_caveat = transport.caveat  # for the node's start-up warning
@@ -139,8 +141,8 @@ class KVTransferManager:
         receiver = KVReceiver(
             self._transport, self._staging, self.layout, self._kv_caches, transfer_id,
             dst_block_ids, num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
-            pool_export=self._pool_export, kv_device=self._kv_device_name, log_id=log_id,
-            num_cached_blocks=num_cached_blocks,
+            pool_export=self._pool_export, kv_device=self._kv_device_name,
+            require_encryption=self.encrypt, log_id=log_id, num_cached_blocks=num_cached_blocks,
         )  # fmt: skip
         return self._register(receiver, self._receivers)
 
@@ -159,7 +161,7 @@ class KVTransferManager:
         sender = KVSender(
             self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth,
             ceiling_s=ceiling_s, sharing=self._sharing, kv_device=self._sender_kv_device,
-            device=self._kv_device, log_id=log_id,
+            device=self._kv_device, encrypt=self.encrypt, log_id=log_id,
         )  # fmt: skip
         return self._register(sender, self._senders)
 
@@ -196,7 +198,7 @@ class KVTransferManager:
         routed = self._route(peer_id, header)
         if routed is not None:
             session, msg = routed
-            session.complete(peer_id, msg, payload)
+            session.complete(peer_id, msg, payload, header)
         elif payload is not None:  # its receiver finished while the payload was landing
             self._staging.give_back(payload)
 
@@ -244,10 +246,13 @@ class KVTransferManager:
         the wrong side), a late handshake is answered, the rest is dropped (logged)."""
         kind = protocol.kind_of(msg)
         stray = self.get(msg.transfer_id)
-        if stray is not None:
+        if stray is not None and self.auth is not None:  # nobody's we could tell: dropped
+            logger.warning("dropped a %s message from %s for %s %s", kind, peer_id,
+                           stray.role, msg.transfer_id)  # fmt: skip
+        elif stray is not None:
             stray.fail(f"refused a {kind} message from {peer_id}: not for a {stray.role}")
-        elif kind == "handshake" and msg.transfer_id in self._finished:
-            self._finished.refuse_handshake(peer_id, msg)
+        elif kind in ("hello", "handshake") and msg.transfer_id in self._finished:
+            self._finished.refuse(peer_id, msg)
         else:
             # late for a session that ended here (a race: e.g. the request finished while a
             # result, an ack or a layer was on its way), or for none at all
@@ -275,7 +280,7 @@ class KVTransferManager:
             if not session.writes_settled.is_set():
                 self._quarantine(session)
             why = session.error or session.state.name
-            self._finished.remember(session.transfer_id, why, session.ticket(), session.log_id)
+            self._finished.remember(session, why)
 
     def _quarantine(self, receiver: KVReceiver) -> None:
         """Keep routing its sender's drained notice to it until its writes are settled."""

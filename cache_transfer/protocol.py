@@ -20,12 +20,16 @@ MessageBody = (
     | transfer_pb2.LayerManifest
     | transfer_pb2.FirstToken
     | transfer_pb2.TransferResult
+    | transfer_pb2.TransferHello
+    | transfer_pb2.HandshakeChallenge
     | transfer_pb2.Progress
 )
 
 # Which end of a transfer reads each kind ("result" travels both ways).
-TO_RECEIVER_KINDS = frozenset({"handshake", "progress", "layer_manifest", "first_token", "result"})
-TO_SENDER_KINDS = frozenset({"handshake_ack", "result"})
+TO_RECEIVER_KINDS = frozenset(
+    {"hello", "handshake", "progress", "layer_manifest", "first_token", "result"}
+)
+TO_SENDER_KINDS = frozenset({"challenge", "handshake_ack", "result"})
 KINDS = TO_RECEIVER_KINDS | TO_SENDER_KINDS
 
 

@@ -1,18 +1,22 @@
 """`KVReceiver`: the decode side of one KV hand-off.
 
     created (blocks reserved) ── ticket() ──► router ──► prefill node
+    hello from a connection ──► challenge {a fresh nonce for it} (any number of connections,
+                                at most MAX_OUTSTANDING waiting at once; nothing starts)
     BOOTSTRAPPING ── handshake ok (the ceiling: the sender's, up to max_ceiling_s) ──► WAITING
                   ── progress ... (P queued or computing: the no-progress timer starts over;
                      the first with computed tokens marks the start)
                   ── layer lands ──► TRANSFERRING
                   ── every layer complete + first token ──► SUCCESS (result ok sent to P)
-    any refused message, no progress for timeout_s, the ceiling, P's failed result, or a
-    connection lost mid-layer ──► FAILED (blocks untouched since; the node frees them once
-    wait() returns)
+    any refused message, no progress for timeout_s, the ceiling, P's failed result, or a lost
+    connection mid-layer ──► FAILED (blocks untouched since; freed once wait() returns)
     add_layer_callback(cb): cb(layer_idx, token_end) as each layer lands (traces, metrics)
 
 Every message is checked before its payload lands (receiver_checks.py: every check, in the
-order they run); payloads land only in this session's own `dst_block_ids`. A sender on this
+order they run); payloads land only in this session's own `dst_block_ids`. With a cluster
+secret only the sender whose handshake proved its connection's challenge is heard, and each of
+its messages only if its MAC verifies (a payload's once it landed in staging, before it is
+unpacked; a GPU payload's through its device digest, off the event loop). A sender on this
 GPU may be granted writes in place (`InPlaceGrant`: `writes_settled` says when the blocks may
 be reused). A retried sender may take a waiting session over (`takeover_allowed`): the layers
 start over (the same blocks, overwritten), the first sender is heard no more, and the
@@ -21,12 +25,15 @@ ceiling stays the first handshake's.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
 from cache_transfer import receiver_checks as checks
+from cache_transfer.frame_auth.challenges import Challenges
+from cache_transfer.frame_auth.frame_key import TO_SENDER, Chunk, FrameKey
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
 from cache_transfer.layout import KVCaches, KVLayout, check_reservation, kv_device_id
 from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
@@ -48,6 +55,7 @@ LayerCallback = Callable[[int, int], None]  # (layer_idx, token_end) of a layer 
 
 class KVReceiver(TransferSession):
     role = "receiver"
+    outgoing = TO_SENDER
 
     def __init__(
         self,
@@ -63,15 +71,14 @@ class KVReceiver(TransferSession):
         max_ceiling_s: float | None = None,
         pool_export: transfer_pb2.KVPoolExport | None = None,
         kv_device: str | None = None,
+        require_encryption: bool = False,
         log_id: str = "",
         num_cached_blocks: int = 0,
     ) -> None:
-        """`dst_block_ids`: every block reserved for the request but the prompt's first
-        `num_cached_blocks`, held here already (`KVSuffix`: not sent). `timeout_s`: the
-        no-progress timeout; the ceiling is the sender's handshake's, at most `max_ceiling_s`
-        (default `timeout_s`) from the handshake. `pool_export`: grant writes in place to a
-        sender on `kv_device` (default: the caches', kv_device_id). With `auth` the ticket is
-        signed and only a handshake proving the secret is heard."""
+        """`dst_block_ids`: the reserved blocks after the prompt's first `num_cached_blocks`
+        (held: `KVSuffix`). `timeout_s`: the no-progress timeout; the ceiling: the sender's, up
+        to `max_ceiling_s`. `pool_export`: writes in place for a sender on `kv_device`. `auth`:
+        a signed ticket, handshakes proving the secret (`require_encryption`: and encryption)."""
         self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
         check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
@@ -79,25 +86,26 @@ class KVReceiver(TransferSession):
         self.layout, self.dst_block_ids, self.num_tokens = layout, list(dst_block_ids), num_tokens
         self.num_blocks = self.suffix.num_blocks  # blocks per layer the KV fills
         self.first_token: transfer_pb2.FirstToken | None = None
-        self.num_computed_tokens = 0  # of the prompt, as the sender's last progress said
-        self.num_bytes_received = 0
+        self.num_computed_tokens = self.num_bytes_received = 0  # computed: as P last said
         self.num_bytes_skipped = layout.kv_bytes(num_cached_blocks)  # the prompt's, held here
         self.layer_token_end = [self.suffix.cached_tokens] * layout.num_layers  # accepted so far
-        self.num_landing = 0  # payloads accepted by prepare() whose bytes have not landed yet
+        self.num_landing = 0  # payloads prepare() accepted whose bytes have not landed yet
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
         self._kv_caches, self._staging, self._auth = kv_caches, staging, auth
         self._dst_ids: CheckedIds | None = None  # dst_block_ids on the cache's device, once
         self._device = transport.buffer_device(kv_caches[0][0].device)
         self._layer_callbacks: list[LayerCallback] = []
+        self.authenticated, self.requires_encryption = auth is not None, require_encryption
+        self.challenges = Challenges()  # the nonce of each connection that said hello
+        self._proven_key: FrameKey | None = None  # that of the handshake being heard
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self._ticket = issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
             layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
         )  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
-        # set once no write of the sender can land any more: the blocks may be reused
-        self.writes_settled = self._in_place.writes_settled
+        self.writes_settled = self._in_place.writes_settled  # no write can land: blocks free
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))
 
     @property
@@ -112,15 +120,14 @@ class KVReceiver(TransferSession):
 
     def ticket(self) -> node_pb2.TransferTicket:
         """What the prefill node needs to send this session its KV (signed, with a secret)."""
-        ticket = node_pb2.TransferTicket()
-        ticket.CopyFrom(self._ticket)
-        return ticket
+        return node_pb2.TransferTicket.FromString(self._ticket.SerializeToString())  # a copy
 
     def prepare(
         self, peer_id: str, msg: TransferMessage, payload_bytes: int
     ) -> torch.Tensor | None:
-        """A message with a payload: accept a valid layer and hand out its staging buffer."""
-        if not self._hears(peer_id, msg):
+        """A message with a payload: accept a valid layer and hand out its staging buffer (its
+        MAC, which covers the payload, is checked once it landed there)."""
+        if not self._hears(peer_id, msg, None):
             return None
         refusal = checks.refusal(self, peer_id, msg, payload_bytes)
         if refusal is not None:
@@ -133,13 +140,25 @@ class KVReceiver(TransferSession):
         self.num_landing += 1
         return self._staging.take(payload_bytes, self._device)
 
-    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A whole message: land a layer prepare() accepted, or act on a header-only one."""
+    def complete(
+        self,
+        peer_id: str,
+        msg: TransferMessage,
+        payload: torch.Tensor | None,
+        header: bytes = b"",
+    ) -> None:
+        """A whole message (its bytes: `header`): land a layer prepare() accepted once its MAC
+        verifies, or act on a header-only one."""
         if payload is not None:
-            self._land_layer(msg.layer_manifest, payload)
+            self._verify_then_land(msg, header, payload)
             return
         kind = kind_of(msg)
-        if not self._hears(peer_id, msg):
+        if kind == "hello":  # a challenge for its connection (to its src_address)
+            answer = self.challenges.answer(peer_id, msg.hello, self._auth, self.transfer_id)
+            if answer is not None:
+                self.spawn(self._send_best_effort(msg.hello.src_address, answer))
+            return
+        if not self._hears(peer_id, msg, header):
             return
         if self.finished and kind == "result" and msg.result.writes_drained:
             self._in_place.on_drained(peer_id, self.sender_id)
@@ -164,10 +183,11 @@ class KVReceiver(TransferSession):
         layer_idx = msg.layer_manifest.layer_idx
         self.fail(f"the connection from {peer_id} broke while layer {layer_idx} was landing")
 
-    def _hears(self, peer_id: str, msg: TransferMessage) -> bool:
-        """Checks 1 and 2: a message nobody but the sender may send is dropped (logged); it
-        neither feeds nor fails the session."""
-        unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg)
+    def _hears(self, peer_id: str, msg: TransferMessage, header: bytes | None) -> bool:
+        """Checks 1 and 2 (and, with `header`, the MAC): a message nobody but the sender may
+        send is dropped (logged); it neither feeds nor fails the session. The sender's own
+        message whose MAC fails fails it."""
+        unproven = self._unproven(peer_id, msg, header)
         if unproven is not None:
             self.log(logging.WARNING, "receiver %s: ignored a message from %s: %s",
                      self.transfer_id, peer_id, unproven)  # fmt: skip
@@ -176,7 +196,23 @@ class KVReceiver(TransferSession):
         if superseded is not None:
             self.log(logging.INFO, "receiver %s: dropped %s", self.transfer_id, superseded)
             return False
-        return True
+        mine = header is not None and peer_id == self.sender_id
+        forged = self.frames.forged(msg, header or b"") if mine else None
+        if forged is not None:
+            self.fail(f"refused a message from {peer_id}: {forged}")
+        return forged is None
+
+    def _unproven(self, peer_id: str, msg: TransferMessage, header: bytes | None) -> str | None:
+        """Check 1; a handshake that proves its connection's challenge must carry that
+        challenge's MAC too (its key: `_proven_key`, bound if the handshake is accepted)."""
+        nonce = None
+        if kind_of(msg) == "handshake" and peer_id != self.sender_id:
+            nonce = self.challenges.take(peer_id)  # one handshake per challenge
+        unproven = checks.unproven_sender(self, self._auth, self._ticket, peer_id, msg, nonce)
+        if unproven is not None or nonce is None or self._auth is None or self.finished:
+            return unproven
+        self._proven_key = FrameKey(self._auth, self.transfer_id, nonce, peer_id)
+        return self.frames.forged(msg, header or b"", key=self._proven_key)
 
     def _act_on(self, peer_id: str, msg: TransferMessage) -> None:
         """A header-only message the checks accepted (other than a handshake)."""
@@ -188,7 +224,10 @@ class KVReceiver(TransferSession):
         elif kind == "layer_manifest":
             self._land_in_place(msg.layer_manifest)
         elif kind == "first_token":
-            self.first_token = msg.first_token
+            try:
+                self.first_token = self.frames.open_token(msg.first_token)
+            except ValueError as error:
+                self.fail(f"refused the first token: {error}")
             self._maybe_succeed()
         else:  # a failed result (a successful one is refused); the sender logged why
             self.fail(f"the sender ended the transfer: {msg.result.error}", notify_peer=False,
@@ -218,6 +257,8 @@ class KVReceiver(TransferSession):
         to ours; writes in place are granted if asked for from this GPU)."""
         self.sender_id = peer_id
         self._peer_address = handshake.src_address or None
+        # its MAC key (None: an open cluster), and its cipher if it encrypts
+        self.frames.bind(self._proven_key, handshake.encrypted and refusal is None)
         ack = transfer_pb2.HandshakeAck(accepted=refusal is None, protocol_version=PROTOCOL_VERSION)
         if refusal is not None:
             ack.reason = refusal.reason
@@ -231,6 +272,39 @@ class KVReceiver(TransferSession):
         self._advance(TransferState.WAITING)
         self._in_place.grant(handshake, ack)
         self.spawn(self._send(handshake_ack=ack))
+
+    def _verify_then_land(self, msg: TransferMessage, header: bytes, payload: torch.Tensor) -> None:
+        """Unpack a landed payload once its MAC verifies: at once (no key; host bytes), or off
+        the loop (its digest computed on the GPU); one that fails fails the session, unread."""
+        if self.frames.key is None:
+            self._land_layer(msg.layer_manifest, payload)
+        elif msg.layer_manifest.payload_digest and payload.device.type == "cuda":
+            self.spawn(self._verify_on_device(msg, header, payload))
+        else:
+            self._land_checked(msg, header, payload, None)
+
+    async def _verify_on_device(
+        self, msg: TransferMessage, header: bytes, payload: torch.Tensor
+    ) -> None:
+        part = None
+        try:
+            part = await self.frames.device_part(payload)
+        except asyncio.CancelledError:  # (the manager closing): nothing lands
+            self.num_landing -= 1
+            self._staging.give_back(payload)
+            raise
+        except Exception as error:  # noqa: BLE001 - a CUDA error, or a hung device
+            self.fail(f"could not check layer {msg.layer_manifest.layer_idx}'s MAC: {error!r}")
+        self._land_checked(msg, header, payload, part)
+
+    def _land_checked(
+        self, msg: TransferMessage, header: bytes, payload: torch.Tensor, part: list[Chunk] | None
+    ) -> None:
+        if not self.finished:
+            payload, forged = self.frames.opened(msg, header, payload, part, self._staging)
+            if forged is not None:
+                self.fail(f"refused layer {msg.layer_manifest.layer_idx}: {forged}")
+        self._land_layer(msg.layer_manifest, payload)  # (a failed session writes nothing)
 
     def _land_layer(self, manifest: transfer_pb2.LayerManifest, payload: torch.Tensor) -> None:
         self.num_landing -= 1

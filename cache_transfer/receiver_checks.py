@@ -4,8 +4,14 @@ A message reaches `KVReceiver.prepare` (it carries a payload, which lands only i
 here) or `KVReceiver.complete` (header only; a payload that landed is not checked again):
 
     1. unproven_sender      with a cluster secret, only the sender whose handshake proved it
+                            (its proof covers the nonce this receiver challenged that
+                            connection with, taken: it proves one handshake only)
+       forged (the receiver's FrameSealer): that handshake's MAC under the key its proof
+                            brings, every later message's under the sender's key (a payload's
+                            once it landed in staging, before it is unpacked)
     2. superseded_sender    not a sender that a retried one took over from
-       ─► failing 1 or 2: not heard (logged, dropped); the session goes on
+       ─► failing 1 or 2 (or a handshake's MAC): not heard (logged, dropped); the session
+       goes on. A message of the sender whose MAC fails: the session fails
        (then, header only: a drained notice after the end settles the writes in place; a
        handshake from another sender may take the session over: takeover_allowed)
     3. refusal(...)
@@ -13,7 +19,7 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
                             from the peer that sent it, each with the next sequence number
        by kind:
        handshake            handshake_refusal: version, layout, layers, tokens, blocks (and
-                            those held here: the suffix), address
+                            those held here: the suffix), address, encryption
        progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
@@ -66,6 +72,10 @@ class ReceiverView(Protocol):
     def first_token(self) -> transfer_pb2.FirstToken | None: ...
     @property
     def in_place(self) -> bool: ...  # the sender was granted writes in place
+    @property
+    def authenticated(self) -> bool: ...  # a cluster secret: handshakes prove it
+    @property
+    def requires_encryption(self) -> bool: ...  # --kv-encrypt: only encrypted transfers
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,15 @@ def unproven_sender(
     ticket: node_pb2.TransferTicket,
     peer_id: str,
     msg: TransferMessage,
+    nonce: bytes | None,
 ) -> str | None:
     """1. With a cluster secret: why `msg` comes from anyone but a sender that proved it (its
-    handshake's proof verifies, and later messages come from that same peer), or None."""
+    handshake's proof verifies for the `nonce` this receiver challenged `peer_id` with, and
+    later messages come from that same peer), or None."""
     if auth is None or r.state.finished or peer_id == r.sender_id:
         return None
     if kind_of(msg) == "handshake":  # the first, or a takeover
-        return check_handshake(auth, ticket, msg.handshake)
+        return check_handshake(auth, ticket, msg.handshake, nonce, peer_id)
     return f"a {kind_of(msg)} message from a peer that proved no cluster secret"
 
 
@@ -173,6 +185,10 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
             return f"{field} is {got!r}, this receiver expects {want!r}"
     if not handshake.src_address:
         return "no src_address to reply to"
+    if r.requires_encryption and not handshake.encrypted:
+        return "this receiver takes encrypted KV frames only (--kv-encrypt on both nodes)"
+    if handshake.encrypted and not r.authenticated:
+        return "encrypted KV frames need a cluster secret (the key comes from it)"
     return None
 
 

@@ -1,9 +1,10 @@
 """`KVSender`: the prefill side of one KV hand-off.
 
-    created from the ticket ── handshake (at once: queued or computing) ──► BOOTSTRAPPING
+    created from the ticket ── hello (at once: queued or computing) ... challenge (SenderHello)
+        ── handshake (proving the challenge's nonce, with a cluster secret) ──► BOOTSTRAPPING
         ── ack ──► WAITING
-    beat(n) while the prefill node's engine makes progress (queued behind other prompts, or
-    computing this one): a Progress message when nothing else went out for beat_interval_s
+    beat(n) while the node's engine progresses (queued, or computing this prompt): a Progress
+    message (MACed as any other) when nothing else went out for a while (SenderBeats)
     start() when the engine starts this prefill (marks elapsed_s)
     send_layer(i, k, v, ...) / send_layers([(i, k, v), ...]) as layers' KV is written (any
     layer order; chunks in token order), or send_packed(i, payload) / send_packed_layers(...)
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from cache_transfer.finished_receivers import ALREADY_ENDED
+from cache_transfer.frame_auth.sender_hello import SenderHello
 from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
@@ -35,14 +37,13 @@ from cache_transfer.layout import KVLayout
 from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
+from cache_transfer.sender_beats import SenderBeats
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
-from cache_transfer.tickets import check_ticket, handshake_for, ticket_misfit, ticket_suffix
+from cache_transfer.tickets import check_ticket, ticket_misfit, ticket_suffix
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
-
-MAX_BEAT_INTERVAL_S = 5.0  # a sender whose node progresses says so at least this often
 
 
 class KVSender(TransferSession):
@@ -60,32 +61,30 @@ class KVSender(TransferSession):
         sharing: PoolSharing | None = None,
         kv_device: str = "",
         device: torch.device | None = None,
+        encrypt: bool = False,
         log_id: str = "",
     ) -> None:
         """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
         receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
-        into a receiver on `kv_device` (our cache's, as tickets name it), mapping its pool on
-        `device`. With `auth`, a ticket whose signature does not verify fails the session at
-        once, nobody contacted (its dst_address may be anyone's)."""
+        into a receiver on `kv_device` (our cache's), mapping its pool on `device`. With `auth`
+        a forged ticket fails the session at once, nobody contacted (its dst_address may be
+        anyone's), and the handshake proves the secret; `encrypt`: --kv-encrypt."""
         super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
-        self._auth, self._ticket = auth, ticket
-        self.layout, self.num_tokens = layout, ticket.num_tokens
+        self._hello = SenderHello(transport, auth, ticket, self.frames, encrypt)
+        self.add_finish_callback(lambda _: self._hello.session_ended())
+        self.frames.required = auth is not None
+        self._ticket, self.layout, self.num_tokens = ticket, layout, ticket.num_tokens
         self.suffix = ticket_suffix(layout, ticket)  # what the receiver lacks: KVSuffix
         self.num_blocks = self.suffix.num_blocks  # blocks per layer to send
         self.num_bytes_skipped = layout.kv_bytes(self.suffix.num_cached_blocks)  # D holds them
         self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
         self._peer_address = ticket.dst_address or None
         self._spans = LayerSpans(layout, self.suffix)
-        self._handshake_resolved = asyncio.Event()  # acked, or the session finished
-        self.add_finish_callback(lambda _: self._handshake_resolved.set())
-        self._first_token_sent = False
-        self._last_sent_s = self._loop.time()
-        # silent at most this long while the node progresses (receivers time out at timeout_s)
-        self.beat_interval_s = min(timeout_s / 4, MAX_BEAT_INTERVAL_S)
+        self._first_token_sent, self._staging = False, staging
+        self._beats = SenderBeats(self._loop, timeout_s)
         # layer sends the transport has not numbered yet (send_first_token goes right behind
         # them: the transport keeps that order, so it need not wait for them to complete)
         self._unsubmitted: set[asyncio.Future[None]] = set()
-        self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
         forged = check_ticket(auth, ticket) if auth is not None else None
         reason = ticket_misfit(layout, ticket)
@@ -94,7 +93,7 @@ class KVSender(TransferSession):
         elif reason is not None:
             self.fail(f"refused the ticket: {reason}")
         else:
-            self.spawn(self._handshake())
+            self.spawn(self._open())
 
     @property
     def dst_kv_device(self) -> str:
@@ -113,31 +112,23 @@ class KVSender(TransferSession):
 
     @property
     def in_place_writer(self) -> InPlaceWriter | None:
-        """Granted writes in place and mapped: what writes a layer into the receiver's blocks
-        (any thread); report such layers with `send_written_layers`."""
+        """Granted and mapped: what writes layers into the receiver's blocks (any thread)."""
         return self._in_place.writer
 
     def beat(self, num_computed_tokens: int) -> None:
-        """This node's engine made progress (`num_computed_tokens` of this prompt are
-        computed; 0: it is still queued): tell the receiver, unless a message went out within
-        `beat_interval_s`. A no-op until acked, and from the first token on."""
-        if (
-            self.finished
-            or self.state < TransferState.WAITING
-            or self._first_token_sent
-            or self._loop.time() - self._last_sent_s < self.beat_interval_s
-        ):
-            return
-        self._last_sent_s = self._loop.time()  # (one beat in flight at a time)
-        self.spawn(self._send_progress(num_computed_tokens))
+        """This node's engine progressed (`num_computed_tokens` of this prompt computed; 0:
+        still queued): tell the receiver when due (SenderBeats); not before the ack nor from
+        the first token on."""
+        busy = self.finished or self.state < TransferState.WAITING or self._first_token_sent
+        if not busy and self._beats.due():
+            self.spawn(self._send_progress(num_computed_tokens))
 
-    async def _send_progress(self, num_computed_tokens: int) -> None:
+    async def _send_progress(self, computed: int) -> None:
         if not self.finished and not self._first_token_sent:  # numbered before the token
-            progress = transfer_pb2.Progress(num_computed_tokens=num_computed_tokens)
-            await self._send(progress=progress)
+            await self._send(progress=transfer_pb2.Progress(num_computed_tokens=computed))
 
     def _on_sending(self) -> None:
-        self._last_sent_s = self._loop.time()
+        self._beats.sent()
         self.touch()
 
     async def send_layer(
@@ -169,17 +160,17 @@ class KVSender(TransferSession):
     ) -> None:
         """Send layer `layer_idx`'s KV packed already (by `pack_layer`): the request's blocks
         not yet sent for this layer up to `ceil(token_end / block_size)`, in order, as flat
-        uint8. Sent in place when it lives where the transport sends from
-        (`buffer_device`), else copied once into staging; leave it unchanged until this
-        returns. A CUDA payload must be written on the current stream. No-op once finished."""
+        uint8. Sent in place when it lives where the transport sends from (`buffer_device`),
+        else copied once into staging; leave it unchanged until this returns. A CUDA payload
+        must be written on the current stream. No-op once finished."""
         await self.send_packed_layers([(layer_idx, payload)], token_end)
 
     async def send_packed_layers(
         self, layers: Sequence[tuple[int, torch.Tensor]], token_end: int | None = None
     ) -> None:
         """`send_packed` for several layers (distinct, same `token_end`) as one transport
-        message (`KVTransport.send_many`): fewer, larger messages. The receiver lands and
-        reports each layer as if sent alone. ValueError, nothing sent, when any is wrong."""
+        message (`send_many`): the receiver lands and reports each layer as if sent alone.
+        ValueError, nothing sent, when any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
         buffer_device = self._transport.buffer_device
         manifests, sources = self._spans.from_packed(layers, token_end, buffer_device)
@@ -188,8 +179,8 @@ class KVSender(TransferSession):
     async def send_written_layers(
         self, layer_ids: Sequence[int], token_end: int | None = None
     ) -> None:
-        """Layers the caller wrote through `in_place_writer` (their writes complete): tell
-        the receiver, one message. ValueError, nothing sent, when any is wrong."""
+        """Layers the caller wrote through `in_place_writer` (writes complete): tell the
+        receiver, one message. ValueError, nothing sent, when any is wrong."""
         writer = self._in_place.writer
         if writer is None:
             raise ValueError(f"transfer {self.transfer_id}: no writes in place were granted")
@@ -217,12 +208,18 @@ class KVSender(TransferSession):
             first_token = transfer_pb2.FirstToken(
                 token_id=token_id, logprob=logprob, finish_reason=finish_reason
             )
-            await self._send(first_token=first_token)
+            await self._send(first_token=self.frames.seal_token(first_token))
 
-    def complete(self, peer_id: str, msg: TransferMessage, payload: torch.Tensor | None) -> None:
-        """A header-only message from the receiver: the handshake's ack or the result (the
-        manager refuses payloads for senders before they land)."""
-        reason = self._check_envelope(msg)
+    def complete(self, peer_id: str, msg: TransferMessage, _: object, header: bytes = b"") -> None:
+        """A header-only message from the receiver (its bytes: `header`): the challenge, the
+        ack or the result (the manager refuses payloads for senders). With a cluster secret
+        every one after the challenge carries its MAC."""
+        if kind_of(msg) == "challenge":  # ours binds our FrameKey (SenderHello)
+            refused = self._hello.take(peer_id, msg.challenge)
+            if refused is not None:
+                self._refused("the transfer", refused)
+            return
+        reason = self.frames.forged(msg, header) or self._check_envelope(msg)
         if reason is not None:
             self.fail(f"refused a message from {peer_id}: {reason}")
         elif kind_of(msg) == "handshake_ack":
@@ -238,18 +235,15 @@ class KVSender(TransferSession):
     def fail(self, reason: str, *, notify_peer: bool = True, level: int = logging.WARNING) -> None:
         """As any session; granted writes in place, the receiver hears only once every write
         this sender launched is done (writes_drained), whoever ended the transfer."""
-        if self.finished or not self._in_place.granted:
-            super().fail(reason, notify_peer=notify_peer, level=level)
-            return
-        super().fail(reason, notify_peer=False, level=level)
-        if self._peer_address is not None:
+        drains = self._in_place.granted and not self.finished
+        super().fail(reason, notify_peer=notify_peer and not drains, level=level)
+        if drains and self._peer_address is not None:
             self.spawn(self._drain_then_notify(reason))
 
     async def _drain_then_notify(self, reason: str) -> None:
-        if not await self._in_place.drain():
-            return  # the receiver keeps its blocks until our deadline is past
-        result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
-        await self._notify(result=result)
+        if await self._in_place.drain():  # (else D keeps its blocks until our deadline is past)
+            result = transfer_pb2.TransferResult(ok=False, error=reason, writes_drained=True)
+            await self._notify(result=result)
 
     async def _send_layers(
         self,
@@ -288,7 +282,7 @@ class KVSender(TransferSession):
         sent = False
         try:
             messages: list[Outgoing] = [
-                (staged.payload(source, manifest.num_bytes), {"layer_manifest": manifest})
+                (self.frames.payload(staged, manifest, source), {"layer_manifest": manifest})
                 for manifest, source in zip(manifests, sources, strict=True)
             ]
             self._advance(TransferState.TRANSFERRING)
@@ -305,8 +299,8 @@ class KVSender(TransferSession):
         submitted: asyncio.Future[None],
     ) -> None:
         """Land the layers in the receiver's blocks ourselves (`sources` None: the caller did,
-        through `in_place_writer`, and saw the write complete); once written, tell the
-        receiver in one message (header only: a manifest per token span, naming its layers)."""
+        through `in_place_writer`), then tell it in one message (header only: a manifest per
+        token span, naming its layers)."""
         self._advance(TransferState.TRANSFERRING)
         if sources is not None:
             error = await self._in_place.write(manifests, sources, self.remaining_s)
@@ -317,29 +311,35 @@ class KVSender(TransferSession):
         announced = self._in_place.announcements(manifests)
         await self._send_all([(None, {"layer_manifest": m}) for m in announced], submitted)
 
-    async def _handshake(self) -> None:
-        handshake = handshake_for(
-            self._ticket, self.layout, self._transport.address, self._auth,
-            self._in_place.kv_device, self.may_write_in_place, self.remaining_s,
-        )  # fmt: skip
-        await self._send(handshake=handshake)
+    def _refused(self, what: str, reason: str) -> None:
+        """The receiver refused us (INFO when it had ended already: it logged why)."""
+        level = logging.INFO if reason.startswith(ALREADY_ENDED) else logging.WARNING
+        self.fail(f"the receiver refused {what}: {reason}", notify_peer=False, level=level)
+
+    async def _open(self) -> None:
+        """The hello at once (an unreachable receiver fails the transfer now), then, once
+        challenged, the handshake, proving the challenge's nonce on our connection."""
+        unreachable = await self._hello.say(self._ticket.dst_address, self.timeout_s)
+        if unreachable is not None:
+            self.fail(unreachable, notify_peer=False)
+        elif not await self._hello.wait(self._hello.answered, self.remaining_s):
+            self.fail("no challenge from the receiver before the deadline")
+        if not self.finished:
+            kv_device, asks = self._in_place.kv_device, self.may_write_in_place
+            await self._send(handshake=self._hello.handshake(self.layout, kv_device, asks,
+                                                             self.remaining_s))  # fmt: skip
 
     async def _wait_acked(self) -> bool:
         """True once the receiver accepted the handshake; False if the session ended first."""
-        if not self._handshake_resolved.is_set():
-            try:
-                await asyncio.wait_for(self._handshake_resolved.wait(), self.remaining_s)
-            except TimeoutError:
-                self.fail("no handshake ack before the deadline")
+        if not await self._hello.wait(self._hello.acked, self.remaining_s):
+            self.fail("no handshake ack before the deadline")
         return not self.finished
 
     def _on_ack(self, ack: transfer_pb2.HandshakeAck) -> None:
-        if self._handshake_resolved.is_set():
+        if self._hello.acked.is_set():
             self.fail("refused a second handshake ack")
-        elif not ack.accepted:  # (a receiver that ended already logged why: INFO here)
-            level = logging.INFO if ack.reason.startswith(ALREADY_ENDED) else logging.WARNING
-            self.fail(f"the receiver refused the handshake: {ack.reason}", notify_peer=False,
-                      level=level)  # fmt: skip
+        elif not ack.accepted:
+            self._refused("the handshake", ack.reason)
         else:
             refused = self._in_place.take_grant(ack.pool) if ack.HasField("pool") else None
             if refused is not None:
@@ -347,4 +347,4 @@ class KVSender(TransferSession):
                 return
             self.touch()
             self._advance(TransferState.WAITING)
-            self._handshake_resolved.set()
+            self._hello.acked.set()

@@ -15,8 +15,11 @@ Two timers end a session that does not finish, whether or not anyone waits on it
 
 `start()` marks when the prefill started (`elapsed_s`: the hand-off's own time, not the
 queue's). Outgoing messages carry this side's sequence numbers; incoming ones must carry the
-peer's next number, so a lost, repeated or injected message fails the transfer. Log lines carry
-the request's id (`log_id`).
+peer's next number, so a lost, repeated or injected message fails the transfer. With a cluster
+secret, once the challenge gave the transfer its `FrameKey`, every message (progress included)
+carries its MAC (`FrameSealer`, which the session owns: `self.frames`); the hello and the
+challenge before it are neither numbered nor MACed. Log lines carry the request's id
+(`log_id`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 import torch
 
 from cache_transfer import protocol
+from cache_transfer.frame_auth.frame_key import TO_RECEIVER
+from cache_transfer.frame_auth.frame_sealer import FrameSealer
 from cache_transfer.protocol import MessageBody, TransferMessage
 from cache_transfer.state import TransferState
 from cache_transfer.transports.base import KVTransport, TransportError
@@ -44,6 +49,7 @@ Outgoing = tuple[torch.Tensor | None, dict[str, MessageBody]]
 
 class TransferSession:
     role = "session"
+    outgoing = TO_RECEIVER  # the direction of what this side sends (frame_key)
 
     def __init__(
         self,
@@ -83,6 +89,7 @@ class TransferSession:
         self._ceiling_timer = self._loop.call_later(ceiling_s, self._on_ceiling)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._finish_callbacks: list[Callable[[TransferSession], None]] = []
+        self.frames = FrameSealer(self.outgoing)  # MACs, once the transfer has a FrameKey
 
     @property
     def finished(self) -> bool:
@@ -230,9 +237,13 @@ class TransferSession:
         are numbered: a message sent after its waiters wake goes behind them (the transport
         numbers a send before the send first suspends, and waiters wake only after that)."""
         assert self._peer_address is not None
+        parts = await self._payload_parts(messages)
+        if parts is None:
+            return False
         encoded = []
-        for payload, kind in messages:
-            encoded.append((protocol.encode(self.transfer_id, self._send_seq, **kind), payload))
+        for (payload, kind), part in zip(messages, parts, strict=True):
+            body = protocol.encode(self.transfer_id, self._send_seq, **kind)
+            encoded.append((self.frames.seal(self._send_seq, body, part), payload))
             self._send_seq += 1
         if submitted is not None and not submitted.done():
             submitted.set_result(None)
@@ -262,15 +273,31 @@ class TransferSession:
     def _on_sending(self) -> None:
         """Messages are going out (numbered): what a role counts as its progress."""
 
+    async def _payload_parts(self, messages: Sequence[Outgoing]) -> list[Any] | None:
+        """What each message's MAC covers of its payload (awaited only for CUDA payloads with
+        a frame key: their digests); None when the session ended meanwhile."""
+        if self.frames.key is None:
+            return [[] for _ in messages]
+        try:
+            async with asyncio.timeout(max(self.remaining_s, 1e-3)):
+                parts = await self.frames.parts(messages)
+        except TimeoutError:
+            self.fail("the payloads' digests were not computed before the deadline")
+            return None
+        return None if self.finished else parts
+
     async def _notify(self, **kind: MessageBody) -> None:
         """Best-effort message once the session is finished (its deadline no longer applies)."""
         assert self._peer_address is not None
-        header = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        body = protocol.encode(self.transfer_id, self._send_seq, **kind)
+        header = self.frames.seal(self._send_seq, body, [])
         self._send_seq += 1
+        await self._send_best_effort(self._peer_address, header)
+
+    async def _send_best_effort(self, address: str, header: bytes) -> None:
+        """One header-only message, bounded by NOTIFY_TIMEOUT_S; a failure is only logged."""
         try:
-            await asyncio.wait_for(
-                self._transport.send(self._peer_address, header), NOTIFY_TIMEOUT_S
-            )
+            await asyncio.wait_for(self._transport.send(address, header), NOTIFY_TIMEOUT_S)
         except (TimeoutError, TransportError) as e:
             self.log(logging.INFO, "%s %s: could not tell the peer (%s)", self.role,
                      self.transfer_id, e)  # fmt: skip

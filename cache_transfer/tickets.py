@@ -9,8 +9,10 @@ decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst
                                                       kv device, cached blocks
 prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
               handshake_for(ticket, ...)              the handshake, with its proof:
-              handshake_proof(auth, ticket, src)      TransferHandshake.proof
-decode node   check_handshake(auth, ticket, hs)       before any byte of KV is accepted
+              handshake_proof(auth, ticket, src,      TransferHandshake.proof: bound to the
+                              nonce, connection)      challenge's nonce and the connection
+decode node   check_handshake(auth, ticket, hs,       before any byte of KV is accepted (the
+                              nonce, connection)      nonce it issued to that connection, once)
 ```
 
 A ticket that does not verify makes the prefill node contact nobody (no failure notice to
@@ -123,9 +125,13 @@ def handshake_for(
     kv_device: str,
     write_in_place: bool,
     timeout_s: float,
+    nonce: bytes = b"",
+    connection: str = "",
+    encrypted: bool = False,
 ) -> transfer_pb2.TransferHandshake:
     """The sender's handshake for `ticket`: what the receiver checks it against, where to
-    answer, whether it asks to write in place, its deadline; with a secret, proving it."""
+    answer, whether it asks to write in place, its deadline; with a secret, proving it on
+    `connection` (our transport's peer id there) in answer to the challenge's `nonce`."""
     handshake = transfer_pb2.TransferHandshake(
         protocol_version=PROTOCOL_VERSION,
         layout_hash=layout.layout_hash(),
@@ -137,25 +143,46 @@ def handshake_for(
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,
+        encrypted=encrypted,
     )
     if auth is not None:
-        handshake.proof = handshake_proof(auth, ticket, src_address)
+        handshake.proof = handshake_proof(auth, ticket, src_address, nonce, connection)
     return handshake
 
 
-def handshake_proof(auth: ClusterAuth, ticket: node_pb2.TransferTicket, src_address: str) -> bytes:
+def handshake_proof(
+    auth: ClusterAuth,
+    ticket: node_pb2.TransferTicket,
+    src_address: str,
+    nonce: bytes,
+    connection: str,
+) -> bytes:
     return auth.sign(
-        "kv-handshake", ticket.transfer_id, src_address, ticket.layout_hash, ticket.num_tokens,
-        ticket.signature,
+        "kv-handshake", ticket.transfer_id, nonce, connection, src_address, ticket.layout_hash,
+        ticket.num_tokens, ticket.signature,
     )  # fmt: skip
 
 
 def check_handshake(
-    auth: ClusterAuth, ticket: node_pb2.TransferTicket, handshake: transfer_pb2.TransferHandshake
+    auth: ClusterAuth,
+    ticket: node_pb2.TransferTicket,
+    handshake: transfer_pb2.TransferHandshake,
+    nonce: bytes | None,
+    connection: str,
 ) -> str | None:
+    """None when `handshake`, received on `connection`, proves the secret in answer to the
+    `nonce` this receiver issued to that connection (None: it issued none, or it was used)."""
     if not handshake.proof:
         return "the handshake carries no proof of the cluster secret"
-    expected = handshake_proof(auth, ticket, handshake.src_address)
+    if nonce is None:
+        return (
+            "no challenge of this connection is outstanding (a handshake without a hello, or "
+            "a proof used already)"
+        )
+    expected = handshake_proof(auth, ticket, handshake.src_address, nonce, connection)
     if not hmac.compare_digest(handshake.proof, expected):
-        return "the handshake's proof does not verify (a sender without the cluster secret)"
+        return (
+            "the handshake's proof does not verify for this connection and its challenge (a "
+            "replayed handshake, or a sender without the cluster secret)"
+        )
     return None

@@ -1,7 +1,8 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
 Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
-Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool)
+Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool, unless
+    it proved the cluster secret: the router's requests wait for free blocks alone)
     ──► reserve ceil((prompt + 1) / block) blocks, the prompt's cached prefix first (its
         blocks held, not sent: the ticket's num_cached_blocks, KVSuffix) ──► KVReceiver
     ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
@@ -184,7 +185,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if self._suffix:  # for the prefix lookup: hashed here, not on the engine thread
             self._engine.hash_prompt_ahead(request)
         try:
-            job.hold = await self.caps.acquire(context.peer(), num_blocks, queue_timeout_s)
+            # with a secret every caller proved it (the guard refuses others): the router
+            job.hold = await self.caps.acquire(
+                context.peer(), num_blocks, queue_timeout_s, trusted=self._kv_authenticated
+            )
             wait_s = max(0.0, deadline - time.monotonic())
             reserved = await self.admission.reserve(request, num_tokens, wait_s, self._suffix)
         except (AdmissionRefused, TransferCapExceeded) as error:

@@ -132,7 +132,8 @@ class GrpcNodeServer:
         `add_role_servicer(server)` registers its servicer. With `registry`, the node registers
         itself once serving, under `advertise_host` (default: `host`, or this machine's
         address when `host` is a wildcard). With `auth`, every call but health and reflection
-        must carry a cluster proof (UNAUTHENTICATED otherwise), and the registry record is
+        must carry a cluster proof made for this node (`names`; UNAUTHENTICATED otherwise: a
+        proof made for another node too), and the registry record is
         signed; `security` says whether to serve mutual TLS."""
         self._host = host
         self._backend = backend
@@ -145,7 +146,7 @@ class GrpcNodeServer:
         self._auth = auth
         self._services = ("", NODE_SERVICE, role_service)
         self._health = health.aio.HealthServicer()
-        guard = RequestGuard(cluster_check(auth) if auth is not None else None)
+        guard = RequestGuard(cluster_check(auth, self.names) if auth is not None else None)
         self._server = grpc.aio.server(interceptors=[guard], options=SERVER_OPTIONS)
         add_node_service: AddServicer = node_pb2_grpc.add_NodeServicer_to_server  # generated
         add_node_service(NodeService(backend), self._server)
@@ -176,6 +177,11 @@ class GrpcNodeServer:
         if self.registrar is not None:
             await self.registrar.start()
         return self.port
+
+    def names(self) -> set[str]:
+        """The HOST:PORTs a call proof for this node may name: as bound, and as advertised
+        (its registry record's address)."""
+        return {self.address, self.dial_address}
 
     @property
     def dial_address(self) -> str:

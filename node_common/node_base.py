@@ -94,16 +94,23 @@ class NodeBase(abc.ABC):
     def _make_manager(self) -> KVTransferManager:
         """The KV transport (where peers reach this node) and its transfer manager."""
         config = self.config
+        kv_device = self.core.pool.buffer.device
+        if config.kv_encrypt and self.auth is None:
+            raise ValueError("--kv-encrypt needs --cluster-secret-file (its keys come from it)")
+        if config.kv_encrypt and kv_device.type != "cpu" and config.kv_transport != "tcp":
+            raise ValueError(
+                f"--kv-encrypt encrypts host payloads, and the {config.kv_transport} transport "
+                f"sends this node's KV from {kv_device} memory: use --kv-transport tcp"
+            )
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        kv_device = self.core.pool.buffer.device
         sharing = (
             CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
         )
         return KVTransferManager(
             transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
-            kv_device=kv_device,
+            kv_device=kv_device, encrypt=config.kv_encrypt,
         )  # fmt: skip
 
     # ---- what a role provides -------------------------------------------------------------

@@ -6,8 +6,11 @@ RequestGuard(check, code)   server interceptor: a method outside `open_prefixes`
                             it ends with `code` (UNAUTHENTICATED) and check's reason. Every
                             unary request is parsed here: a malformed protobuf or invalid
                             UTF-8 ends INVALID_ARGUMENT (gRPC's own answer is UNKNOWN)
-cluster_check(auth)         the nodes' check: a valid, fresh, unreplayed cluster proof
-client_interceptors(auth)   add a fresh cluster proof to every call (router -> node)
+cluster_check(auth, names)  the nodes' check: a valid, fresh, unreplayed cluster proof made
+                            for this node (one of names(): its HOST:PORT, as bound and as
+                            advertised), so a proof for one node is refused by every other
+client_interceptors(auth,   add a fresh cluster proof for `audience` (the node's HOST:PORT
+    audience)               the channel dials) to every call (router -> node)
 SERVER_OPTIONS              every server's options: no SO_REUSEPORT (no port sharing)
 server_credentials(config)  mutual TLS for a server (None: no TLS)
 channel_credentials(config) mutual TLS for a client channel (None: no TLS)
@@ -17,7 +20,7 @@ channel_credentials(config) mutual TLS for a client channel (None: no TLS)
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +63,9 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ha
         return _parsing(handler)
 
 
-def cluster_check(auth: ClusterAuth) -> Check:
+def cluster_check(auth: ClusterAuth, names: Callable[[], Collection[str]]) -> Check:
     def check(method: str, metadata: dict[str, str]) -> str | None:
-        return auth.check_call(method, metadata.get(AUTH_METADATA_KEY))
+        return auth.check_call(method, metadata.get(AUTH_METADATA_KEY), names())
 
     return check
 
@@ -117,14 +120,15 @@ def _parsing(handler: Any) -> Any:
 class _ProofAdder:
     """Adds a fresh cluster proof to each call."""
 
-    def __init__(self, auth: ClusterAuth) -> None:
+    def __init__(self, auth: ClusterAuth, audience: str) -> None:
         self._auth = auth
+        self._audience = audience
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         method = details.method
         method = method.decode() if isinstance(method, bytes) else method
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata.add(AUTH_METADATA_KEY, self._auth.call_token(method))
+        metadata.add(AUTH_METADATA_KEY, self._auth.call_token(method, self._audience))
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials,
             details.wait_for_ready,
@@ -141,11 +145,13 @@ class _StreamProofAdder(_ProofAdder, grpc.aio.UnaryStreamClientInterceptor):  # 
         return await continuation(self._details(details), request)
 
 
-def client_interceptors(auth: ClusterAuth | None) -> list[Any]:
-    """One interceptor per call shape: grpc.aio files an interceptor under the first shape it
-    implements only, so one object serving both would leave streaming calls (Prefill,
-    Decode) without a proof."""
-    return [] if auth is None else [_UnaryProofAdder(auth), _StreamProofAdder(auth)]
+def client_interceptors(auth: ClusterAuth | None, audience: str) -> list[Any]:
+    """Proofs for the node `audience` names. One interceptor per call shape: grpc.aio files
+    an interceptor under the first shape it implements only, so one object serving both would
+    leave streaming calls (Prefill, Decode) without a proof."""
+    if auth is None:
+        return []
+    return [_UnaryProofAdder(auth, audience), _StreamProofAdder(auth, audience)]
 
 
 def _read(path: str | None) -> bytes | None:
@@ -180,8 +186,9 @@ def open_channel(
     auth: ClusterAuth | None,
     options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
-    """A client channel to a pdserve node: TLS when configured, a cluster proof on each call."""
-    interceptors = client_interceptors(auth)
+    """A client channel to a pdserve node: TLS when configured, a cluster proof on each call
+    (made for the node at `address`)."""
+    interceptors = client_interceptors(auth, address)
     credentials = channel_credentials(config)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -5,10 +5,13 @@ load_cluster_auth(SecurityConfig)   --cluster-secret-file, else PDSERVE_CLUSTER_
                                     None: the cluster is open (launchers log it)
 auth.sign(purpose, *parts)          HMAC-SHA256 under a per-purpose key derived from the secret
 auth.verify(mac, purpose, *parts)   constant-time (hmac.compare_digest)
-auth.call_token(method)             gRPC call proof "MS.NONCE.MAC" over (method, MS, NONCE),
-                                    MS: unix time in milliseconds
-auth.check_call(method, token)      None, or why the call is refused: bad MAC, outside the
-                                    time window, or a replayed nonce
+auth.call_token(method, audience)   gRPC call proof "MS.NONCE.MAC" over (method, audience,
+                                    MS, NONCE), MS: unix time in milliseconds; `audience`: the
+                                    node it is for (the HOST:PORT the caller dials: the address
+                                    of its registry record, or the router's static list)
+auth.check_call(method, token,      None, or why the call is refused: bad MAC (another secret,
+                names)              or made for a node not named in `names`), outside the time
+                                    window, or a replayed nonce (each node remembers its own)
 ```
 
 The secret never leaves the process: peers see only MACs, each bound to what it proves (a
@@ -24,6 +27,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 
 from pdserve import envs
@@ -72,12 +76,14 @@ class ClusterAuth:
         now_s = time.time() if now_s is None else now_s
         return abs(now_s - unix_s) <= self.window_s
 
-    def call_token(self, method: str) -> str:
+    def call_token(self, method: str, audience: str) -> str:
         stamp, nonce = str(int(time.time() * 1000)), secrets.token_hex(12)
-        return f"{stamp}.{nonce}.{self.sign('grpc-call', method, stamp, nonce).hex()}"
+        mac = self.sign("grpc-call", method, audience, stamp, nonce)
+        return f"{stamp}.{nonce}.{mac.hex()}"
 
-    def check_call(self, method: str, token: str | None) -> str | None:
-        """None when `token` proves the secret for `method`; else why not (never the secret)."""
+    def check_call(self, method: str, token: str | None, names: Collection[str]) -> str | None:
+        """None when `token` proves the secret for `method` on a node named one of `names`;
+        else why not (never the secret)."""
         if not token:
             return "the call carries no cluster proof (x-pdserve-auth metadata)"
         try:
@@ -85,8 +91,11 @@ class ClusterAuth:
             stamp_s, mac = int(stamp[:20]) / 1000, bytes.fromhex(mac_hex[:128])
         except ValueError:
             return "the cluster proof is malformed"
-        if not self.verify(mac, "grpc-call", method, stamp, nonce):
-            return "the cluster proof does not verify (a different cluster secret?)"
+        if not any(self.verify(mac, "grpc-call", method, name, stamp, nonce) for name in names):
+            return (
+                f"the cluster proof does not verify for this node ({', '.join(sorted(names))}): "
+                "made for another node, or with a different cluster secret"
+            )
         if not self.fresh(stamp_s):
             return f"the cluster proof is older than {self.window_s} s (clock skew?)"
         return self._remember(nonce)

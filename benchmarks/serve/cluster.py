@@ -38,7 +38,7 @@ import grpc
 from pdserve import envs
 from pdserve.config import SecurityConfig
 from pdserve.grpc_security import open_channel
-from pdserve.security import load_cluster_auth
+from pdserve.security import AUTH_METADATA_KEY, ClusterAuth, load_cluster_auth, read_secret
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 
@@ -120,6 +120,9 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+_GET_STATS = "/pdserve.v1.Node/GetStats"
 
 
 def _given(flags: list[str], name: str) -> bool:
@@ -216,23 +219,31 @@ class BenchCluster:
         return kept[max(0, len(kept) - (self.num_log_lines - num_lines)) :]
 
     def node_stats(self, name: str, timeout_s: float = RPC_TIMEOUT_S) -> node_pb2.NodeStats:
-        """Node `name` ("decode-0")'s stats over gRPC."""
-        with grpc.insecure_channel(self.nodes[name]) as channel:
+        """Node `name` ("decode-0")'s stats over gRPC (proving the cluster secret pd-serve was
+        given, if any: `--cluster-secret-file` or PDSERVE_CLUSTER_SECRET_FILE)."""
+        address = self.nodes[name]
+        metadata = None
+        if (secret := self._secret_file()) is not None:
+            proof = ClusterAuth(read_secret(secret)).call_token(_GET_STATS, address)
+            metadata = ((AUTH_METADATA_KEY, proof),)
+        with grpc.insecure_channel(address) as channel:
             stub = node_pb2_grpc.NodeStub(channel)
-            return stub.GetStats(node_pb2.GetStatsRequest(), timeout=timeout_s)
+            return stub.GetStats(node_pb2.GetStatsRequest(), timeout=timeout_s, metadata=metadata)
+
+    def _secret_file(self) -> str | None:
+        for i, flag in enumerate(self.serve_flags):
+            if flag.startswith("--cluster-secret-file="):
+                return flag.split("=", 1)[1]
+            if flag == "--cluster-secret-file" and i + 1 < len(self.serve_flags):
+                return self.serve_flags[i + 1]
+        return envs.cluster_secret_file()
 
     def decode_addresses(self) -> list[str]:
         return [address for name, address in self.nodes.items() if name.startswith("decode")]
 
     def security(self) -> SecurityConfig:
         """The cluster secret pd-serve was given (--cluster-secret-file), to call its nodes."""
-        flags = self.serve_flags
-        for i, flag in enumerate(flags):
-            if flag.startswith("--cluster-secret-file="):
-                return SecurityConfig(cluster_secret_file=flag.split("=", 1)[1])
-            if flag == "--cluster-secret-file" and i + 1 < len(flags):
-                return SecurityConfig(cluster_secret_file=flags[i + 1])
-        return SecurityConfig()
+        return SecurityConfig(cluster_secret_file=self._secret_file())
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = STOP_GRACE_S) -> list[int]:
         """Stop pd-serve with `sig` (it stops its nodes); return the pids it had started that

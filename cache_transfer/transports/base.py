@@ -83,6 +83,14 @@ class KVTransport(abc.ABC):
         as its own message, in order; otherwise as `send` (all payloads may be reused once it
         returns). ValueError when `messages` is empty."""
 
+    def connection_id(self, peer_address: str) -> str:
+        """The `peer_id` under which `peer_address`'s handler receives what we send it now (the
+        connection a handshake proof is bound to). No two live connections to one listener
+        share it: tcp, our zmq routing id (a ROUTER drops a second connection using a live
+        one); ucx, the name our connection's hello gives (a listener closes a second one
+        using a live name); local, our address."""
+        return self.address
+
     def limit_inbound(self, max_frame_bytes: int) -> None:
         """Refuse, before buffering it, any incoming frame (header or payload) larger than
         `max_frame_bytes` (call before peers connect). Transports that hand the handler the

@@ -81,6 +81,9 @@ class CoalescingTransport(KVTransport):
     def start(self, handler: TransportHandler) -> None:
         self.inner.start(handler)
 
+    def connection_id(self, peer_address: str) -> str:
+        return self.inner.connection_id(peer_address)
+
     def limit_inbound(self, max_frame_bytes: int) -> None:
         self.inner.limit_inbound(max_frame_bytes)
 

@@ -4,6 +4,7 @@
                ──[header, payload, header, payload...]─┘  (send_many: one zmq message; an
                                                           empty payload frame: none)
     our DEALER per peer address (created on first send, reused) ──► peer ROUTER
+    (a peer not reached within CONNECT_TIMEOUT_S: the send fails, the DEALER is dropped)
 
 The ROUTER prefixes each message with the sending DEALER's routing id, which becomes the
 `peer_id` handlers see. zmq multipart messages are atomic: all frames arrive or none do.
@@ -44,12 +45,20 @@ _HEARTBEAT_TIMEOUT_MS = 6000
 _TRACKER_POLL_MAX_S = 0.0005
 _MAX_REPLY_BYTES = 1 << 20  # what a peer may send back on our outgoing connection (headers)
 _CLOSE_LINGER_MS = 1000  # how long closed connections keep delivering what was queued
+CONNECT_TIMEOUT_S = 5.0  # a peer never reached: its first send fails after this (as ucx's)
 
 
 class TcpTransport(KVTransport):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ):
         """Bind a listener on `host:port` (`port=0`: a free port). Peers are told
-        `advertise_host` (default: `host`, or this machine's address when `host` is 0.0.0.0)."""
+        `advertise_host` (default: `host`, or this machine's address when `host` is 0.0.0.0).
+        A send to a peer that has not been reached waits at most `connect_timeout_s` for it."""
         # The process-wide context: never terminated, so a transport left unclosed cannot
         # block the interpreter in Context.term() when it is garbage collected.
         self._ctx = zmq.asyncio.Context.instance()
@@ -66,8 +75,10 @@ class TcpTransport(KVTransport):
         bound = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         bound_port = int(bound.rsplit(":", 1)[1])
         self._address = f"tcp://{bracket(advertise_host or dial_host(host))}:{bound_port}"
-        self._routing_id = f"{self._address}#{secrets.token_hex(4)}".encode()
+        self._routing_id = f"{self._address}#{secrets.token_hex(8)}".encode()
         self._peers: dict[str, zmq.asyncio.Socket] = {}
+        self._connected: set[str] = set()  # peers a send reached (no connect timeout since)
+        self._connect_timeout_s = connect_timeout_s
         self._handler: TransportHandler | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -93,7 +104,10 @@ class TcpTransport(KVTransport):
         zero_copy = sum(sizes) >= ZERO_COPY_MIN_BYTES
         frames, trackers = _frames(messages, zero_copy)
         try:
-            await sock.send_multipart(frames, copy=not zero_copy)
+            if peer_address in self._connected:
+                await sock.send_multipart(frames, copy=not zero_copy)
+            else:
+                await self._connect_and_send(peer_address, sock, frames, zero_copy)
             del frames  # a zmq.Frame holds its buffer too: only libzmq may, from here on
             for tracker in trackers:
                 await self._wait_released(tracker)
@@ -101,10 +115,32 @@ class TcpTransport(KVTransport):
             raise TransportError(f"send to {peer_address} failed: {e}") from e
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if self._closed and task is not None and not task.cancelling():
-                # close() cancelled the socket's pending send, not our caller
-                raise TransportError(f"transport {self._address} closed during a send") from None
+            if (self._closed or sock.closed) and task is not None and not task.cancelling():
+                # close() (or a failed connect) cancelled the socket's send, not our caller
+                closed = f"the connection to {peer_address} closed during a send"
+                raise TransportError(closed) from None
             raise
+
+    async def _connect_and_send(
+        self, peer_address: str, sock: zmq.asyncio.Socket, frames: list[object], zero_copy: bool
+    ) -> None:
+        """A send to a peer not reached yet: it waits for the connection (IMMEDIATE), for at
+        most `connect_timeout_s`; then the socket is dropped (a later send connects afresh) and
+        TransportError says so."""
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await sock.send_multipart(frames, copy=not zero_copy)
+        except TimeoutError:
+            if self._peers.get(peer_address) is sock:
+                del self._peers[peer_address]
+            sock.close(linger=0)
+            raise TransportError(
+                f"could not connect to {peer_address} within {self._connect_timeout_s:g} s"
+            ) from None
+        self._connected.add(peer_address)
+
+    def connection_id(self, peer_address: str) -> str:
+        return self._routing_id.decode()
 
     def limit_inbound(self, max_frame_bytes: int) -> None:
         """zmq MAXMSGSIZE: libzmq drops the connection of a peer whose frame header announces

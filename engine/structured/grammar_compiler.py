@@ -28,6 +28,7 @@ import llguidance.torch
 import torch
 
 from engine.structured.grammar_matcher import GrammarMatcher
+from engine.structured.token_bytes import build_ll_tokenizer
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.structured_output import StructuredOutputKind, StructuredOutputParams
 
@@ -106,9 +107,7 @@ class GrammarCompiler:
             raise ValueError("structured outputs need the model's EOS token ids")
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)
-        )
+        self.tokenizer = build_ll_tokenizer(tokenizer_json, vocab_size, eos_token_ids)
         # The library's defaults bound each step's work; errors stay terse (no grammar dump).
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
 

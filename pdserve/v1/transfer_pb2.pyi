@@ -16,7 +16,7 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class TransferMessage(_message.Message):
-    __slots__ = ("transfer_id", "seq", "handshake", "handshake_ack", "layer_manifest", "first_token", "result", "progress")
+    __slots__ = ("transfer_id", "seq", "handshake", "handshake_ack", "layer_manifest", "first_token", "result", "hello", "challenge", "progress", "mac")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_FIELD_NUMBER: _ClassVar[int]
@@ -24,7 +24,10 @@ class TransferMessage(_message.Message):
     LAYER_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     seq: int
     handshake: TransferHandshake
@@ -32,11 +35,32 @@ class TransferMessage(_message.Message):
     layer_manifest: LayerManifest
     first_token: FirstToken
     result: TransferResult
+    hello: TransferHello
+    challenge: HandshakeChallenge
     progress: Progress
-    def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., seq: _Optional[int] = ..., handshake: _Optional[_Union[TransferHandshake, _Mapping]] = ..., handshake_ack: _Optional[_Union[HandshakeAck, _Mapping]] = ..., layer_manifest: _Optional[_Union[LayerManifest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., hello: _Optional[_Union[TransferHello, _Mapping]] = ..., challenge: _Optional[_Union[HandshakeChallenge, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class TransferHello(_message.Message):
+    __slots__ = ("src_address",)
+    SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    src_address: str
+    def __init__(self, src_address: _Optional[str] = ...) -> None: ...
+
+class HandshakeChallenge(_message.Message):
+    __slots__ = ("nonce", "connection", "refused", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    connection: str
+    refused: str
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., connection: _Optional[str] = ..., refused: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class TransferHandshake(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s", "num_cached_blocks")
+    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s", "encrypted", "num_cached_blocks")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +71,7 @@ class TransferHandshake(_message.Message):
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     WRITE_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     layout_hash: str
@@ -58,8 +83,9 @@ class TransferHandshake(_message.Message):
     kv_device: str
     write_in_place: bool
     timeout_s: float
+    encrypted: bool
     num_cached_blocks: int
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., encrypted: _Optional[bool] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("num_computed_tokens",)
@@ -108,7 +134,7 @@ class HandshakeAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[int] = ..., pool: _Optional[_Union[KVPoolExport, _Mapping]] = ...) -> None: ...
 
 class LayerManifest(_message.Message):
-    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end", "written_in_place", "more_layer_ids")
+    __slots__ = ("layer_idx", "block_offset", "num_blocks", "num_bytes", "token_end", "written_in_place", "more_layer_ids", "payload_digest")
     LAYER_IDX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +142,7 @@ class LayerManifest(_message.Message):
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     MORE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     layer_idx: int
     block_offset: int
     num_blocks: int
@@ -123,17 +150,20 @@ class LayerManifest(_message.Message):
     token_end: int
     written_in_place: bool
     more_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ..., more_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    payload_digest: bool
+    def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ..., more_layer_ids: _Optional[_Iterable[int]] = ..., payload_digest: _Optional[bool] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason")
+    __slots__ = ("token_id", "logprob", "finish_reason", "sealed")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generation_pb2.TokenLogprob
     finish_reason: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    sealed: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., sealed: _Optional[bytes] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "writes_drained")

@@ -1,6 +1,7 @@
 """`UcxInbound`: one connection a peer opened to our listener (framing in wire.py).
 
-    hello (message 0) ──► peer_id = "<peer address>#<n>"
+    hello (message 0) ──► peer_id = its text ("<peer address>#<random>"; a name a live
+                          connection has already: closed)
     per head (one or several messages, numbered on), per message, in sequence order:
         head ──► header-only: handler.complete(peer_id, header, None)
              └─► payload: dst = handler.prepare(...) ──► receive into dst (a scratch byte when
@@ -52,7 +53,7 @@ class UcxInbound:
         handler: TransportHandler,
         name_peer: Callable[[str], str],
     ) -> None:
-        """`name_peer(peer address from the hello)` gives the connection's peer_id."""
+        """`name_peer(the hello's text)` gives the connection's peer_id (ValueError: refused)."""
         self.peer_id = "?"
         self._endpoint = endpoint
         self._handler = handler

@@ -1,6 +1,6 @@
 """`UcxOutbound`: this node's connection to one peer's listener (framing in wire.py).
 
-    UcxOutbound(peer)          connects in the background; its hello is message 0
+    UcxOutbound(peer)          connects in the background; its hello (message 0) names it
     submit(messages)           numbers the messages at once (call order = arrival order) and
                                sends them (one head, a payload each) once connected: any
                                number in flight, so layers of several transfers share the link
@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 from collections.abc import Sequence
 
 import torch
@@ -55,8 +56,10 @@ _CLOSE_FLUSH_S = 1.0  # how long close() lets queued messages (failure notices) 
 class UcxOutbound:
     def __init__(self, local_address: str, peer_address: str, host: str, port: int) -> None:
         """Connect to the listener at `host:port` (`peer_address` names it in errors). Call
-        inside the transport's event loop."""
+        inside the transport's event loop. The hello names this connection:
+        `name` = "<local_address>#<random>", the peer's peer_id for what it carries."""
         self.peer_address = peer_address
+        self.name = f"{local_address}#{secrets.token_hex(8)}"
         self.error: str | None = None
         self._loop = asyncio.get_running_loop()
         self._seq = itertools.count()
@@ -64,7 +67,7 @@ class UcxOutbound:
         self._endpoint: ucxx.Endpoint | None = None
         self._connecting = self._loop.create_task(self._connect(host, port))
         self._connecting.add_done_callback(_retrieve)
-        self.submit([(local_address.encode(), None)])  # the hello
+        self.submit([(self.name.encode(), None)])  # the hello
 
     @property
     def failed(self) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -74,7 +73,6 @@ class UcxTransport(KVTransport):
         self._outbound: dict[str, UcxOutbound] = {}
         self._inbound: set[UcxInbound] = set()
         self._serving: set[asyncio.Task[None]] = set()  # our listener callbacks still running
-        self._peer_numbers = itertools.count()
         self._closed = False
 
     @property
@@ -136,8 +134,15 @@ class UcxTransport(KVTransport):
             self._inbound.discard(inbound)
             self._serving.discard(task)
 
-    def _name_peer(self, peer_address: str) -> str:
-        return f"{peer_address}#{next(self._peer_numbers)}"
+    def connection_id(self, peer_address: str) -> str:
+        return self._connection(peer_address).name
+
+    def _name_peer(self, name: str) -> str:
+        """The peer_id of a connection whose hello says `name` (its sender's address and a
+        random suffix); ValueError, the connection closed, when a live one has it already."""
+        if any(inbound.peer_id == name for inbound in self._inbound):
+            raise ValueError(f"a live connection is named {name!r} already")
+        return name
 
 
 def _listen(callback: object, host: str, port: int) -> tuple[ucxx.Listener, str | None]:

@@ -1,16 +1,21 @@
 """A hand-driven prefill node: a raw transport endpoint that speaks transfer.proto to one
 receiver, honestly or not (tests of what the receiver refuses, takeovers, authentication).
-Forged payloads are filled with MARKER, so "no block written" means no MARKER anywhere."""
+Forged payloads are filled with MARKER, so "no block written" means no MARKER anywhere. Given
+a cluster secret (`auth`), `hello()` takes the receiver's challenge, and from then on the
+handshake proves it and every message carries its MAC, as an honest sender's do."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transfer_helpers import RawPeer, make_layout, make_raw_peer, sentinel_caches
 
 from cache_transfer import KVReceiver, KVTransferManager, make_transport, protocol
+from cache_transfer.frame_auth.frame_key import TO_RECEIVER, FrameKey, seal
+from cache_transfer.tickets import handshake_proof
+from pdserve.security import ClusterAuth
 from pdserve.v1 import transfer_pb2
 
 MARKER = 99.0
@@ -26,6 +31,45 @@ class Forger:
     peer: RawPeer
     receiver: KVReceiver
     seq: int = 0
+    auth: ClusterAuth | None = None  # the secret it holds (None: it proves nothing)
+    nonce: bytes | None = None  # its connection's challenge (`hello`)
+    key: FrameKey | None = None  # the MAC key that challenge gives (with `auth`)
+    headers: list[bytes] = field(default_factory=list)  # every header it sent, as sent
+
+    @property
+    def address(self) -> str:
+        return self.receiver.ticket().dst_address
+
+    @property
+    def connection(self) -> str:
+        return self.peer.transport.connection_id(self.address)
+
+    async def hello(self) -> None:
+        """Ask for a challenge and wait for it (on the forger's own connection)."""
+        hello = transfer_pb2.TransferHello(src_address=self.peer.transport.address)
+        header = protocol.encode(self.receiver.transfer_id, 0, hello=hello)
+        await asyncio.wait_for(self.peer.transport.send(self.address, header), 5)
+        self.nonce = (await self.next_reply("challenge", 10.0)).challenge.nonce
+        if self.auth is not None:
+            self.key = FrameKey(self.auth, self.receiver.transfer_id, self.nonce, self.connection)
+
+    async def next_reply(self, kind: str, timeout_s: float) -> protocol.TransferMessage:
+        """The first reply of `kind` received (waited for)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            for _, header in self.peer.received:
+                msg = protocol.decode(header)
+                if protocol.kind_of(msg) == kind:
+                    return msg
+            await asyncio.sleep(0.01)
+        raise TimeoutError(f"no {kind} reply within {timeout_s} s")
+
+    def proof(self) -> bytes:
+        """This forger's handshake proof for its challenge (`hello` first)."""
+        assert self.auth is not None and self.nonce is not None
+        return handshake_proof(self.auth, self.receiver.ticket(), self.peer.transport.address,
+                               self.nonce, self.connection)  # fmt: skip
 
     async def send(
         self,
@@ -36,10 +80,18 @@ class Forger:
         **kind: object,
     ) -> None:
         transfer_id = transfer_id or self.receiver.transfer_id
-        header = protocol.encode(transfer_id, self.seq if seq is None else seq, **kind)
+        seq = self.seq if seq is None else seq
+        header = protocol.encode(transfer_id, seq, **kind)
+        if self.key is not None:  # MACed as an honest sender does (bytes of a host payload)
+            part = [] if payload is None else [memoryview(payload.numpy())]
+            header = seal(header, self.key.tag(TO_RECEIVER, seq, header, part))
         self.seq += 1
-        address = self.receiver.ticket().dst_address
-        await asyncio.wait_for(self.peer.transport.send(address, header, payload), 5)
+        self.headers.append(header)
+        await self.send_raw(header, payload)
+
+    async def send_raw(self, header: bytes, payload: torch.Tensor | None = None) -> None:
+        """Bytes as they are (a captured header, replayed)."""
+        await asyncio.wait_for(self.peer.transport.send(self.address, header, payload), 5)
 
     async def handshake(self, **overrides: object) -> None:
         fields: dict[str, object] = dict(
@@ -50,6 +102,8 @@ class Forger:
             num_tokens=NUM_TOKENS,
             num_blocks=3,
         )
+        if self.auth is not None and self.nonce is not None:
+            fields["proof"] = self.proof()
         await self.send(handshake=transfer_pb2.TransferHandshake(**{**fields, **overrides}))
 
     async def layer(

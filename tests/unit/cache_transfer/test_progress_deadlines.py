@@ -14,6 +14,7 @@ import pytest
 from transfer_helpers import make_layout, make_pair, run, wait_until
 
 from cache_transfer import TransferState
+from pdserve.security import ClusterAuth
 from pdserve.v1 import transfer_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,9 +29,13 @@ async def _beat_until(sender, stop: asyncio.Event, interval_s: float = 0.05) -> 
         await asyncio.sleep(interval_s)
 
 
-def test_progress_keeps_a_hand_off_alive_past_the_timeout() -> None:
+@pytest.mark.parametrize("secret", [False, True])
+def test_progress_keeps_a_hand_off_alive_past_the_timeout(secret: bool) -> None:
+    """With a cluster secret the Progress messages carry their MACs like every other."""
+
     async def scenario() -> None:
-        pair = await make_pair("local", make_layout())
+        auth = ClusterAuth(b"cluster-secret-0123456789abcdef") if secret else None
+        pair = await make_pair("local", make_layout(), auth=auth)
         receiver = pair.decode.create_receiver(
             [1, 2, 3], num_tokens=12, timeout_s=TIMEOUT_S, max_ceiling_s=30.0
         )

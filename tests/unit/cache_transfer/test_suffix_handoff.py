@@ -1,7 +1,8 @@
 """Suffix-only hand-offs (`KVSuffix`): a receiver that holds the prompt's first blocks gets
 only the rest, once per backend: exact bytes into the reserved blocks (counted on both sides,
 the held ones as skipped), chunked and packed layers, the ticket's count signed, and a sender
-that sends the held blocks, or claims another count, is refused."""
+that sends the held blocks, or claims another count, is refused. With a cluster secret the
+hand-off is challenged and MACed as any other, the handshake's count under its MAC."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ from transfer_helpers import (
     wait_until,
 )
 
-from cache_transfer import KVTransferManager, TransferState, make_transport, pack_layer
+from cache_transfer import KVTransferManager, TransferState, make_transport, pack_layer, protocol
+from cache_transfer.frame_auth.frame_key import TO_RECEIVER, seal
 from cache_transfer.packing.block_ids import check_block_ids
 from cache_transfer.suffix import KVSuffix
 from cache_transfer.tickets import check_ticket, ticket_misfit
 from pdserve.security import ClusterAuth
+from pdserve.v1 import transfer_pb2
 
 pytestmark = pytest.mark.timeout(60)
+
+AUTH = ClusterAuth(b"cluster-secret-0123456789abcdef")
 
 
 def test_suffix_spans() -> None:
@@ -172,3 +177,63 @@ def test_a_well_behaved_suffix_sender_by_hand(backend: str) -> None:
         await forger.peer.transport.close()  # closed first crashed ucxx's close)
 
     run(scenario())
+
+
+def test_a_secured_suffix_hand_off(backend: str) -> None:
+    """With a cluster secret: hello, challenge, a proved handshake, every frame MACed; only the
+    blocks the receiver lacks travel."""
+
+    async def scenario() -> None:
+        layout = make_layout(block_size=4)
+        pair = await make_pair(backend, layout, auth=AUTH)
+        receiver = pair.decode.create_receiver([11, 5, 30], 14, timeout_s=10, num_cached_blocks=2)
+        sender = pair.prefill.create_sender(receiver.ticket(), timeout_s=10)
+        for layer_idx, (k_cache, v_cache) in enumerate(pair.src_caches):
+            await sender.send_layer(layer_idx, k_cache, v_cache, [7, 3, 20, 9])
+        await sender.send_first_token(42)
+        assert await receiver.wait() == TransferState.SUCCESS
+        assert await sender.wait() == TransferState.SUCCESS
+        assert receiver.frames.key is not None and sender.frames.key is not None  # MACed
+        for (src_k, src_v), (dst_k, dst_v) in zip(pair.src_caches, pair.dst_caches, strict=True):
+            assert torch.equal(dst_k[[11, 5]], src_k[[20, 9]])
+            assert torch.equal(dst_v[[11, 5]], src_v[[20, 9]])
+        assert sender.num_bytes_sent == layout.num_layers * layout.layer_bytes(2)
+        await pair.close()
+
+    run(scenario())
+
+
+def test_a_held_count_rewritten_in_flight_fails_the_handshake_mac(backend: str, caplog) -> None:
+    """An on-path attacker rewrites a proved handshake's num_cached_blocks (the proof covers
+    the ticket, not the handshake's fields): its MAC fails, so it is dropped, unanswered; the
+    challenge it used is gone, and the receiver ends at its no-progress timeout, nothing
+    written."""
+
+    async def scenario() -> tuple[TransferState, str, bool, list[str]]:
+        dst = sentinel_caches(LAYOUT, num_blocks=12)
+        manager = KVTransferManager(make_transport(backend), LAYOUT, dst, auth=AUTH)
+        receiver = manager.create_receiver([6, 2, 9], NUM_TOKENS, 2, num_cached_blocks=1)
+        forger = Forger(await make_raw_peer(backend), receiver, auth=AUTH)
+        try:
+            await forger.hello()
+            assert forger.key is not None
+            handshake = transfer_pb2.TransferHandshake(
+                protocol_version=protocol.PROTOCOL_VERSION, layout_hash=LAYOUT.layout_hash(),
+                src_address=forger.peer.transport.address, num_layers=LAYOUT.num_layers,
+                num_tokens=NUM_TOKENS, num_blocks=2, num_cached_blocks=1, proof=forger.proof(),
+            )  # fmt: skip
+            header = protocol.encode(receiver.transfer_id, 0, handshake=handshake)
+            sealed = protocol.decode(seal(header, forger.key.tag(TO_RECEIVER, 0, header, [])))
+            sealed.handshake.num_cached_blocks, sealed.handshake.num_blocks = 0, 3  # rewritten
+            await forger.send_raw(sealed.SerializeToString())
+            state = await receiver.wait(timeout_s=10)
+            replies = [protocol.kind_of(protocol.decode(h)) for _, h in forger.peer.received]
+            return state, receiver.error or "", no_marker(manager), replies
+        finally:
+            await manager.close()
+            await forger.peer.transport.close()
+
+    state, error, clean, replies = run(scenario())
+    assert state == TransferState.FAILED and "num_cached_blocks" not in error, error
+    assert "handshake message (seq 0) whose MAC does not verify" in caplog.text
+    assert replies == ["challenge"] and clean  # no ack: the rewritten handshake went unheard

@@ -124,9 +124,11 @@ def test_a_handshake_proof_for_another_transfer_is_refused(backend: str):
         second = decode.create_receiver([0, 1, 3, 5], NUM_TOKENS, timeout_s=1.5)
         from cache_transfer.tickets import handshake_proof
 
-        forger = Forger(await make_raw_peer(backend), second)
-        proof = handshake_proof(AUTH, first.ticket(), forger.peer.transport.address)
-        await forger.handshake(proof=proof)  # a proof replayed onto another transfer
+        forger = Forger(await make_raw_peer(backend), second, auth=AUTH)
+        await forger.hello()  # second's challenge for the forger's connection
+        proof = handshake_proof(AUTH, first.ticket(), forger.peer.transport.address,
+                                forger.nonce or b"", forger.connection)  # fmt: skip
+        await forger.handshake(proof=proof)  # a proof made for another transfer
         await forger.layer(0)
         state = await second.wait()
         clean = no_marker(decode)
@@ -155,26 +157,25 @@ def test_no_secret_keeps_the_open_protocol(backend: str):
 def test_with_the_secret_only_a_proven_sender_takes_a_session_over(backend: str):
     """The prefill retry's takeover under a cluster secret: a handshake without a proof is
     ignored (the first sender keeps the session), one proving the secret takes it over."""
-    from cache_transfer.tickets import handshake_proof
 
     async def scenario():
         decode = _decode(backend)
         receiver = decode.create_receiver(DST_BLOCK_IDS, NUM_TOKENS, timeout_s=10)
-        peers = [Forger(await make_raw_peer(backend), receiver) for _ in range(3)]
-        first, unproven, retry = peers
-
-        def proof(forger: Forger) -> bytes:
-            return handshake_proof(AUTH, receiver.ticket(), forger.peer.transport.address)
-
+        first = Forger(await make_raw_peer(backend), receiver, auth=AUTH)
+        retry = Forger(await make_raw_peer(backend), receiver, auth=AUTH)
+        unproven = Forger(await make_raw_peer(backend), receiver)
+        peers = [first, unproven, retry]
         try:
-            await first.handshake(proof=proof(first))
+            await first.hello()
+            await first.handshake()
             await first.layer(0, value=1.0)
             await wait_until(lambda: receiver.state == TransferState.TRANSFERRING, 10.0)
             handled = messages_handled(decode)  # from here: the unproven handshake only
             await unproven.handshake()  # no proof: ignored, the session stays the first's
             await wait_until(lambda: handled == ["complete"], 10.0)
             kept = receiver.state == TransferState.TRANSFERRING and not unproven.peer.received
-            await retry.handshake(proof=proof(retry))
+            await retry.hello()
+            await retry.handshake()
             for layer in range(LAYOUT.num_layers):
                 await retry.layer(layer, value=2.0)
             await retry.first_token()

@@ -11,6 +11,7 @@ import torch
 
 from cache_transfer import KVLayout, KVTransferManager, make_transport
 from cache_transfer.transports import KVTransport, ucx_available
+from pdserve.security import ClusterAuth
 from tests.waiting import wait_until as wait_until  # re-exported for the tests
 
 # The conformance suite runs against each of these (ucx where `ucxx` imports).
@@ -84,12 +85,17 @@ class NodePair:
 
 
 async def make_pair(
-    backend: str, layout: KVLayout, num_src_blocks: int = 32, num_dst_blocks: int = 40
+    backend: str,
+    layout: KVLayout,
+    num_src_blocks: int = 32,
+    num_dst_blocks: int = 40,
+    auth: ClusterAuth | None = None,
 ) -> NodePair:
+    """Two managers on `backend` (with `auth`: a cluster secret, so challenged and MACed)."""
     src = random_caches(layout, num_src_blocks)
     dst = sentinel_caches(layout, num_dst_blocks)
-    prefill = KVTransferManager(make_transport(backend), layout)
-    decode = KVTransferManager(make_transport(backend), layout, dst)
+    prefill = KVTransferManager(make_transport(backend), layout, auth=auth)
+    decode = KVTransferManager(make_transport(backend), layout, dst, auth=auth)
     return NodePair(layout, prefill, decode, src, dst)
 
 

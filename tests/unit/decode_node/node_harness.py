@@ -19,13 +19,12 @@ from typing import Any
 import grpc
 import torch
 
-from cache_transfer import KVLayout, make_transport, protocol
-from cache_transfer.transports.base import KVTransport
 from decode_node.decode_server import DecodeServer
 from engine.engine_core import EngineCore
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, NodeConfig, SchedulerConfig
-from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
+from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.prefill_server import PrefillServer
+from tests.unit.decode_node.raw_peer import RawPeer as RawPeer  # re-exported for the tests
 from tests.waiting import wait_until as wait_until  # re-exported for the tests
 
 MODEL = "synthetic:tiny-llama"  # 2 layers, vocab 512, eos 2
@@ -249,61 +248,6 @@ async def run_local(
         timeout=RPC_TIMEOUT_S,
     )
     return tokens_of(await read_chunks(call))
-
-
-@dataclass
-class RawPeer:
-    """A bare KV transport endpoint that speaks transfer.proto by hand: it records what it
-    receives and sends whatever a test tells it to (forged messages included)."""
-
-    transport: KVTransport
-    received: list[transfer_pb2.TransferMessage] = field(default_factory=list)
-    seq: int = 0
-
-    @classmethod
-    def start(cls, transport_name: str) -> RawPeer:
-        peer = cls(make_transport(transport_name))
-        peer.transport.start(peer)
-        return peer
-
-    @property
-    def address(self) -> str:
-        return self.transport.address
-
-    def prepare(self, peer_id: str, header: bytes, payload_bytes: int) -> torch.Tensor:
-        return torch.empty(payload_bytes, dtype=torch.uint8)
-
-    def complete(self, peer_id: str, header: bytes, payload: torch.Tensor | None) -> None:
-        self.received.append(protocol.decode(header))
-
-    def kinds(self) -> list[str]:
-        return [protocol.kind_of(msg) for msg in self.received]
-
-    async def send(
-        self,
-        dst_address: str,
-        transfer_id: str,
-        payload: torch.Tensor | None = None,
-        **kind: object,
-    ) -> None:
-        header = protocol.encode(transfer_id, self.seq, **kind)
-        self.seq += 1
-        await asyncio.wait_for(self.transport.send(dst_address, header, payload), RPC_TIMEOUT_S)
-
-    async def handshake(self, ticket: node_pb2.TransferTicket, layout: KVLayout) -> None:
-        """A valid handshake for `ticket`, as a prefill node would send it."""
-        handshake = transfer_pb2.TransferHandshake(
-            protocol_version=protocol.PROTOCOL_VERSION,
-            layout_hash=layout.layout_hash(),
-            src_address=self.address,
-            num_layers=layout.num_layers,
-            num_tokens=ticket.num_tokens,
-            num_blocks=layout.num_blocks_for(ticket.num_tokens),
-        )
-        await self.send(ticket.dst_address, ticket.transfer_id, handshake=handshake)
-
-    async def close(self) -> None:
-        await self.transport.close()
 
 
 LISTENING = re.compile(r"^(pd-\w+) listening on (\S+):(\d+) \(kv (\S+)\)$")

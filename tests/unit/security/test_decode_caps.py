@@ -118,5 +118,14 @@ def test_caps_unit() -> None:
         unlimited = TransferCaps(10, 5.0, 1.0, 8, 0)
         await unlimited.acquire("a", 9, 1.0)
         await unlimited.acquire("a", 9, 1.0)  # share 1: no per-caller cap
+        router = TransferCaps(10, 5.0, 0.5, 8, 0)  # no caller may wait over its cap
+        held = [await router.acquire("router", 4, 0.05, trusted=True) for _ in range(3)]
+        assert router.blocks_held("router") == 12  # a trusted caller (the secret): no cap
+        await router.acquire("stranger", 5, 0.05)  # an unproven caller keeps its cap of 5
+        with pytest.raises(TransferCapExceeded, match="max-pending-kv-share"):
+            await router.acquire("stranger", 1, 0.05)
+        for hold in held:
+            hold.release()
+        assert router.blocks_held("router") == 0
 
     run(main())

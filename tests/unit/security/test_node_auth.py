@@ -1,7 +1,8 @@
 """Issue 15: with a cluster secret, every node RPC without a valid proof ends UNAUTHENTICATED
 (health stays open), the router's NodeClient proves the secret without sending it, and a
-malformed request ends INVALID_ARGUMENT instead of UNKNOWN. A real GrpcNodeServer on loopback
-over a fake backend (no engine)."""
+malformed request ends INVALID_ARGUMENT instead of UNKNOWN. Issue 39: a proof names the node it
+is for, and another node refuses it. A real GrpcNodeServer on loopback over a fake backend (no
+engine)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_node_rpcs_need_the_cluster_proof():
                     "Abort": await _code(stub.Abort(node_pb2.AbortRequest(request_id="victim"))),
                 }
                 forged_token = ClusterAuth(b"not-the-secret-0123456789").call_token(
-                    "/pdserve.v1.Node/Abort"
+                    "/pdserve.v1.Node/Abort", server.address
                 )
                 forged = await _code(
                     stub.Abort(
@@ -104,13 +105,13 @@ def test_a_replayed_proof_is_refused():
         server = _serve(FakeBackend(), auth)
         await server.start()
         try:
-            token = auth.call_token("/pdserve.v1.Node/GetStats")
+            token = auth.call_token("/pdserve.v1.Node/GetStats", server.address)
             async with grpc.aio.insecure_channel(server.address) as channel:
                 stub = node_pb2_grpc.NodeStub(channel)
                 md = ((AUTH_METADATA_KEY, token),)
                 first = await _code(stub.GetStats(node_pb2.GetStatsRequest(), metadata=md))
                 again = await _code(stub.GetStats(node_pb2.GetStatsRequest(), metadata=md))
-                other = auth.call_token("/pdserve.v1.Node/GetStats")
+                other = auth.call_token("/pdserve.v1.Node/GetStats", server.address)
                 wrong_method = await _code(
                     stub.Abort(
                         node_pb2.AbortRequest(request_id="x"),
@@ -125,6 +126,55 @@ def test_a_replayed_proof_is_refused():
     assert first == grpc.StatusCode.OK
     assert again == grpc.StatusCode.UNAUTHENTICATED
     assert wrong_method == grpc.StatusCode.UNAUTHENTICATED  # a proof is bound to its method
+
+
+def test_a_proof_made_for_one_node_is_refused_by_another():
+    """Issue 39, item 2 (regression): the router's proofs for decode node D, captured and
+    replayed to prefill node P within the window (P has never seen their nonces), are refused
+    there, for GetStats and for Abort; D itself accepted them. Each node keeps its own replay
+    cache (its own ClusterAuth), as separate processes do."""
+    decode_auth, prefill_auth = ClusterAuth(SECRET), ClusterAuth(SECRET)
+    prefill_backend = FakeBackend()
+    seen: dict[str, str] = {}  # method -> the proof D was sent for it
+    real_check = decode_auth.check_call
+
+    def spy(method: str, token: str | None, *names: object) -> str | None:
+        seen[method] = token or ""
+        return real_check(method, token, *names)  # type: ignore[arg-type]
+
+    decode_auth.check_call = spy  # type: ignore[method-assign]
+
+    async def body():
+        decode, prefill = _serve(FakeBackend(), decode_auth), _serve(prefill_backend, prefill_auth)
+        await decode.start()
+        await prefill.start()
+        try:
+            router = NodeClient(decode.address, auth=ClusterAuth(SECRET))
+            accepted = [
+                (await router.node_stub.GetStats(node_pb2.GetStatsRequest(), timeout=5)).num_kv_blocks,
+                await router.abort("on-decode", timeout_s=5),
+            ]  # fmt: skip
+            await router.close()
+            async with grpc.aio.insecure_channel(prefill.address) as channel:
+                stub = node_pb2_grpc.NodeStub(channel)
+
+                def replayed(method: str) -> tuple[tuple[str, str], ...]:
+                    return ((AUTH_METADATA_KEY, seen[f"/pdserve.v1.Node/{method}"]),)
+
+                refused = [
+                    await _code(stub.GetStats(node_pb2.GetStatsRequest(), metadata=replayed("GetStats"))),
+                    await _code(stub.Abort(node_pb2.AbortRequest(request_id="victim"),
+                                           metadata=replayed("Abort"))),
+                ]  # fmt: skip
+            return accepted, refused
+        finally:
+            await decode.stop(0)
+            await prefill.stop(0)
+
+    accepted, refused = _run(body)
+    assert accepted == [7, True], "D accepted the router's proofs"
+    assert refused == [grpc.StatusCode.UNAUTHENTICATED] * 2, refused
+    assert prefill_backend.aborted == [], "the replayed Abort reached nothing on P"
 
 
 @pytest.mark.parametrize(
