@@ -2,13 +2,16 @@
 # pd-serve); `make test` sets up, then
 # runs the checks (`make lint`: ruff; `make typecheck`: mypy, configured in pyproject.toml) and
 # the tests (installing redis-server from Debian's packages when it is missing: the registry
-# tests start one). `.ci/run` runs exactly `make test`. Both create ./.venv on first use (torch
-# pinned to the CPU build on CPU hosts).
+# tests start one) in TEST_WORKERS parallel pytest-xdist workers (tests that share a module's or
+# package's cluster stay on one worker: tests/conftest.py), printing the slowest 15. `.ci/run`
+# runs exactly `make test`. Both create ./.venv on first use (torch pinned to the CPU build on
+# CPU hosts).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_ARGS ?=
+TEST_WORKERS ?= 3
 ARGS ?=
 
 .PHONY: setup serve test check lint typecheck clean
@@ -36,7 +39,7 @@ serve: setup
 
 test: setup check
 	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
-	$(PY) -m pytest tests $(TEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(TEST_ARGS)
 
 # What CI checks before the tests; each stops `make test` when it fails.
 check: lint typecheck

@@ -1,20 +1,17 @@
 """`KVTransferManager`: one per node; one transport, every live KV hand-off keyed by transfer_id.
 
-    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s,
-                                                     max_ceiling_s=...)
+    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s, ...)
                   send receiver.ticket() to the router; await receiver.wait(); free on FAILED
     prefill node: sender = manager.create_sender(ticket, timeout_s, ceiling_s=...)
-                  sender.beat(n) while the engine progresses; await sender.send_layer(...)
-                  per layer; await sender.send_first_token(...); await sender.wait();
-                  release the blocks either way
+                  sender.beat(n) as the engine progresses; await sender.send_layer(...) per
+                  layer, send_first_token(...), wait(); release the blocks either way
 
 Incoming messages are decoded once and routed to their session by transfer id and kind
 (with their bytes: a MAC covers them). Headers that do not decode, or name no live session,
 are refused and logged (at DEBUG when they are late for a session that ended here: a race, not
 an attack); no session is touched. A session leaves the manager the moment it finishes. A
-hello or handshake for a receiver that finished already (e.g. it was cancelled) is answered
-with a refusal, so its sender fails at once instead of at its deadline (`FinishedReceivers`,
-which the manager owns).
+hello or handshake for a receiver that finished (cancelled, say) is answered with a refusal:
+its sender fails at once, not at its deadline (`FinishedReceivers`, which the manager owns).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -34,6 +31,7 @@ from cache_transfer.layout import KVCaches, KVLayout, kv_device_id
 from cache_transfer.packing.packed_layer import check_kv_cache
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.receiver import KVReceiver
+from cache_transfer.route_slice import ROUTE_SEPARATOR, RouteSlice
 from cache_transfer.sender import KVSender
 from cache_transfer.session import NOTIFY_TIMEOUT_S
 from cache_transfer.state import TransferState
@@ -47,6 +45,8 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 1 << 20  # a control message (headers are a few hundred bytes)
 
 S = TypeVar("S", KVReceiver, KVSender)
+# Makes the receiver of an unknown route's first message (from peer_id), or None (refused).
+RouteAcceptor = Callable[[str, protocol.TransferMessage], KVReceiver | None]
 
 
 class KVTransferManager:
@@ -76,18 +76,15 @@ class KVTransferManager:
         if kv_caches is not None:
             _check_caches(layout, kv_caches)
         self.layout, self.auth, self.encrypt = layout, auth, encrypt
-        self.num_succeeded = self.num_failed = 0
-        self.num_in_place = 0  # of num_succeeded: written in place
-        # KV bytes of successful hand-offs: moved (sent or received) and held by the receiver
-        self.num_bytes_moved = self.num_bytes_skipped = 0
+        self.num_succeeded = self.num_failed = self.num_in_place = 0  # in place: of succeeded
+        self.num_bytes_moved = self.num_bytes_skipped = 0  # successful hand-offs': moved, held
         # sends to one peer begun in the same loop turn (a batch's transfers) go as one message
         self._transport = CoalescingTransport(transport)
         self.transport_caveat = transport.caveat  # for the node's start-up warning
         self._kv_caches = kv_caches
         self._staging = StagingPool(max_idle_staging_bytes)
         self._receivers: dict[str, KVReceiver] = {}
-        # failed receivers granted in place, until their sender's writes are settled
-        self._quarantined: dict[str, KVReceiver] = {}
+        self._quarantined: dict[str, KVReceiver] = {}  # failed, granted in place: till settled
         self._sharing = sharing
         self._kv_device = kv_device
         self._kv_device_name = kv_device_name  # None: the receivers' caches' (kv_device_id)
@@ -97,6 +94,8 @@ class KVTransferManager:
         self._pool_export = _export(sharing, kv_caches)
         self._senders: dict[str, KVSender] = {}
         self._finished = FinishedReceivers(self._transport, auth)  # late handshakes refused
+        self._acceptors: dict[str, RouteAcceptor] = {}  # TP hand-offs' routes, by transfer id
+        self._retired: set[str] = set()  # receivers ended unused (not counted)
         self._background: set[asyncio.Task[None]] = set()
         transport.limit_inbound(self.max_frame_bytes)
         transport.start(self)
@@ -128,21 +127,24 @@ class KVTransferManager:
         max_ceiling_s: float | None = None,
         log_id: str = "",
         num_cached_blocks: int = 0,
+        route: RouteSlice | None = None,
     ) -> KVReceiver:
-        """A session receiving `num_tokens` tokens of KV into blocks reserved for it: it fails
-        after `timeout_s` without progress, or at the sender's ceiling (at most
-        `max_ceiling_s`, default `timeout_s`). The prompt's first `num_cached_blocks` blocks
-        are held here already and not sent (`KVSuffix`). `log_id`: the request id its log
-        lines carry."""
+        """A session receiving `num_tokens` tokens of KV (after the prompt's `num_cached_blocks`
+        held here: `KVSuffix`) into blocks reserved for it: it fails after `timeout_s` without
+        progress, or at the sender's ceiling (at most `max_ceiling_s`, default `timeout_s`);
+        `log_id`: its log lines'; `route`: a TP hand-off's (tp/fan_in.py), a head slice."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
         self._check_new(transfer_id)
+        layout = route.layout if route else self.layout
+        kv_caches = route.kv_caches if route else self._kv_caches
         receiver = KVReceiver(
-            self._transport, self._staging, self.layout, self._kv_caches, transfer_id,
-            dst_block_ids, num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
-            pool_export=self._pool_export, kv_device=self._kv_device_name,
+            self._transport, self._staging, layout, kv_caches, transfer_id, dst_block_ids,
+            num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
+            pool_export=None if route else self._pool_export, kv_device=self._kv_device_name,
             require_encryption=self.encrypt, log_id=log_id, num_cached_blocks=num_cached_blocks,
+            route=route.receiver if route else None,
         )  # fmt: skip
         return self._register(receiver, self._receivers)
 
@@ -152,18 +154,33 @@ class KVTransferManager:
         timeout_s: float,
         ceiling_s: float | None = None,
         log_id: str = "",
+        route: RouteSlice | None = None,
     ) -> KVSender:
         """A session sending to the receiver that issued `ticket` (FAILED at once, and the
         receiver told, when the ticket does not match this node's layout); it handshakes at
         once, fails after `timeout_s` without progress or at `ceiling_s` (default
-        `timeout_s`) from now."""
+        `timeout_s`) from now. `route`: a TP hand-off's (tp/fan_out.py), never in place."""
         self._check_new(ticket.transfer_id)
         sender = KVSender(
-            self._transport, self._staging, self.layout, ticket, timeout_s, auth=self.auth,
-            ceiling_s=ceiling_s, sharing=self._sharing, kv_device=self._sender_kv_device,
-            device=self._kv_device, encrypt=self.encrypt, log_id=log_id,
+            self._transport, self._staging, route.layout if route else self.layout, ticket,
+            timeout_s, auth=self.auth, ceiling_s=ceiling_s,
+            sharing=None if route else self._sharing, kv_device=self._sender_kv_device,
+            device=self._kv_device, encrypt=self.encrypt, log_id=log_id, route=route,
         )  # fmt: skip
         return self._register(sender, self._senders)
+
+    def accept_routes(self, transfer_id: str, acceptor: RouteAcceptor | None) -> None:
+        """`acceptor` may make the receiver of a TP hand-off's unknown route `<transfer_id>:...`
+        on its first message (cache_transfer/tp/); None: no more."""
+        self._acceptors.pop(transfer_id, None)
+        if acceptor is not None:
+            self._acceptors[transfer_id] = acceptor
+
+    def retire(self, receiver: KVReceiver, reason: str) -> None:
+        """End a receiver no sender used (the hand-off went another way): not counted, not told."""
+        if self._receivers.get(receiver.transfer_id) is receiver and receiver.sender_id is None:
+            self._retired.add(receiver.transfer_id)
+            receiver.fail(f"retired: {reason}", notify_peer=False, level=logging.INFO)
 
     def get(self, transfer_id: str) -> KVReceiver | KVSender | None:
         return self._receivers.get(transfer_id) or self._senders.get(transfer_id)
@@ -236,10 +253,17 @@ class KVTransferManager:
             session = self._senders.get(msg.transfer_id)
         if session is None and kind == "result" and msg.result.writes_drained:
             session = self._quarantined.get(msg.transfer_id)
+        if session is None and kind in protocol.TO_RECEIVER_KINDS and self._acceptors:
+            session = self._accept_route(peer_id, msg)
         if session is None:
             self._refuse_stray(peer_id, msg)
             return None
         return session, msg
+
+    def _accept_route(self, peer_id: str, msg: protocol.TransferMessage) -> KVReceiver | None:
+        """The receiver a TP hand-off's acceptor makes for a route's first message, or None."""
+        acceptor = self._acceptors.get(msg.transfer_id.split(ROUTE_SEPARATOR, 1)[0])
+        return acceptor(peer_id, msg) if acceptor is not None else None
 
     def _refuse_stray(self, peer_id: str, msg: protocol.TransferMessage) -> None:
         """A message for no live session of its kind: the session it names fails (it came to
@@ -275,6 +299,9 @@ class KVTransferManager:
 
     def _on_finish(self, session: S, table: dict[str, S]) -> None:
         table.pop(session.transfer_id, None)
+        if session.transfer_id in self._retired:
+            self._retired.discard(session.transfer_id)
+            return
         self._count(session)
         if isinstance(session, KVReceiver):
             if not session.writes_settled.is_set():

@@ -10,7 +10,7 @@ payload, or raises ValueError (a caller's bug) and records nothing.
     from_caches(layers, src_block_ids, token_end)   (layer, k, v): its blocks (LayerBlocks)
     from_packed(layers, token_end, buffer_device)   (layer, payload): packed already
     written(layer_ids, token_end)                   written in place by the caller: no source
-    check_complete(what)                            every layer sent up to num_tokens?
+    is_complete(), check_complete(what)             every layer sent up to num_tokens?
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ class LayerSpans:
         manifests = [self.manifest(i, *self._span(i, token_end), token_end) for i in layer_ids]
         self._advance(layer_ids, token_end)
         return manifests
+
+    def is_complete(self) -> bool:
+        """Every layer's KV of all `num_tokens` tokens was handed over."""
+        return all(end == self.num_tokens for end in self._token_end)
 
     def check_complete(self, what: str) -> None:
         """ValueError unless every layer's KV of all `num_tokens` tokens was handed over."""

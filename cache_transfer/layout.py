@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -74,10 +75,41 @@ class KVLayout:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def with_heads(self, num_kv_heads: int) -> KVLayout:
+        """This layout over `num_kv_heads` of the kv heads (a tensor-parallel session carries a
+        slice of them: `HeadSlice`)."""
+        return dataclasses.replace(self, num_kv_heads=num_kv_heads)
+
     def layout_hash(self) -> str:
         """Stable sha256 hex of the fields: equal hashes mean byte-compatible caches."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Which kv heads of the model one session carries, `[kv_head_start, kv_head_end)`, and who
+    sends them: rank `rank` of a node of `tp_size` ranks (cache_transfer/tp/). A TP 1 hand-off
+    carries every head: `HeadSlice.whole(num_kv_heads)`."""
+
+    kv_head_start: int
+    kv_head_end: int  # exclusive
+    tp_size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def whole(cls, num_kv_heads: int) -> HeadSlice:
+        return cls(0, num_kv_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_head_end - self.kv_head_start
+
+    def describe(self) -> str:
+        return (
+            f"kv heads [{self.kv_head_start}, {self.kv_head_end}) from rank {self.rank} of "
+            f"{self.tp_size}"
+        )
 
 
 def kv_device_id(device: torch.device) -> str:

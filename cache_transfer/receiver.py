@@ -35,11 +35,12 @@ from cache_transfer import receiver_checks as checks
 from cache_transfer.frame_auth.challenges import Challenges
 from cache_transfer.frame_auth.frame_key import TO_SENDER, Chunk, FrameKey
 from cache_transfer.in_place.receiver_grant import InPlaceGrant
-from cache_transfer.layout import KVCaches, KVLayout, check_reservation, kv_device_id
+from cache_transfer.layout import HeadSlice, KVCaches, KVLayout, check_reservation, kv_device_id
 from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
 from cache_transfer.packing.packed_layer import unpack_layer
 from cache_transfer.packing.staging_pool import StagingPool
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
+from cache_transfer.route_slice import ReceiverRoute
 from cache_transfer.session import TransferSession
 from cache_transfer.state import TransferState
 from cache_transfer.suffix import KVSuffix
@@ -74,11 +75,11 @@ class KVReceiver(TransferSession):
         require_encryption: bool = False,
         log_id: str = "",
         num_cached_blocks: int = 0,
+        route: ReceiverRoute | None = None,
     ) -> None:
-        """`dst_block_ids`: the reserved blocks after the prompt's first `num_cached_blocks`
-        (held: `KVSuffix`). `timeout_s`: the no-progress timeout; the ceiling: the sender's, up
-        to `max_ceiling_s`. `pool_export`: writes in place for a sender on `kv_device`. `auth`:
-        a signed ticket, handshakes proving the secret (`require_encryption`: and encryption)."""
+        """`dst_block_ids`: after the prompt's `num_cached_blocks` held (`KVSuffix`; a `route`'s:
+        its ticket's, tp/); `pool_export`: in place on `kv_device`; `auth`: signed, proven."""
+        num_cached_blocks = route.ticket.num_cached_blocks if route else num_cached_blocks
         self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
         check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
@@ -100,13 +101,22 @@ class KVReceiver(TransferSession):
         self.challenges = Challenges()  # the nonce of each connection that said hello
         self._proven_key: FrameKey | None = None  # that of the handshake being heard
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
-        self._ticket = issue_ticket(
+        self.route, self._ticket = route, route.ticket if route else issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
-            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
-        )  # fmt: skip
+            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks)  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         self.writes_settled = self._in_place.writes_settled  # no write can land: blocks free
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))
+
+    @property
+    def heads(self) -> HeadSlice:
+        """What the sender's handshake must say it carries."""
+        return self.route.heads if self.route else HeadSlice.whole(self.layout.num_kv_heads)
+
+    @property
+    def expects_first_token(self) -> bool:
+        """False: a TP route that ends with its layers (the first token comes on another)."""
+        return self.route is None or self.route.first_token
 
     @property
     def in_place(self) -> bool:
@@ -344,6 +354,8 @@ class KVReceiver(TransferSession):
         self._maybe_succeed()
 
     def _maybe_succeed(self) -> None:
-        if self.first_token is not None and self.num_landing == 0 and not self.finished:
+        whole = min(self.layer_token_end) == self.num_tokens  # (a TP route: no first token)
+        complete = self.first_token is not None if self.expects_first_token else whole
+        if complete and self.num_landing == 0 and not self.finished:
             self._succeed()
             self.spawn(self._notify(result=transfer_pb2.TransferResult(ok=True)))

@@ -19,7 +19,7 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
                             from the peer that sent it, each with the next sequence number
        by kind:
        handshake            handshake_refusal: version, layout, layers, tokens, blocks (and
-                            those held here: the suffix), address, encryption
+                            those held here: the suffix), kv heads and rank, address, encryption
        progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.state import TransferState
 from cache_transfer.suffix import KVSuffix
@@ -72,6 +72,10 @@ class ReceiverView(Protocol):
     def first_token(self) -> transfer_pb2.FirstToken | None: ...
     @property
     def in_place(self) -> bool: ...  # the sender was granted writes in place
+    @property
+    def heads(self) -> HeadSlice: ...  # the kv heads (and sending rank) the session carries
+    @property
+    def expects_first_token(self) -> bool: ...  # False: a TP route that ends with its layers
     @property
     def authenticated(self) -> bool: ...  # a cluster secret: handshakes prove it
     @property
@@ -183,6 +187,14 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
         got = getattr(handshake, field)
         if got != want:
             return f"{field} is {got!r}, this receiver expects {want!r}"
+    sent = HeadSlice(  # unset (proto3 zeros): a TP 1 sender, every head of the layout
+        handshake.kv_head_start,
+        handshake.kv_head_end or handshake.kv_head_start + r.layout.num_kv_heads,
+        handshake.tp_size or 1,
+        handshake.rank,
+    )
+    if sent != r.heads:
+        return f"the sender carries {sent.describe()}; this receiver takes {r.heads.describe()}"
     if not handshake.src_address:
         return "no src_address to reply to"
     if r.requires_encryption and not handshake.encrypted:
@@ -268,7 +280,10 @@ def layer_refusal(
 
 
 def first_token_refusal(r: ReceiverView) -> str | None:
-    """The first token comes once, after every layer's KV of every token."""
+    """The first token comes once, after every layer's KV of every token, on the session
+    that expects it (a tensor-parallel hand-off's other routes end with their layers)."""
+    if not r.expects_first_token:
+        return f"refused a first token: this session carries {r.heads.describe()} only"
     if r.first_token is not None:
         return "refused a second first token"
     missing = [i for i, end in enumerate(r.layer_token_end) if end != r.num_tokens]

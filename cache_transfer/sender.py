@@ -14,8 +14,8 @@
     cancel(), or a failed result ──► FAILED
 
 Layers wait for the handshake's ack before they are packed (a refused layout costs no
-bandwidth; `LayerSpans` turns them into manifests). Writes in place: a receiver on our own GPU
-that grants it gets each layer written into its blocks by us, then a manifest without payload
+bandwidth; `LayerSpans` makes their manifests). Writes in place: a receiver on our GPU that
+grants it gets each layer written into its blocks by us, then a manifest without payload
 (`InPlaceWrites`). The node releases the request's blocks once `wait()` returns.
 """
 
@@ -33,10 +33,11 @@ from cache_transfer.in_place.pool_sharing import PoolSharing
 from cache_transfer.in_place.sender_writes import InPlaceWrites
 from cache_transfer.in_place.writer import InPlaceWriter
 from cache_transfer.layer_spans import CacheLayers, LayerSpans
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.packing.packed_layer import LayerSource
 from cache_transfer.packing.staging_pool import StagedSend, StagingPool
 from cache_transfer.protocol import TransferMessage, kind_of
+from cache_transfer.route_slice import RouteSlice
 from cache_transfer.sender_beats import SenderBeats
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
@@ -63,22 +64,23 @@ class KVSender(TransferSession):
         device: torch.device | None = None,
         encrypt: bool = False,
         log_id: str = "",
+        route: RouteSlice | None = None,
     ) -> None:
-        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
-        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
-        into a receiver on `kv_device` (our cache's), mapping its pool on `device`. With `auth`
-        a forged ticket fails the session at once, nobody contacted (its dst_address may be
-        anyone's), and the handshake proves the secret; `encrypt`: --kv-encrypt."""
+        """`timeout_s`, `ceiling_s`, `log_id`: a TransferSession's. `sharing`, `kv_device`,
+        `device`: write in place (see above). `auth`: a forged ticket fails at once, nobody
+        contacted; the handshake proves the secret (`encrypt`: --kv-encrypt). `route`: one
+        route of a TP hand-off (cache_transfer/tp/): its heads, maybe no first token."""
         super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
         self._hello = SenderHello(transport, auth, ticket, self.frames, encrypt)
         self.add_finish_callback(lambda _: self._hello.session_ended())
         self.frames.required = auth is not None
         self._ticket, self.layout, self.num_tokens = ticket, layout, ticket.num_tokens
         self.suffix = ticket_suffix(layout, ticket)  # what the receiver lacks: KVSuffix
-        self.num_blocks = self.suffix.num_blocks  # blocks per layer to send
+        self.num_blocks = self.suffix.num_blocks  # per layer
         self.num_bytes_skipped = layout.kv_bytes(self.suffix.num_cached_blocks)  # D holds them
-        self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
-        self._peer_address = ticket.dst_address or None
+        self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
+        self.sends_first_token = route is None or route.first_token  # else done with its layers
+        self.num_bytes_sent, self._peer_address = 0, ticket.dst_address or None  # bytes handed on
         self._spans = LayerSpans(layout, self.suffix)
         self._first_token_sent, self._staging = False, staging
         self._beats = SenderBeats(self._loop, timeout_s)
@@ -117,8 +119,7 @@ class KVSender(TransferSession):
 
     def beat(self, num_computed_tokens: int) -> None:
         """This node's engine progressed (`num_computed_tokens` of this prompt computed; 0:
-        still queued): tell the receiver when due (SenderBeats); not before the ack nor from
-        the first token on."""
+        queued): tell the receiver when due (SenderBeats), from the ack to the first token."""
         busy = self.finished or self.state < TransferState.WAITING or self._first_token_sent
         if not busy and self._beats.due():
             self.spawn(self._send_progress(num_computed_tokens))
@@ -148,9 +149,8 @@ class KVSender(TransferSession):
         self, layers: CacheLayers, src_block_ids: Sequence[int], token_end: int | None = None
     ) -> None:
         """`send_layer` for several `(layer_idx, k_cache, v_cache)` (distinct layers, caches on
-        one device) as one message: packed into staging and sent, or, written in place, copied
-        block to block into the receiver's blocks (nothing packed) and announced in one
-        header. ValueError, nothing sent, when any is wrong."""
+        one device) as one message: packed into staging and sent, or, in place, copied block to
+        block into the receiver's blocks, one header. ValueError, nothing sent, if any is wrong."""
         token_end = self.num_tokens if token_end is None else token_end
         manifests, sources = self._spans.from_caches(layers, src_block_ids, token_end)
         await self._send_layers(manifests, sources, layers[0][1].device)
@@ -227,8 +227,10 @@ class KVSender(TransferSession):
         elif not msg.result.ok:  # (the receiver logged why)
             self.fail(f"the receiver failed the transfer: {msg.result.error}", notify_peer=False,
                       level=logging.INFO)  # fmt: skip
-        elif not self._first_token_sent:
+        elif self.sends_first_token and not self._first_token_sent:
             self.fail("refused a success result before the first token was sent")
+        elif not self._spans.is_complete():  # (a route that ends with its layers)
+            self.fail("refused a success result before every layer was sent")
         else:
             self._succeed()
 
@@ -251,8 +253,7 @@ class KVSender(TransferSession):
         sources: Sequence[LayerSource] | None,
         device: torch.device,
     ) -> None:
-        """Once acked, hand layers of a cache on `device` over as one message: written in
-        place (`sources` None: by the caller already), or sent."""
+        """Once acked, hand layers over as one message: written in place (maybe already), or sent."""
         if self.finished:
             return
         submitted = self._loop.create_future()
@@ -327,7 +328,7 @@ class KVSender(TransferSession):
         if not self.finished:
             kv_device, asks = self._in_place.kv_device, self.may_write_in_place
             await self._send(handshake=self._hello.handshake(self.layout, kv_device, asks,
-                                                             self.remaining_s))  # fmt: skip
+                                                             self.remaining_s, self.heads))  # fmt: skip
 
     async def _wait_acked(self) -> bool:
         """True once the receiver accepted the handshake; False if the session ended first."""

@@ -6,7 +6,8 @@ prefill node  ticket_misfit(layout, ticket) -> why    the ticket does not fit th
 with a cluster secret (pdserve.security):
 decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst address, block
                                                       ids, layout hash, token count, expiry,
-                                                      kv device, cached blocks
+                                                      kv device, cached blocks, a TP node's
+                                                      ranks (addresses, kv heads)
 prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
               handshake_for(ticket, ...)              the handshake, with its proof:
               handshake_proof(auth, ticket, src,      TransferHandshake.proof: bound to the
@@ -25,7 +26,7 @@ import hmac
 import time
 from collections.abc import Sequence
 
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.protocol import PROTOCOL_VERSION
 from cache_transfer.suffix import KVSuffix
 from pdserve.security import ClusterAuth
@@ -42,7 +43,20 @@ def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple[str | int, ...]:
         repr(ticket.expires_at_unix_s),
         ticket.kv_device,
         ticket.num_cached_blocks,
+        *_rank_parts(ticket),
     )
+
+
+def _rank_parts(ticket: node_pb2.TransferTicket) -> tuple[str, ...]:
+    """A tensor-parallel decode node's ranks (nothing for a TP 1 ticket, whose signed bytes
+    stay what they were)."""
+    if ticket.tp_size <= 1 and not ticket.ranks:
+        return ()
+    ranks = ";".join(
+        f"{r.rank},{r.address},{r.kv_head_start},{r.kv_head_end},{r.kv_device}"
+        for r in ticket.ranks
+    )
+    return (f"tp={ticket.tp_size}", ranks)
 
 
 def issue_ticket(
@@ -55,10 +69,12 @@ def issue_ticket(
     num_tokens: int,
     kv_device: str,
     num_cached_blocks: int = 0,
+    ranks: Sequence[node_pb2.RankEndpoint] = (),
 ) -> node_pb2.TransferTicket:
     """What a receiver hands the prefill node (through the router): where and into which
     blocks to send its KV (the prompt's after its first `num_cached_blocks`, which the
-    receiver holds: `KVSuffix`); signed (valid `timeout_s`) when there is a cluster secret."""
+    receiver holds: `KVSuffix`; a tensor-parallel node: each of its `ranks`' endpoint and kv
+    heads); signed (valid `timeout_s`) when there is a cluster secret."""
     ticket = node_pb2.TransferTicket(
         transfer_id=transfer_id,
         dst_address=dst_address,
@@ -67,6 +83,8 @@ def issue_ticket(
         num_tokens=num_tokens,
         kv_device=kv_device,
         num_cached_blocks=num_cached_blocks,
+        tp_size=len(ranks) if ranks else 0,
+        ranks=ranks,
     )
     if auth is not None:
         sign_ticket(auth, ticket, timeout_s)
@@ -103,6 +121,13 @@ def ticket_suffix(layout: KVLayout, ticket: node_pb2.TransferTicket) -> KVSuffix
 def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
     """Set the ticket's expiry (`timeout_s` from now) and signature, in place."""
     ticket.expires_at_unix_s = round(time.time() + timeout_s, 3)
+    seal_ticket(auth, ticket)
+
+
+def seal_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket) -> None:
+    """Sign `ticket` as it is, expiry included, in place: both ends of a tensor-parallel
+    route derive its ticket from the signed whole and so compute the same signature
+    (cache_transfer/tp/route_tickets.py)."""
     ticket.signature = auth.sign("kv-ticket", *_ticket_parts(ticket))
 
 
@@ -128,10 +153,13 @@ def handshake_for(
     nonce: bytes = b"",
     connection: str = "",
     encrypted: bool = False,
+    heads: HeadSlice | None = None,
 ) -> transfer_pb2.TransferHandshake:
     """The sender's handshake for `ticket`: what the receiver checks it against, where to
     answer, whether it asks to write in place, its deadline; with a secret, proving it on
-    `connection` (our transport's peer id there) in answer to the challenge's `nonce`."""
+    `connection` (our transport's peer id there) in answer to the challenge's `nonce`; `heads`: the kv heads it carries from which
+    rank (default: every head, TP 1)."""
+    heads = heads or HeadSlice.whole(layout.num_kv_heads)
     handshake = transfer_pb2.TransferHandshake(
         protocol_version=PROTOCOL_VERSION,
         layout_hash=layout.layout_hash(),
@@ -143,6 +171,10 @@ def handshake_for(
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,
+        tp_size=heads.tp_size,
+        rank=heads.rank,
+        kv_head_start=heads.kv_head_start,
+        kv_head_end=heads.kv_head_end,
         encrypted=encrypted,
     )
     if auth is not None:

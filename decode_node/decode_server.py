@@ -12,6 +12,7 @@ import torch
 
 from decode_node.decode_servicer import DecodeServicer
 from decode_node.decode_trace import DecodeTraces
+from decode_node.tp_rank import DecodeRankAgent
 from engine.engine_core import EngineStats
 from node_common.node_base import NodeBase
 from pdserve.v1 import node_pb2, node_pb2_grpc
@@ -23,6 +24,7 @@ class DecodeServer(NodeBase):
     role = node_pb2.NODE_ROLE_DECODE
     role_service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     prefill_only = False
+    rank_agent = staticmethod(DecodeRankAgent)
     servicer: DecodeServicer
 
     def make_servicer(self) -> DecodeServicer:

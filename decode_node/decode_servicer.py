@@ -1,15 +1,22 @@
 """`DecodeServicer`: the `DecodeNode` RPCs, `Decode` and `CancelTransfer`.
 
-Decode(LOCAL_PREFILL) ──► AsyncEngine.generate ──► TokenChunk ... (output_index from 0)
+Decode ──► checks (INVALID_ARGUMENT) ──► its grammar starts compiling (GrammarPrep: refused:
+    INVALID_ARGUMENT, too many compiling: RESOURCE_EXHAUSTED)
+Decode(LOCAL_PREFILL) ──► grammar ──► AsyncEngine.generate ──► TokenChunk ... (output_index from
+    0 with prompt logprobs if asked; a migration's from len(output_token_ids), matcher rebuilt)
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool, unless
     it proved the cluster secret: the router's requests wait for free blocks alone)
-    ──► reserve ceil((prompt + 1) / block) blocks, the prompt's cached prefix first (its
-        blocks held, not sent: the ticket's num_cached_blocks, KVSuffix) ──► KVReceiver
-    ──► TransferTicket ──► await the receiver (every layer + the first token, or FAILED):
+    ──► reserve ceil((prompt + 1) / block) blocks (while the grammar compiles), the prompt's
+        cached prefix first at TP 1 (held, not sent: the ticket's num_cached_blocks, KVSuffix)
+        ──► HandOffs.open: a TPReceiver (a KVReceiver; with tensor parallelism every rank's
+        routes, each skipping the held blocks)
+    ──► TransferTicket ──► the grammar (refused: the reservation freed)
+    ──► await the receiver (every layer + the first token, or FAILED):
         it fails after transfer_timeout_s without progress (the prefill node handshakes once
         it has the ticket, then reports progress while it computes this prompt or those
         queued ahead of it), or at the prefill node's ceiling (at most --max-handoff-s)
-        SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume ──► TokenChunk ...
+        SUCCESS ──► TokenChunk{0: first token}, AsyncEngine.resume (matcher advanced by it;
+                    refused: INVALID_ARGUMENT) ──► TokenChunk ...
                     (the received KV enters the prefix cache only from an authenticated sender)
         FAILED  ──► free the reservation ──► AsyncEngine.generate ──► TokenChunk ...
 CancelTransfer(transfer_id) ──► fail that receiver: its Decode falls back at once
@@ -28,16 +35,20 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import KVReceiver, TransferState
+from cache_transfer import TransferState
+from cache_transfer.tp import TPReceiver
+from decode_node.decode_request import check_decode_request, prefix_lookup
 from decode_node.decode_trace import DecodeTrace, DecodeTraces
+from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
 from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
-from node_common.node_messages import to_engine_request, token_logprob
+from node_common.node_messages import GrammarPrep, prompt_logprobs, token_logprob
 from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
+from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,7 +69,7 @@ class _DecodeJob:
 
     request_id: str
     trace: DecodeTrace
-    receiver: KVReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    receiver: TPReceiver | None = None  # DISAGGREGATED, while the KV is awaited
     block_ids: list[int] = field(default_factory=list)  # reserved: held prefix, then received
     hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
@@ -74,6 +85,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             node.engine, node.manager, config.transfer_timeout_s, node.metrics, DecodeCounters()
         )
         self._traces = traces
+        self._hand_offs = HandOffs(node, node.manager)
         self._jobs: dict[str, _DecodeJob] = {}
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
@@ -82,8 +94,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self._block_size = node.layout.block_size
         self._max_handoff_s = config.max_handoff_s
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
-        # reserve (and receive) only what the prefix cache lacks (KVSuffix)
+        # reserve (and receive) only what the prefix cache lacks (KVSuffix); at TP 1 only: the
+        # other ranks' host tiers are not looked up (a TP prefill node's routes skip it too)
         self._suffix = config.suffix_handoff and node.core.config.cache.enable_prefix_caching
+        self._suffix = self._suffix and node.tp_ranks is None
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
             config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
@@ -94,7 +108,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[node_pb2.DecodeResponse, None]:
         set_request_id(request.request_id)  # this call's log lines carry the request id
-        engine_request = await self._make_request(request, context)
+        params = await check_decode_request(self._engine, request, context)
         if request.request_id in self._jobs:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -103,31 +117,36 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         job = self._jobs[request.request_id] = _DecodeJob(
             request.request_id, self._traces.open(request.request_id)
         )
+        grammar = GrammarPrep.start(self._engine, params, context)  # compiles meanwhile
         try:
             if request.mode == node_pb2.DECODE_MODE_DISAGGREGATED:
-                timeout_s = self.caps.timeout_s(
-                    request.transfer_timeout_s, self._transfer_timeout_s
-                )
-                receiver = await self._reserve(job, engine_request, timeout_s, context)
+                receiver = await self._reserve(job, request, params, context)
                 job.trace.mark("ticket")
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
-                if self._kv_authenticated and not self._suffix:  # (the lookup hashed it)
+                engine_request = await grammar.request(request)  # (refused: _close frees)
+                if self._kv_authenticated:  # received KV may enter the prefix cache
                     self._engine.hash_prompt_ahead(engine_request)  # while P computes the KV
                 chunks = await self._after_transfer(job, engine_request, receiver)
             else:
+                engine_request = await grammar.request(request, request.output_token_ids)
                 chunks = self._prefill_locally(job, engine_request)
             async for chunk in chunks:
                 yield node_pb2.DecodeResponse(tokens=chunk)
         except _Refused as refused:
             await _refuse(context, refused.error)
         finally:
+            grammar.close()
             self._close(job)
 
     async def CancelTransfer(
         self, request: node_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.CancelTransferResponse:
-        reason = request.reason or "no reason given"
-        found = self._manager.cancel(request.transfer_id, f"by the router ({reason})")
+        reason = f"by the router ({request.reason or 'no reason given'})"
+        hand_off = self._hand_offs.find(request.transfer_id)
+        if hand_off is not None:
+            hand_off.cancel(reason)
+            return node_pb2.CancelTransferResponse(found=True)
+        found = self._manager.cancel(request.transfer_id, reason)
         return node_pb2.CancelTransferResponse(found=found)
 
     async def abort(self, request_id: str) -> bool:
@@ -145,60 +164,36 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
 
     # ---- phases of one Decode call ------------------------------------------------------
 
-    async def _make_request(
-        self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> Request:
-        modes = (node_pb2.DECODE_MODE_DISAGGREGATED, node_pb2.DECODE_MODE_LOCAL_PREFILL)
-        if request.mode not in modes:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"mode must be DECODE_MODE_DISAGGREGATED or DECODE_MODE_LOCAL_PREFILL, got "
-                f"{node_pb2.DecodeMode.Name(request.mode)}",
-            )
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if request.transfer_timeout_s < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"transfer_timeout_s must be >= 0 (0: the node's default), got "
-                f"{request.transfer_timeout_s}",
-            )
-        if request.output_token_ids and request.mode != node_pb2.DECODE_MODE_LOCAL_PREFILL:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "output_token_ids (a migrated request) needs DECODE_MODE_LOCAL_PREFILL",
-            )
-        return await to_engine_request(self._engine, request, context, request.output_token_ids)
-
     async def _reserve(
         self,
         job: _DecodeJob,
-        request: Request,
-        timeout_s: float,
+        request: node_pb2.DecodeRequest,
+        params: SamplingParams,
         context: grpc.aio.ServicerContext,
-    ) -> KVReceiver:
+    ) -> TPReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
-        num_tokens = request.prompt_len + 1
+        request_id, prompt_len = job.request_id, len(request.prompt_token_ids)
+        num_tokens = prompt_len + 1
+        timeout_s = self.caps.timeout_s(request.transfer_timeout_s, self._transfer_timeout_s)
         num_blocks = -(-num_tokens // self._block_size)
         queue_timeout_s = self.admission.queue_timeout_s
         deadline = time.monotonic() + queue_timeout_s  # one wait for the cap and the blocks
-        if self._suffix:  # for the prefix lookup: hashed here, not on the engine thread
-            self._engine.hash_prompt_ahead(request)
+        lookup = prefix_lookup(self._engine, request, params) if self._suffix else None
         try:
             # with a secret every caller proved it (the guard refuses others): the router
             job.hold = await self.caps.acquire(
                 context.peer(), num_blocks, queue_timeout_s, trusted=self._kv_authenticated
             )
             wait_s = max(0.0, deadline - time.monotonic())
-            reserved = await self.admission.reserve(request, num_tokens, wait_s, self._suffix)
+            reserved = await self.admission.reserve(request_id, num_tokens, wait_s, lookup)
         except (AdmissionRefused, TransferCapExceeded) as error:
             await _refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
-        receiver = self._manager.create_receiver(
-            job.block_ids[num_cached:], request.prompt_len, timeout_s, num_cached_blocks=num_cached,
-            max_ceiling_s=self._max_handoff_s, log_id=request.request_id,
+        receiver = await self._hand_offs.open(
+            job.block_ids[num_cached:], prompt_len, (timeout_s, self._max_handoff_s), request_id,
+            num_cached,
         )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
@@ -209,7 +204,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return receiver
 
     async def _after_transfer(
-        self, job: _DecodeJob, request: Request, receiver: KVReceiver
+        self, job: _DecodeJob, request: Request, receiver: TPReceiver
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
@@ -292,6 +287,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             job.trace.token_times_s.extend(now for _ in out.new_token_ids)
             chunk = node_pb2.TokenChunk(output_index=next_index, token_ids=out.new_token_ids)
             chunk.logprobs.extend(token_logprob(lp) for lp in out.new_logprobs or ())
+            chunk.prompt_logprobs.extend(prompt_logprobs(out))  # a local prefill's, if asked
             next_index += len(out.new_token_ids)
             if out.finish_reason is not None:
                 chunk.finish_reason = out.finish_reason.value
@@ -327,10 +323,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if not job.finished:
             self._release_reservation(job.request_id, receiver)
 
-    def _release_reservation(self, request_id: str, receiver: KVReceiver | None) -> None:
+    def _release_reservation(self, request_id: str, receiver: TPReceiver | None) -> None:
         """Free the request's reserved blocks (or abort it, past its reservation): those of a
         transfer written in place only once its sender cannot write any more (its drained
-        notice, or its deadline: KVReceiver.writes_settled)."""
+        notice, or its deadline: TPReceiver.writes_settled)."""
         self.admission.release(request_id, receiver.writes_settled if receiver else None)
 
 

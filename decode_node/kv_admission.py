@@ -93,20 +93,20 @@ class KVAdmission:
 
     async def reserve(
         self,
-        request: Request,
+        request_id: str,
         num_tokens: int,
         wait_s: float | None = None,
-        prefix: bool = False,
+        lookup: Request | None = None,
     ) -> PrefixReservation:
-        """Blocks for `num_tokens` tokens of `request`'s incoming KV, once there is room
-        (waiting at most `wait_s`, by default the queue timeout); with `prefix`, led by the
-        prompt's cached prefix (`AsyncEngine.reserve_prefix`: the sender skips it)."""
-        request_id = request.request_id
+        """Blocks for `num_tokens` tokens of the request's incoming KV, once there is room
+        (waiting at most `wait_s`, by default the queue timeout); with `lookup` (the request's
+        prompt, hashed), led by its cached prefix (`AsyncEngine.reserve_prefix`: the sender
+        skips it)."""
 
         async def try_reserve() -> PrefixReservation | None:
             try:
-                if prefix:
-                    return await self._engine.reserve_prefix(request, num_tokens)
+                if lookup is not None:
+                    return await self._engine.reserve_prefix(lookup, num_tokens)
                 block_ids = await self._engine.reserve(request_id, num_tokens)
             except NoFreeBlocksError:
                 return None

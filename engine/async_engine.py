@@ -17,7 +17,10 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
     kv_events([snapshot])                    block hashes the prefix cache stored / removed
     free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
     stats() / last_stats                     after the current step / as of the last step
-    make_request(...), hash_prompt_ahead()   on the caller's thread (fixed configuration only)
+    prepare_structured(params)               a request's grammar, compiled off the loop (cached)
+    add_dead_callback(cb)                    cb(error) once the engine thread ended
+    validate(...), make_request(...),        on the caller's thread (fixed configuration only)
+      hash_prompt_ahead()
     check_no_leaks(), reset_prefix_cache()   tests and operators
 
 No fixed timeout decides anything here: an awaited command waits for the engine thread to
@@ -66,6 +69,7 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}
         # Request ids whose engine-side abort is queued: their outputs until it ran are stale.
         self._ending: collections.Counter[str] = collections.Counter()
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         # How the prefix cache hashes blocks (fixed at start), for hash_prompt_ahead.
         kv = core.kv_cache_manager
         self._block_hashing = (kv.block_size, kv.root_for) if kv.enable_prefix_caching else None
@@ -110,6 +114,11 @@ class AsyncEngine:
         thread would wait for its current step. A structured output needs `grammar` from
         `prepare_structured` (or its spec compiled and cached)."""
         return self.core.make_request(request_id, prompt_token_ids, params, cache_salt, grammar)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """`make_request`'s checks without its grammar (InvalidRequestError), on the caller's
+        thread: a node refuses a bad request before it reserves or compiles anything."""
+        self.core.validate(prompt_token_ids, params)
 
     @property
     def vocab_size(self) -> int:
@@ -311,9 +320,16 @@ class AsyncEngine:
             if stream is not None and out.request_id not in self._ending:
                 stream.put_nowait(out)
 
+    def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` on the event loop when the engine thread ends (stopped, or a
+        step raised: e.g. a tensor-parallel rank died or hung)."""
+        self._dead_callbacks.append(callback)
+
     def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
+        for callback in self._dead_callbacks:
+            callback(error)
 
 
 def _abort_if_added(core: EngineCore, request: Request) -> bool:

@@ -5,12 +5,13 @@ run_node(PrefillServer | DecodeServer, argv), e.g.
     pd-prefill --model smollm2-135m --port 50061 --kv-transport tcp --kv-port 5600:
     flags (pdserve.cli.build_parser(role)) ──► EngineConfig + NodeConfig (bad: exit 2)
     "loading MODEL" logged; EngineCore built off the event loop (signals stay handled while
-    the model loads; conversion and weight loading log their progress)
+    the model loads; conversion and weight loading log their progress); with
+    --tensor-parallel-size N its other ranks each run the role's rank agent (build_core)
     ──► the role's server started ──► "pd-<role> listening on HOST:PORT (kv ADDRESS)"
     ──► a port that cannot be bound (taken; a killed node's ucx port not released yet):
         retried every 0.5 s for --bind-retry-s, then exit 1 with the message
     ──► served until SIGINT/SIGTERM (pdserve.lifecycle); exit 1 with a message when it
-        cannot start (a taken port, an unknown model)
+        cannot start (a taken port, an unknown model) or cannot go on (a TP rank died)
 ```
 """
 
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from engine.engine_core import EngineCore
 from node_common.node_base import NodeBase
+from node_common.tp.rank_worker import start_rank
 from pdserve.cli import build_parser, engine_config, node_config, setup_logging
+from pdserve.config import EngineConfig, NodeConfig
 from pdserve.lifecycle import run_server
 from pdserve.security import OPEN_CLUSTER, load_cluster_auth
 
@@ -49,11 +53,6 @@ def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> i
     args = parser.parse_args(argv)
     try:
         engine = engine_config(args, prefill_only=server_cls.prefill_only)
-        if engine.parallel.tensor_parallel_size > 1:  # until the KV hand-off knows TP sizes
-            raise ValueError(
-                "--tensor-parallel-size > 1 is not served by nodes yet: their KV hand-off "
-                "sends one rank's heads (issue 35, phase B); use it with pd-generate or LLM"
-            )
         node = node_config(args)
         auth = load_cluster_auth(node.security)
     except ValueError as error:
@@ -64,7 +63,7 @@ def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> i
 
     async def start() -> NodeBase:
         logger.info("loading model %s on %s", engine.model.model, engine.model.device)
-        core = await asyncio.to_thread(EngineCore, engine)
+        core = await asyncio.to_thread(build_core, server_cls, engine, node)
         server = await start_with_bind_retry(lambda: server_cls(core, node), node.bind_retry_s)
         caveats = [OPEN_CLUSTER] if auth is None else []
         caveats += [server.manager.transport_caveat] if server.manager.transport_caveat else []
@@ -74,6 +73,15 @@ def run_node(server_cls: type[NodeBase], argv: Sequence[str] | None = None) -> i
         return server
 
     return run_server(name, start, lambda s: _ready_line(name, s))
+
+
+def build_core(server_cls: type[NodeBase], engine: EngineConfig, node: NodeConfig) -> EngineCore:
+    """The node's EngineCore; with tensor parallelism each other rank also runs the role's
+    part (its KV transport and hand-offs: node_common/tp/rank_worker.py)."""
+    if engine.parallel.tensor_parallel_size == 1:
+        return EngineCore(engine)
+    worker_init = functools.partial(start_rank, config=node, agent_type=server_cls.rank_agent)
+    return EngineCore(engine, worker_init=worker_init)
 
 
 def _ready_line(name: str, server: NodeBase) -> str:

@@ -8,8 +8,11 @@ start()                    engine thread, then serve (and register, with a regis
                            on config.metrics_port unless 0 (NodeMetrics)
 stop()                     end the KV-event watches (KVEventHub), stop serving (in-flight
                            calls get grace_s, then are cancelled and free what they hold),
-                           stop the engine thread, close the transport (live transfers fail,
-                           peers are told). Idempotent.
+                           the other TP ranks' hand-offs, the engine thread, the engine (its
+                           TP ranks exit), the transport (live transfers fail, peers are
+                           told). Idempotent.
+failed                     set when the node cannot go on (a TP rank died or hung): the
+                           launcher stops it
 ```
 
 A role subclass says which service it serves (`role`, `role_service`, `prefill_only`), builds
@@ -28,7 +31,7 @@ from typing import Any, ClassVar
 import grpc
 import torch
 
-from cache_transfer import CudaIpcSharing, KVLayout, KVTransferManager, make_transport
+from cache_transfer import CudaIpcSharing, KVTransferManager, make_transport
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from engine.kv_offload import KVOffloadStats
@@ -37,6 +40,8 @@ from node_common.kv_event_hub import KVEventHub
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
+from node_common.tp.rank_worker import RankAgent, node_layout, rank_heads
+from node_common.tp.tp_ranks import TPRanks
 from pdserve.config import NodeConfig
 from pdserve.sampling_defaults import defaults_to_proto
 from pdserve.security import load_cluster_auth
@@ -52,6 +57,9 @@ class NodeBase(abc.ABC):
     role: ClassVar[node_pb2.NodeRole]  # node_pb2.NODE_ROLE_*
     role_service: ClassVar[str]  # the full name of the role's gRPC service
     prefill_only: ClassVar[bool]  # the role's EngineCore runs in prefill-only mode
+    # what the role runs on a tensor-parallel node's other ranks (node_common/tp/rank_worker.py):
+    # the agent's class, held as a staticmethod (an AgentFactory, not a method of the node)
+    rank_agent: ClassVar[staticmethod[..., RankAgent]]
 
     def __init__(self, core: EngineCore, config: NodeConfig) -> None:
         if core.config.scheduler.prefill_only != self.prefill_only:
@@ -63,13 +71,13 @@ class NodeBase(abc.ABC):
             )
         self.core = core
         self.config = config
-        self.layout = KVLayout.from_dtype(
-            core.dtype,
-            model=core.loaded.name,
-            block_size=core.config.cache.block_size,
-            **core.arch.layout_fields(),
-        )
+        self.layout = node_layout(core)  # the model's: what tickets and handshakes compare
         self.engine = AsyncEngine(core)
+        self.failed = asyncio.Event()  # the node cannot serve any more (a rank died, hung)
+        self.failure: str | None = None
+        # a tensor-parallel node: its other ranks (node_common/tp/), each with its own KV
+        # transport; the hand-offs fan out to them
+        self.tp_ranks = TPRanks(core, self._fail) if core.tp is not None else None
         self.auth = load_cluster_auth(config.security)
         self.metrics = NodeMetrics(
             self.role_name,
@@ -105,11 +113,12 @@ class NodeBase(abc.ABC):
         transport = make_transport(
             config.kv_transport, config.host, config.kv_port, advertise_host=config.advertise_host
         )
-        sharing = (
-            CudaIpcSharing() if config.kv_write_in_place and kv_device.type == "cuda" else None
-        )
+        in_place = config.kv_write_in_place and kv_device.type == "cuda" and self.tp_ranks is None
+        sharing = CudaIpcSharing() if in_place else None  # (TP hand-offs send: routes)
+        heads = rank_heads(self.core)
+        rank_layout = self.layout.with_heads(heads.kv_head_end - heads.kv_head_start)
         return KVTransferManager(
-            transport, self.layout, self.receive_into(), auth=self.auth, sharing=sharing,
+            transport, rank_layout, self.receive_into(), auth=self.auth, sharing=sharing,
             kv_device=kv_device, encrypt=config.kv_encrypt,
         )  # fmt: skip
 
@@ -183,7 +192,7 @@ class NodeBase(abc.ABC):
             "num_free_kv_blocks": stats.num_free_blocks,
             "num_running_requests": stats.num_running,
             "num_waiting_requests": stats.num_waiting,
-            "num_pending_transfers": self.manager.num_pending,
+            "num_pending_transfers": self.manager.num_pending + await self._ranks_pending(fresh),
             "num_finished_requests": counters.num_finished_requests,
             "num_failed_transfers": self.manager.num_failed,
             "num_in_place_transfers": self.manager.num_in_place,
@@ -201,10 +210,23 @@ class NodeBase(abc.ABC):
             reply.last_transfer.CopyFrom(timeline)
         return reply
 
+    async def _ranks_pending(self, fresh: bool) -> int:
+        """What the other tensor-parallel ranks hold of hand-offs: route sessions, hand-offs
+        not reported, requests whose KV they keep (0 at TP 1; not asked unless `fresh`)."""
+        if self.tp_ranks is None or not fresh or self.tp_ranks.failure is not None:
+            return 0
+        reports = await self.tp_ranks.reports()
+        return sum(
+            r.num_pending_transfers + r.num_open_hand_offs + r.num_open_requests for r in reports
+        )
+
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the engine thread, then serve. Raises OSError when the port is taken."""
+        if self.tp_ranks is not None:
+            await self.tp_ranks.connect()
+            self.engine.add_dead_callback(lambda error: self._fail(f"the engine stopped: {error}"))
         self.engine.start()
         self._engine_started = True
         await self._server.start()
@@ -226,9 +248,21 @@ class NodeBase(abc.ABC):
         self.kv_events.close()  # watches end now: the server's grace is for requests
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self.metrics.stop()
+        if self.tp_ranks is not None:
+            await self.tp_ranks.shutdown("the node is stopping")
         if self._engine_started:
             await self.engine.stop()
+        await asyncio.to_thread(self.core.close)  # the tensor-parallel ranks exit
         await self.manager.close()
+
+    def _fail(self, reason: str) -> None:
+        """The node cannot go on (a tensor-parallel rank died or hung): `failed` is set, the
+        launcher stops it (deregistered, its transfers failed, its peers told)."""
+        if self._stopped or self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("%s node fails: %s", self.role_name, reason)
+        self.failed.set()
 
     async def _metric_stats(self) -> dict[str, int]:
         fields = stats_fields(await self.stats())

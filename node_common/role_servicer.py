@@ -6,8 +6,9 @@ RoleServicer(engine, manager, transfer_timeout_s, metrics, counters)
                           node's load report (NodeStats)
 @ends_with_status         a streaming handler that ends in an error it did not map still ends
                           with a status a client can act on, never UNKNOWN: the engine stopped
-                          ──► UNAVAILABLE; anything else (a bug) ──► INTERNAL, logged with its
-                          traceback
+                          ──► UNAVAILABLE; the engine refused the request (a migrated output or
+                          a first token its grammar refuses) ──► INVALID_ARGUMENT; anything
+                          else (a bug) ──► INTERNAL, logged with its traceback
 abort_call(context, ...)  `context.abort`, typed as never returning
 """
 
@@ -24,6 +25,7 @@ import grpc
 from cache_transfer import KVTransferManager
 from engine.async_engine import AsyncEngine, EngineDeadError
 from node_common.node_metrics import NodeMetrics
+from pdserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ def ends_with_status(
             raise
         except EngineDeadError as error:
             await abort_call(context, grpc.StatusCode.UNAVAILABLE, f"this node's {error}")
+        except InvalidRequestError as error:  # the engine refused the request's add
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Exception as error:
             logger.exception("%s failed unexpectedly", handler.__qualname__)
             await abort_call(  # the details stay in this node's log

@@ -4,6 +4,7 @@
 serve_until_signalled(start, ready_line):
     start() ──► print ready_line(server) (flushed: pd-serve and tests read it)
     SIGINT / SIGTERM (also while starting) ──► server.stop() ──► return
+    the server's `failed` event (a node that cannot go on) ──► server.stop() ──► ServerFailed
 run_server(name, start, ready_line) -> exit code: the above under asyncio.run, and
     "NAME: <error>" on stderr with exit code 1 when the server cannot start; first, the
     open-file soft limit raised to the hard one (raise_fd_limit: a router's 1,024 default
@@ -23,6 +24,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
+
+
+class ServerFailed(RuntimeError):
+    """The server stopped itself: it cannot go on (e.g. a node's tensor-parallel rank died)."""
 
 
 class RunningServer(Protocol):
@@ -51,7 +56,15 @@ async def serve_until_signalled(
         if starting.done():
             server = starting.result()  # raises what start() raised
             print(ready_line(server), flush=True)
-            await stopping
+            failed = getattr(server, "failed", None)  # a node that cannot go on stops itself
+            if isinstance(failed, asyncio.Event):
+                stopping_itself = asyncio.create_task(failed.wait())
+                await asyncio.wait((stopping, stopping_itself), return_when=asyncio.FIRST_COMPLETED)
+                stopping_itself.cancel()
+                if failed.is_set():
+                    raise ServerFailed(getattr(server, "failure", None) or "the server failed")
+            else:
+                await stopping
         logger.info("stopping")
     finally:
         stopping.cancel()
@@ -73,7 +86,7 @@ def run_server(
     raise_fd_limit()
     try:
         asyncio.run(serve_until_signalled(start, ready_line))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ServerFailed) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     return 0

@@ -3,12 +3,14 @@
     pd-serve                      router on 127.0.0.1:50051 + 1 prefill + 1 decode node
     pd-serve --prefill 2 --decode 2
     pd-serve --prefill 0          colocated serving (decode nodes prefill locally)
+    pd-serve --prefill-tp 2 --decode-tp 1    prefill nodes of 2 ranks (GPUs), decode of 1
     pd-serve --registry redis://127.0.0.1:6379/0 --policy prefix_aware
 
 First it holds every fixed port it will use (the router's --port and --http-port, the nodes'
 --metrics-port N + i): a taken one fails it at once, naming the port and the flag that moves
-it (`pdserve.port_reservations`). Then it starts the decode nodes, then the prefill nodes (each
-on a free port; each prints the line
+it (`pdserve.port_reservations`). Then it resolves the model (`python -m engine.model.prepare`:
+a GGUF file is converted once into the shared cache, so the nodes only read it), starts the
+decode nodes, then the prefill nodes (each on a free port; each prints the line
 "pd-<role> listening on HOST:PORT ..."), then the router pointed at them (with --registry: the
 nodes register there and the router discovers them); prints where the router listens. Each flag
 goes, as given, to the processes it concerns (`pdserve.cli.forwarded_argv`: engine and node
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from pdserve import envs
 from pdserve.cli import (
     NODE,
     ROUTER,
@@ -44,12 +44,14 @@ from pdserve.cli import (
     setup_logging,
 )
 from pdserve.config import CacheConfig
+from pdserve.node_placement import node_devices, num_gpus
 from pdserve.port_reservations import PortReservations, PortTaken
 
 _LISTENING = re.compile(r"listening on (\S+)")
 _HTTP_URL = re.compile(r"\(http (\S+)\)")
 WAIT_REPORT_S = 10.0  # how often pd-serve says what it is still waiting for
-NODE_START_TIMEOUT_S = 600.0  # the first start converts the default model (seconds, but slow disks)
+PREPARE_TIMEOUT_S = 1800.0  # a first start converts a GGUF model (seconds for the default one)
+NODE_START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
 
 
@@ -103,43 +105,6 @@ def _router_argv(
         for addr in decode_addrs:
             argv += ["--decode", addr]
     return argv
-
-
-def _num_gpus() -> int:
-    visible = envs.cuda_visible_devices()
-    if visible is not None:
-        return len(visible)
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
-
-
-def node_devices(
-    device: str, num_prefill: int, num_decode: int, num_gpus: int
-) -> tuple[dict[str, list[str]] | None, int]:
-    """Where each node runs, and how many nodes share a GPU (each gets that share of
-    --gpu-memory-utilization). With `--device auto|cuda` and GPUs visible the nodes are spread
-    over the visible GPUs by index, prefill nodes first (1P1D on 2 GPUs: prefill on cuda:0,
-    decode on cuda:1), each told its `--device cuda:N`; CUDA_VISIBLE_DEVICES is left as the
-    user set it, so every node sees every listed GPU (UCX's cuda_ipc maps a peer's memory only
-    when its GPU is visible). `None`: nodes keep the given --device (cpu, or one cuda:N)."""
-    num_nodes = num_prefill + num_decode
-    if device not in ("auto", "cuda") or num_gpus == 0:
-        shared = device.startswith("cuda")
-        return None, (num_nodes if shared else 1)
-    order = [("prefill", i) for i in range(num_prefill)] + [
-        ("decode", i) for i in range(num_decode)
-    ]
-    devices: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for slot, (role, _) in enumerate(order):
-        devices[role].append(f"cuda:{slot % num_gpus}")
-    return devices, -(-num_nodes // num_gpus)
 
 
 def _client_command() -> str:
@@ -222,26 +187,45 @@ class LocalCluster:
             addresses.append(child.address)
         return addresses
 
+    def _prepare_model(self) -> None:
+        """Resolve the model in a child process (pd-serve stays torch-free; its progress and
+        errors go to our stderr): a GGUF is converted once, before any node starts."""
+        model = self.args.model
+        if model.startswith("synthetic:"):
+            return  # random weights: nothing to read or convert
+        argv = [sys.executable, "-m", "engine.model.prepare", model]
+        try:
+            done = subprocess.run(argv, stdout=subprocess.DEVNULL, timeout=PREPARE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"preparing {model} took over {PREPARE_TIMEOUT_S:g} s") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot load the model {model!r} (see the line above)")
+
     def start(self) -> str:
         args = self.args
+        self._prepare_model()
         roles = [("decode", i) for i in range(args.decode)] + [
             ("prefill", i) for i in range(args.prefill)
         ]
-        devices, share = node_devices(args.device, args.prefill, args.decode, _num_gpus())
+        tp = {"prefill": args.prefill_tp or args.tensor_parallel_size,
+              "decode": args.decode_tp or args.tensor_parallel_size}  # fmt: skip
+        devices, share = node_devices(args.device, args.prefill, args.decode, num_gpus(),
+                                      tp["prefill"], tp["decode"])  # fmt: skip
         started: dict[str, list[_Child]] = {"decode": [], "prefill": []}
         if args.metrics_port:  # the nodes bind them now
             self.ports.release(args.metrics_port + slot for slot in range(len(roles)))
         for slot, (role, index) in enumerate(roles):  # decode first: tickets come from them
             metrics_port = args.metrics_port + slot if args.metrics_port else 0
             argv = _node_argv(self.node_argv, share, metrics_port)
+            argv += ["--tensor-parallel-size", str(tp[role])]  # (the last one given wins)
             if devices is not None:  # every listed GPU stays visible (cuda_ipc maps peers)
-                argv += ["--device", devices[role][index]]
+                flag = "--device" if tp[role] == 1 else "--devices"
+                argv += [flag, devices[role][index]]
             child = self._spawn(f"{role}-{index}", f"{role}_node.cli", argv)
             started[role].append(child)
         print(
             f"pd-serve: started {args.decode} decode and {args.prefill} prefill node(s); waiting "
-            f"for them to load {args.model} (the first start converts it)", file=sys.stderr,
-            flush=True,
+            f"for them to load {args.model}", file=sys.stderr, flush=True,
         )  # fmt: skip
         loading = f"loading {args.model}"
         decode_addrs = self._await_ready(started["decode"], loading)
@@ -282,6 +266,12 @@ def build_serve_parser() -> ArgumentParser:
         "--prefill", type=int, default=1, help="prefill nodes (0: colocated) (default: 1)"
     )
     group.add_argument("--decode", type=int, default=1, help="decode nodes (>= 1) (default: 1)")
+    group.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="tensor-parallel size of each prefill node (default: "
+                       "--tensor-parallel-size)")  # fmt: skip
+    group.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="tensor-parallel size of each decode node (default: "
+                       "--tensor-parallel-size)")  # fmt: skip
     return parser
 
 
@@ -292,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args, "serve")
     if args.decode < 1 or args.prefill < 0:
         print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
+        return 2
+    if min(args.prefill_tp or 1, args.decode_tp or 1) < 1:
+        print("pd-serve: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
         return 2
     cluster = LocalCluster(
         args, forwarded_argv(parser, argv, NODE), forwarded_argv(parser, argv, ROUTER)
@@ -321,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         code = cluster.wait()
     except KeyboardInterrupt:
         code = 0
-    except (RuntimeError, PortTaken) as exc:
+    except (RuntimeError, ValueError, PortTaken) as exc:  # a node that did not start; no room
         print(f"pd-serve: {exc}", file=sys.stderr)
         code = 1
     finally:

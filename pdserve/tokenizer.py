@@ -17,9 +17,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pdserve.chat_tools import hermes_messages, uses_tools
 from pdserve.sampling_params import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -148,14 +150,22 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render a conversation into the model's prompt text."""
+        """Render a conversation into the model's prompt text. `tools` (OpenAI's / transformers'
+        shape, pdserve.chat_tools) go to a template that reads them; for one that does not, the
+        tools, tool calls and tool results are rendered Hermes-style (`hermes_messages`)."""
         _validate_messages(messages)
         template = self._compiled_chat_template
+        if uses_tools(messages, tools) and not self.template_takes_tools:
+            messages, tools = hermes_messages(messages, tools), None
         try:
             return template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -164,6 +174,17 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"chat template rejected the messages: {exc}", "messages"
             ) from exc
+
+    @cached_property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (Qwen2.5's, Llama 3.1's do)."""
+        if not self.chat_template:
+            return False
+        try:
+            parsed = _chat_environment().parse(self.chat_template)
+        except jinja2.TemplateSyntaxError:
+            return False  # (rendering says so)
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:

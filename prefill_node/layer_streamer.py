@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from cache_transfer import KVLayout, KVSender, TransferState
+from cache_transfer import KVLayout, TransferState
 from cache_transfer.layout import kv_device_id
 from cache_transfer.transports.cuda_waits import wait_event
 from engine.outputs import PrefillLayerChunk
 from pdserve.v1 import generation_pb2
 from prefill_node.layer_packer import LayerPacker
-from prefill_node.outgoing import Outgoing, PackedLayer
+from prefill_node.outgoing import KVSink, Outgoing, PackedLayer
 from prefill_node.transfer_trace import TransferTrace
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ MAX_TRACES = 1024  # transfers whose TransferTrace is kept (the most recent)
 # after the last layer, D heard of it 1.6-1.8 ms after it was written; this way 0.5-1.0 ms (8K),
 # 2K TTFT 1.02-1.10x: benchmarks/results/2026-12-03-h200-kv-handoff.txt runs 23-27)
 SAME_GPU_HELD_UNTIL_LAST = 2  # ... the 2nd last layer: the layers before it wait for it
+MAX_CLOSED = 4096  # (auto_open) requests remembered as closed
 
 
 class LayerStreamer:
@@ -72,10 +73,14 @@ class LayerStreamer:
         loop: asyncio.AbstractEventLoop,
         max_traces: int = MAX_TRACES,
         kv_device: str | None = None,
+        auto_open: bool = False,
     ) -> None:
         """`kv_caches`: the engine's per-layer `(k_cache, v_cache)`, of `layout`; `loop`: where
         sends run; `kv_device`: this cache's device as tickets name it (default:
-        `kv_device_id`)."""
+        `kv_device_id`); `auto_open`: open every request the engine computes, until `close`d
+        (a TP node's other ranks: rank 0 names the requests only once it has the ticket)."""
+        self._auto_open = auto_open
+        self._closed: OrderedDict[str, None] = OrderedDict()  # (auto_open) closed recently
         self.traces: OrderedDict[str, TransferTrace] = OrderedDict()  # by transfer_id
         self._kv_caches = kv_caches
         self._layout = layout
@@ -96,13 +101,22 @@ class LayerStreamer:
         goes out through the sender `attach` gives (layers computed before wait for it)."""
         if request_id in self._outgoing:
             raise ValueError(f"request {request_id!r} is already sending its KV")
+        return self.open_if_needed(request_id, num_tokens).trace
+
+    def open_if_needed(self, request_id: str, num_tokens: int) -> Outgoing:
+        """The request's queue, opened unless it is (either thread: a tensor-parallel rank
+        opens a request when its engine computes it, or when its ticket comes first)."""
         num_layers = len(self._kv_caches)
         trace = TransferTrace("", request_id, [None] * num_layers, [None] * num_layers)
-        num_blocks = self._layout.num_blocks_for(num_tokens)
-        self._outgoing[request_id] = Outgoing(trace, num_blocks)
-        return trace
+        outgoing = Outgoing(trace, self._layout.num_blocks_for(num_tokens))
+        return self._outgoing.setdefault(request_id, outgoing)  # (atomic)
 
-    def attach(self, request_id: str, sender: KVSender) -> None:
+    @property
+    def num_open(self) -> int:
+        """Requests whose KV is kept (packed or being sent)."""
+        return len(self._outgoing)
+
+    def attach(self, request_id: str, sender: KVSink) -> None:
         """(event loop) Send `request_id`'s KV through `sender` (its ticket is in): the layers
         packed so far go out now, the rest as they are computed."""
         outgoing = self._outgoing.get(request_id)
@@ -142,6 +156,8 @@ class LayerStreamer:
         packed: torch.cuda.Event | None = None  # CUDA: this layer's last streamed pack, if any
         for chunk in chunks:
             outgoing = self._outgoing.get(chunk.request_id)
+            if outgoing is None and self._auto_open and chunk.request_id not in self._closed:
+                outgoing = self.open_if_needed(chunk.request_id, chunk.prompt_len)
             if outgoing is None:
                 continue
             if not outgoing.computing:  # its prefill started (this step): so does the transfer
@@ -175,7 +191,7 @@ class LayerStreamer:
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None,
         finish_reason: str,
-    ) -> KVSender:
+    ) -> KVSink:
         """Once every layer is in the sender's hands, send the first token (behind them) and
         wait for the receiver's result (within the sender's deadline); the finished sender."""
         outgoing = self._outgoing[request_id]
@@ -194,7 +210,7 @@ class LayerStreamer:
         outgoing.trace.mark("result")
         return sender
 
-    def progress(self) -> list[tuple[KVSender, int]]:
+    def progress(self) -> list[tuple[KVSink, int]]:
         """(event loop) Each live sender, with how many of its prompt's tokens are computed."""
         return [
             (outgoing.sender, outgoing.num_computed_tokens)
@@ -219,6 +235,10 @@ class LayerStreamer:
         """Forget the request; cancel its sender if it is still live. Sends in progress end on
         their own (a failed sender sends nothing more)."""
         outgoing = self._outgoing.pop(request_id, None)
+        if self._auto_open:  # not opened again by a step still under way
+            self._closed[request_id] = None
+            if len(self._closed) > MAX_CLOSED:
+                self._closed.popitem(last=False)  # (one in, at most one out)
         if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
             outgoing.sender.cancel(reason)
 
@@ -256,12 +276,12 @@ class LayerStreamer:
         handed.add_done_callback(outgoing.handing.discard)
         return handed
 
-    def _start_drain(self, outgoing: Outgoing, sender: KVSender) -> None:
+    def _start_drain(self, outgoing: Outgoing, sender: KVSink) -> None:
         outgoing.draining = True
         self._track(outgoing, self._drain(outgoing, sender, self._handing(outgoing)))
 
     async def _drain(
-        self, outgoing: Outgoing, sender: KVSender, handed: asyncio.Future[None]
+        self, outgoing: Outgoing, sender: KVSink, handed: asyncio.Future[None]
     ) -> None:
         """Hand queued layers to the sender: whatever is packed when the first one is (one
         GPU: when the layer held until is), as one message (layers in the order they were
@@ -295,7 +315,7 @@ class LayerStreamer:
     async def _send(
         self,
         outgoing: Outgoing,
-        sender: KVSender,
+        sender: KVSink,
         batch: list[PackedLayer],
         handed: asyncio.Future[None],
     ) -> None:

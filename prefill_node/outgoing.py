@@ -11,7 +11,12 @@ import torch
 
 from cache_transfer import KVSender
 from cache_transfer.packing.block_ids import CheckedIds
+from cache_transfer.tp import FanOutSender
 from prefill_node.transfer_trace import TransferTrace
+
+# What a request's layers go through: one session (a TP 1 hand-off), or a tensor-parallel
+# rank's routes as one (cache_transfer/tp/fan_out.py)
+KVSink = KVSender | FanOutSender
 
 
 @dataclass
@@ -37,7 +42,7 @@ class Outgoing:
 
     trace: TransferTrace
     num_blocks: int  # the prompt's blocks, each layer's packed size
-    sender: KVSender | None = None  # None until attach (the ticket follows the call)
+    sender: KVSink | None = None  # None until attach (the ticket follows the call)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # drain and sends, kept alive
     # until every queued layer is in the sender's hands: the drain task's and each send's
     handing: set[asyncio.Future[None]] = field(default_factory=set)

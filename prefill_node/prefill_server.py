@@ -22,6 +22,7 @@ from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.layer_streamer import LayerStreamer
 from prefill_node.prefill_servicer import PrefillServicer
 from prefill_node.progress_beats import ProgressBeats
+from prefill_node.tp_rank import PrefillRankAgent
 from prefill_node.transfer_trace import TransferTrace
 
 
@@ -32,11 +33,14 @@ class PrefillServer(NodeBase):
     role = node_pb2.NODE_ROLE_PREFILL
     role_service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     prefill_only = True
+    rank_agent = staticmethod(PrefillRankAgent)
     servicer: PrefillServicer
 
     def make_servicer(self) -> PrefillServicer:
         loop = asyncio.get_running_loop()
-        self.streamer = LayerStreamer(self.core.pool.kv_caches, self.layout, loop)
+        self.streamer = LayerStreamer(  # (this rank's heads: the manager's layout)
+            self.core.pool.kv_caches, self.manager.layout, loop
+        )
         beats = ProgressBeats(loop, self.streamer.progress)
 
         def on_layer_done(layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:

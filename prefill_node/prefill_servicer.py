@@ -1,20 +1,23 @@
 """`PrefillServicer`: the `PrefillNode.Prefill` and `PrefillNode.AttachTicket` RPCs.
 
 check the request, and its ticket if it carries one (layout hash: FAILED_PRECONDITION; shape:
-    INVALID_ARGUMENT); build the Request (bad params: INVALID_ARGUMENT)
+    INVALID_ARGUMENT); build the Request (bad params: INVALID_ARGUMENT), its structured output's
+    grammar compiled first (refused: INVALID_ARGUMENT; too many compiling: RESOURCE_EXHAUSTED):
+    the first token is sampled under it
 LayerStreamer.open(request_id, prompt_len)
 hand-off task: the ticket (inline, or from AttachTicket via the TicketBox within the transfer
-    timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► create_sender(ticket, the
-    request's transfer_timeout_s capped by the node's: the no-progress timeout; the ceiling:
-    that + the prompt tokens queued here, this one's included, / --min-prefill-tokens-per-s)
-    ─► LayerStreamer.attach   (the sender handshakes at once; ProgressBeats keep the receiver
-    waiting while this node's engine makes progress, queued or computing)
+    timeout: DEADLINE_EXCEEDED; checked as an inline one) ─► PrefillHandOffs.sender(ticket,
+    the request's transfer_timeout_s capped by the node's: the no-progress timeout; the
+    ceiling: that + the prompt tokens queued here, this one's included, /
+    --min-prefill-tokens-per-s; one KVSender, or with tensor parallelism rank 0's routes and
+    the other ranks told) ─► LayerStreamer.attach   (the sender handshakes at once;
+    ProgressBeats keep the receiver waiting while this node's engine makes progress)
 AsyncEngine.generate: one StepOutput (prefill_done, or finished)     (meanwhile, concurrently)
     the hand-off fails first (no or bad ticket; the sender fails: no progress, its ceiling,
     the decode side failed it, the connection broke) ──► abort the prefill (queued: at once;
     computing: after the step under way, whose first token still goes out; one line logged)
     ──► the ticket's status, or ABORTED (the router cancels D's side)
-──► PrefillFirstToken                                     at once
+──► PrefillFirstToken (+ the prompt logprobs asked for)  at once
 await the hand-off task; LayerStreamer.finish: layers sent, first token sent, the result awaited
 AsyncEngine.release_nowait (held blocks) ──► PrefillTransferResult
 cancelled / aborted anywhere: abort in the engine, fail the sender; nothing stays held (an
@@ -34,16 +37,18 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import KVSender, TransferState
+from cache_transfer import TransferState
 from cache_transfer.tickets import ticket_misfit
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
-from node_common.node_messages import to_engine_request, token_logprob
+from node_common.node_messages import prompt_logprobs, to_engine_request, token_logprob
 from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.v1 import node_pb2, node_pb2_grpc
+from prefill_node.hand_offs import HandOffRefused, PrefillHandOffs
 from prefill_node.layer_streamer import LayerStreamer
+from prefill_node.outgoing import KVSink
 from prefill_node.ticket_box import PutResult, TicketBox
 from prefill_node.transfer_trace import TransferTrace
 
@@ -66,6 +71,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             NodeCounters(),
         )  # fmt: skip
         self._streamer = streamer
+        self._hand_offs = PrefillHandOffs(node, node.manager)
         self._prefill_rate = node.config.min_prefill_tokens_per_s
         self._layout = node.layout
         self._layout_hash = node.layout.layout_hash()
@@ -127,6 +133,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             self._tickets.drop(request_id)
             self.counters.num_queued_prefill_tokens -= num_queued
             self._streamer.close(request_id, "the prefill call ended before the hand-off")
+            self._hand_offs.close(request_id, "the prefill call ended")
             if held:  # cancelled while the transfer was pending
                 self._engine.abort_nowait(request_id)
 
@@ -146,7 +153,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         self,
         request: Request,
         first_token: node_pb2.PrefillFirstToken,
-        handoff: asyncio.Task[KVSender],
+        handoff: asyncio.Task[KVSink],
         context: grpc.aio.ServicerContext,
     ) -> node_pb2.PrefillTransferResult:
         """After the first token went out: every layer and the first token sent, and the
@@ -213,7 +220,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         if problem is not None:
             raise TicketError(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
 
-    async def _attach(self, request: node_pb2.PrefillRequest) -> KVSender:
+    async def _attach(self, request: node_pb2.PrefillRequest) -> KVSink:
         """The request's sender, attached to the streamer: on its inline ticket, or on the one
         AttachTicket brings within the transfer timeout. Raises TicketError."""
         request_id = request.request_id
@@ -232,16 +239,16 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         # the queue ahead of it counts: the engine computes it first (ProgressBeats say so)
         ceiling_s = timeout_s + self.counters.num_queued_prefill_tokens / self._prefill_rate
         try:
-            sender = self._manager.create_sender(ticket, timeout_s, ceiling_s, request_id)
+            sender = self._hand_offs.sender(request_id, ticket, timeout_s, ceiling_s)
+        except HandOffRefused as error:  # a TP hand-off's ticket (signature, sizes)
+            raise TicketError(error.code, str(error)) from None
         except ValueError as error:  # the transfer id is already in progress here
             raise TicketError(grpc.StatusCode.ALREADY_EXISTS, str(error)) from None
         sender.add_finish_callback(self._metrics.transfer_finished)
         self._streamer.attach(request_id, sender)
         return sender
 
-    async def _prefill(
-        self, request: Request, handoff: asyncio.Task[KVSender]
-    ) -> StepOutput | None:
+    async def _prefill(self, request: Request, handoff: asyncio.Task[KVSink]) -> StepOutput | None:
         """Run the prefill; its one output (prefill done, or finished by the first token), or
         None when the request was aborted (also when its hand-off failed first: nobody would
         receive the KV)."""
@@ -255,7 +262,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 computing = self._streamer.computing(request_id)
                 self._engine.abort_nowait(request_id, at_once=not computing)
 
-        def on_handoff(task: asyncio.Task[KVSender]) -> None:
+        def on_handoff(task: asyncio.Task[KVSink]) -> None:
             if _handoff_failed(task):
                 abort_soon()
             elif not task.cancelled():
@@ -280,7 +287,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         return first
 
 
-def _handoff_failed(handoff: asyncio.Task[KVSender]) -> bool:
+def _handoff_failed(handoff: asyncio.Task[KVSink]) -> bool:
     """The hand-off ended without a live sender: no or a bad ticket, or its sender failed."""
     if not handoff.done() or handoff.cancelled():
         return False
@@ -288,7 +295,7 @@ def _handoff_failed(handoff: asyncio.Task[KVSender]) -> bool:
 
 
 async def _abort_call(
-    context: grpc.aio.ServicerContext, request_id: str, handoff: asyncio.Task[KVSender]
+    context: grpc.aio.ServicerContext, request_id: str, handoff: asyncio.Task[KVSink]
 ) -> NoReturn:
     """End the call of a prefill that was aborted, with the hand-off's failure if it failed."""
     if handoff.done() and not handoff.cancelled():
@@ -314,10 +321,11 @@ def _first_token(out: StepOutput) -> node_pb2.PrefillFirstToken:
     )
     if out.new_logprobs:
         first.logprob.CopyFrom(token_logprob(out.new_logprobs[0]))
+    first.prompt_logprobs.extend(prompt_logprobs(out))
     return first
 
 
-def _transfer_result(sender: KVSender) -> node_pb2.PrefillTransferResult:
+def _transfer_result(sender: KVSink) -> node_pb2.PrefillTransferResult:
     ok = sender.state == TransferState.SUCCESS
     return node_pb2.PrefillTransferResult(
         ok=ok,

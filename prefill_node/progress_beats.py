@@ -4,6 +4,7 @@
                                                       LayerStreamer's): at most every
                                                       CHECK_INTERVAL_S, call_soon_threadsafe
     event loop     beat(): for every live sender, sender.beat(its prompt's computed tokens)
+                   (a tensor-parallel rank's FanOutSender: each of its routes)
                    (KVSender sends a Progress message only when it sent nothing else for its
                    beat interval: a busy hand-off costs no extra message)
 
@@ -19,8 +20,8 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from cache_transfer import KVSender
 from engine.outputs import PrefillLayerChunk
+from prefill_node.outgoing import KVSink
 
 CHECK_INTERVAL_S = 0.1  # the engine thread posts a beat at most this often
 
@@ -29,7 +30,7 @@ class ProgressBeats:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        senders: Callable[[], Iterable[tuple[KVSender, int]]],
+        senders: Callable[[], Iterable[tuple[KVSink, int]]],
         check_interval_s: float = CHECK_INTERVAL_S,
     ) -> None:
         """`senders()`: (event loop) each live sender and how many of its prompt's tokens are

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.block_hash import BlockHash, block_hashes
+from pdserve.chat_tools import chat_inputs
 from pdserve.sampling_defaults import defaults_from_proto
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -136,8 +137,8 @@ class InputProcessor:
                 raise InvalidRequestError("prompt is empty; send at least one character", kind)
             token_ids = self._tokenizer.encode(request.prompt)
         else:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            messages, tools = chat_inputs(request.messages)
+            text = self._tokenizer.apply_chat_template(messages, True, tools)
             token_ids = self._tokenizer.encode(text, add_special_tokens=False)  # in the template
         if not token_ids:
             raise InvalidRequestError(f"the {kind} tokenizes to no tokens", kind)
@@ -147,7 +148,7 @@ class InputProcessor:
         if kind == "prompt":
             num_chars = len(request.prompt)
         else:
-            num_chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+            num_chars = _chat_chars(request.messages)
         if num_chars > self._max_prompt_chars:
             raise InvalidRequestError(
                 f"the {kind} has {num_chars} characters; this router refuses more than "
@@ -164,6 +165,15 @@ class InputProcessor:
                     f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})",
                     name.removeprefix("sampling."),
                 )
+
+
+def _chat_chars(chat: generation_pb2.ChatMessages) -> int:
+    """The characters of a conversation's text: messages, their tool calls, the tools."""
+    num_chars = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+    for m in chat.messages:
+        num_chars += len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
+        num_chars += sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls)
+    return num_chars
 
 
 def _request_id_ok(request_id: str) -> bool:

@@ -3,7 +3,7 @@
 ```
 NodeTokens (P's first token, D's chunks; any order, overlapping)
   └─ skip output indices already emitted (each index goes out once, from the first stream
-     that has it)
+     that has it); index 0's prompt logprobs (when asked for) go out with it
        └─ per token: IncrementalDetokenizer.update -> StopStringMatcher.feed
             ├─ no match:  token, its text (maybe held back: a partial character or a possible
             │             stop-string start) and logprobs join this chunk
@@ -24,7 +24,7 @@ import grpc
 
 from pdserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.tokenizer import Tokenizer
-from pdserve.v1 import generation_pb2
+from pdserve.v1 import generation_pb2, node_pb2
 from router.errors import RouterError
 from router.input_processor import ProcessedRequest
 
@@ -38,6 +38,32 @@ class NodeTokens:
     logprobs: Sequence[generation_pb2.TokenLogprob] = ()  # one per token when requested
     finish_reason: str = ""  # set when these tokens end the request
     num_cached_tokens: int = 0  # prompt tokens the node found in its prefix cache
+    # with output index 0, from the node that prefilled, when prompt_logprobs was asked for
+    prompt_logprobs: Sequence[generation_pb2.TokenLogprob] = ()
+
+    @classmethod
+    def of_chunk(cls, chunk: node_pb2.TokenChunk) -> NodeTokens:
+        """A decode node's chunk."""
+        return cls(
+            output_index=chunk.output_index,
+            token_ids=list(chunk.token_ids),
+            logprobs=list(chunk.logprobs),
+            finish_reason=chunk.finish_reason,
+            num_cached_tokens=chunk.num_cached_tokens,
+            prompt_logprobs=list(chunk.prompt_logprobs),
+        )
+
+    @classmethod
+    def of_first_token(cls, first: node_pb2.PrefillFirstToken) -> NodeTokens:
+        """A prefill node's first token (output index 0)."""
+        return cls(
+            output_index=0,
+            token_ids=[first.token_id],
+            logprobs=[first.logprob] if first.HasField("logprob") else [],
+            finish_reason=first.finish_reason,
+            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=list(first.prompt_logprobs),
+        )
 
 
 class OutputProcessor:
@@ -52,6 +78,7 @@ class OutputProcessor:
             )
         self._stop_matcher = StopStringMatcher(request.sampling_params.stop)
         self._want_logprobs = request.sampling_params.logprobs is not None
+        self._want_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         self.num_output_tokens = 0  # emitted so far; the next output index expected
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None  # set once the last response is built
@@ -75,6 +102,8 @@ class OutputProcessor:
         # Nodes that ran the prefill report their prefix-cache hits; the others report 0.
         self.num_cached_tokens = max(self.num_cached_tokens, tokens.num_cached_tokens)
         response = generation_pb2.GenerateResponse(request_id=self._request.client_request_id)
+        if first_new == 0 and tokens.output_index == 0 and self._want_prompt_logprobs:
+            response.prompt_logprobs.extend(tokens.prompt_logprobs)  # with the first token
         texts = []
         for i in range(first_new, len(tokens.token_ids)):
             response.token_ids.append(tokens.token_ids[i])

@@ -66,6 +66,7 @@ class PrefillLeg:
         self._ticket_sent = False  # the current Prefill call has the ticket (inline or attached)
         self.sent_first = False  # P's first token is in the queue
         self.finished_request = False  # ... and it finished the request
+        self.first_out = asyncio.Event()  # P's first token is in the queue, or P ended without
 
     @property
     def tokens_in_flight(self) -> int:
@@ -106,6 +107,7 @@ class PrefillLeg:
         try:
             failure = await self._forward_with_retry(ticket)
         finally:
+            self.first_out.set()  # (P failed before it: D's tokens go out as they are)
             if self._work is not None:
                 self._work.done()
         if failure is None:
@@ -161,15 +163,8 @@ class PrefillLeg:
         first = message.first_token
         self.sent_first = True
         self.finished_request = bool(first.finish_reason)
-        self._events.put_nowait(
-            NodeTokens(
-                output_index=0,
-                token_ids=[first.token_id],
-                logprobs=[first.logprob] if first.HasField("logprob") else [],
-                finish_reason=first.finish_reason,
-                num_cached_tokens=first.num_cached_tokens,
-            )
-        )
+        self._events.put_nowait(NodeTokens.of_first_token(first))
+        self.first_out.set()
         message = await call.read()
         if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_result":
             return "its stream ended without a transfer result"

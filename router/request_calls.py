@@ -8,7 +8,8 @@ stream()
   PrefillLeg.read task (prefill_leg.py): P.AttachTicket(ticket) once D's ticket is in;
                       PrefillFirstToken -> NodeTokens(0); PrefillTransferResult; a retry on
                       another prefill node, or D.CancelTransfer when P failed
-  _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason
+  _read_decode task:  TokenChunk -> NodeTokens(output_index) ... until finish_reason (with
+                      prompt_logprobs: after P's first token, which carries them, or P's end)
   both tasks -> one queue -> yielded until a finish_reason (token_timeout_s per wait; the
                       first also waits for the prefill: + the prompt tokens its node has in
                       flight, this one's included, / min_prefill_tokens_per_s)
@@ -77,6 +78,7 @@ class RequestCalls:
         self._decode_call: grpc.aio.UnaryStreamCall | None = None
         self._decode_ended = False  # D's stream delivered its finish or failed
         self._num_yielded = 0
+        self._wait_prefill_first = False  # D's index 0 must not overtake P's prompt logprobs
         max_tokens = request.sampling_params.max_tokens
         self._decode_work = self._decode.load.track(request.prompt_len + max_tokens)
 
@@ -98,6 +100,7 @@ class RequestCalls:
             timeout=self._timeout_s,
         )
         if prefill is not None:
+            self._wait_prefill_first = self._request.sampling_params.prompt_logprobs is not None
             self._prefill.start(prefill, None)  # close() cancels it if D sends no ticket
             ticket = await self._read_ticket(decode_call)
             self._tasks.append(asyncio.create_task(self._prefill.read(ticket)))
@@ -191,15 +194,9 @@ class RequestCalls:
                     self._events.put_nowait(self._protocol_error(address, message))
                     return
                 chunk = message.tokens
-                self._events.put_nowait(
-                    NodeTokens(
-                        output_index=chunk.output_index,
-                        token_ids=list(chunk.token_ids),
-                        logprobs=list(chunk.logprobs),
-                        finish_reason=chunk.finish_reason,
-                        num_cached_tokens=chunk.num_cached_tokens,
-                    )
-                )
+                if self._wait_prefill_first:  # P's first token carries the prompt logprobs
+                    await self._prefill.first_out.wait()
+                self._events.put_nowait(NodeTokens.of_chunk(chunk))
                 if chunk.finish_reason:
                     return
         except grpc.aio.AioRpcError as error:

@@ -8,20 +8,23 @@ Needs `redis-server` on PATH (Redis 6+; `apt-get install redis-server`; `make te
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from tests.ports import free_port
 
 START_TIMEOUT_S = 10.0
+PORT_ATTEMPTS = 5  # a free port picked here may be taken before redis binds it (parallel tests)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class PortTakenError(RuntimeError):
+    pass
 
 
 class RedisServer:
@@ -45,6 +48,7 @@ class RedisServer:
         self.executable = executable
         self.folder = folder
         self.port = port or free_port()
+        self._port_chosen_here = port is None  # and never bound yet: another may be picked
         self.process: subprocess.Popen | None = None
         self.args = args
         self.client_kwargs = client_kwargs or {}
@@ -54,29 +58,53 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        """Starts it and waits until it answers PING."""
+        """Starts it and waits until it answers (it, not another server on its port). A port
+        picked here that another process took meanwhile is replaced by another free one (before
+        the first start only: a restart keeps its port)."""
+        for _ in range(PORT_ATTEMPTS - 1):
+            try:
+                return self._start_once()
+            except PortTakenError:
+                self.port = free_port()
+        return self._start_once()
+
+    def _start_once(self) -> RedisServer:
         self.folder.mkdir(parents=True, exist_ok=True)
         argv = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1"]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(self.folder), *self.args]
-        log = (self.folder / "redis.log").open("ab")
+        log_path = self.folder / "redis.log"
+        log_start = log_path.stat().st_size if log_path.exists() else 0  # this start's lines
+        log = log_path.open("ab")
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            try:
-                with self.client() as client:
-                    client.ping()
+            if self.process.poll() is None and self._answers():
+                self._port_chosen_here = False
                 return self
-            except redis.RedisError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    log_text = (self.folder / "redis.log").read_text(errors="replace")
-                    self.kill()
-                    raise RuntimeError(f"redis-server did not start:\n{log_text}") from None
-                time.sleep(0.02)
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log_text = log_path.read_bytes()[log_start:].decode(errors="replace")
+                self.kill()
+                if self._port_chosen_here and "Address already in use" in log_text:
+                    raise PortTakenError(self.port)
+                raise RuntimeError(f"redis-server did not start:\n{log_text}")
+            time.sleep(0.02)
 
-    def client(self) -> redis.Redis:
+    def _answers(self) -> bool:
+        """Whether this process (not another server that has the port) answers on the port."""
+        try:
+            with self.client(retry=Retry(NoBackoff(), 0)) as client:  # one try: polled anyway
+                return client.info("server")["process_id"] == self.process.pid
+        except redis.RedisError:
+            return False
+
+    def client(self, **kwargs: Any) -> redis.Redis:
         return redis.Redis(
-            port=self.port, socket_timeout=2.0, socket_connect_timeout=2.0, **self.client_kwargs
+            port=self.port,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            **self.client_kwargs,
+            **kwargs,
         )
 
     def kill(self) -> None:

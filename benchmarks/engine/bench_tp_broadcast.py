@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.distributed.process_group import LOOPBACK
+from engine.distributed.process_group import connect_store, create_store
 from engine.distributed.shm_broadcast import ShmBroadcast
 from engine.distributed.step_message import StepMessage
 
@@ -100,7 +99,7 @@ def _steps(way: str, rank: int, msg: StepMessage, shm: ShmBroadcast, steps: int)
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore(LOOPBACK, port, world, rank == 0, timeout=timeout)
+    store = connect_store(port, world, timeout.total_seconds())
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     path = [ShmBroadcast.create(world - 1).path if rank == 0 else ""]
     dist.broadcast_object_list(path, src=0)
@@ -138,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds per case and way (best kept)")
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
-    with socket.socket() as probe:  # a free port for rank 0's store
-        probe.bind((LOOPBACK, 0))
-        port = probe.getsockname()[1]
+    # The rendezvous store lives here, on a port it bound itself; every rank is its client.
+    store = create_store(args.world_size, timeout_s=120)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank, args=(r, args.world_size, port, vars(args), out))
+        ctx.Process(target=_rank, args=(r, args.world_size, store.port, vars(args), out))
         for r in range(args.world_size)
     ]
     for proc in procs:
@@ -151,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     results = dict(out.get(timeout=1800) for _ in range(2))
     for proc in procs:
         proc.join(timeout=60)
+    del store
     print(f"step broadcast, rank 0 -> {args.world_size - 1} other ranks (CPU; gloo for the "
           f"packed tensor), {args.rounds} x {args.steps} steps per case and way, the ways in "
           "turn; latency: rank 0 starts sending -> rank 1 has decoded the message")  # fmt: skip

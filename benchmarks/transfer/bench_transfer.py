@@ -1,7 +1,7 @@
 """pd-bench transfer: one synthetic request's KV, prefill process -> decode process, real path.
 
     pd-bench transfer [--transport ucx|tcp|local] [--model llama3-8b] [--prompt-tokens 2048]
-                      [--device cpu|cuda] [--iters 3]
+                      [--device cpu|cuda] [--iters 3] [--src-tp A --dst-tp B]
 
 The prefill side (this process) packs the request's blocks per layer (`KVSender.send_layer`),
 the transport moves them, the decode side (a child process; the same process for `local`)
@@ -38,6 +38,8 @@ from benchmarks.transfer.ceilings import PackRates
 from benchmarks.transfer.decode import TIMEOUT_S
 from benchmarks.transfer.peer import DecodePeer
 from benchmarks.transfer.spec import TransferSpec, layout_for
+from benchmarks.transfer.tp_ranks import rank_heads
+from benchmarks.transfer.tp_transfer import report_tp, run_tp_requests
 from cache_transfer import CudaIpcSharing, KVTransferManager, TransferState, make_transport
 
 MODES = ("sequential", "pipelined", "batched")
@@ -237,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--iters", type=int, default=3, help="timed transfers per mode; the best is reported"
     )
     parser.add_argument(
+        "--src-tp", type=int, default=1,
+        help="tensor-parallel ranks of the prefill side (each its own process, sending its kv "
+        "heads straight to the decode ranks holding them: tp_transfer.py)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dst-tp", type=int, default=1, help="tensor-parallel ranks of the decode side"
+    )
+    parser.add_argument(
         "--in-place",
         action="store_true",
         help="cuda, both caches on one GPU: the sender writes each layer into the receiver's "
@@ -266,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     # Pack/unpack run on the event loop thread: an intra-op pool would fight the other
     # process and the transport's I/O for the same cores.
     torch.set_num_threads(1)
+    if args.src_tp > 1 or args.dst_tp > 1:
+        return _main_tp(parser, args, spec)
     devices = _devices(args.device)
     runs, between = asyncio.run(
         asyncio.wait_for(run_requests(spec, devices, args.iters), TOTAL_TIMEOUT_S)
@@ -277,6 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     exact = print_report(spec, args.device, runs, ceilings, pack_unpack)
     return 0 if exact else 1
+
+
+def _main_tp(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: TransferSpec) -> int:
+    """Between tensor-parallel sizes (tp_transfer.py)."""
+    if min(args.src_tp, args.dst_tp) < 1 or args.in_place or args.transport == "local":
+        parser.error("--src-tp/--dst-tp need sizes >= 1, two processes and no --in-place")
+    try:
+        rank_heads(spec, args.src_tp), rank_heads(spec, args.dst_tp)
+    except ValueError as error:  # the model's heads do not divide
+        parser.error(str(error))
+    runs = asyncio.run(asyncio.wait_for(
+        run_tp_requests(spec, args.src_tp, args.dst_tp, args.device, args.iters), TOTAL_TIMEOUT_S
+    ))  # fmt: skip
+    return 0 if report_tp(spec, args.src_tp, args.dst_tp, args.device, runs) else 1
 
 
 def _devices(device: str) -> tuple[torch.device, torch.device]:

@@ -41,7 +41,7 @@ class DecodePeer:
         self._process = ctx.Process(
             target=decode_process, args=(child_conn, spec, child_device), daemon=True
         )
-        with _first_visible(device):
+        with first_visible(device):
             self._process.start()
 
     @property
@@ -116,7 +116,7 @@ class DecodePeer:
 
 
 @contextlib.contextmanager
-def _first_visible(device: torch.device) -> Iterator[None]:
+def first_visible(device: torch.device) -> Iterator[None]:
     """Processes spawned inside see `device` as cuda:0 (what ucxx's progress thread assumes),
     every GPU still visible so cuda_ipc reaches the peer's memory."""
     if device.type != "cuda":

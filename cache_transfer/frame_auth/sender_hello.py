@@ -20,7 +20,7 @@ from cache_transfer import protocol
 from cache_transfer.frame_auth.challenges import challenge_misfit
 from cache_transfer.frame_auth.frame_key import FrameKey
 from cache_transfer.frame_auth.frame_sealer import FrameSealer
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout
 from cache_transfer.tickets import handshake_for
 from cache_transfer.transports.base import KVTransport, TransportError
 from pdserve.security import ClusterAuth
@@ -101,11 +101,16 @@ class SenderHello:
         return None
 
     def handshake(
-        self, layout: KVLayout, kv_device: str, write_in_place: bool, ceiling_s: float
+        self,
+        layout: KVLayout,
+        kv_device: str,
+        write_in_place: bool,
+        ceiling_s: float,
+        heads: HeadSlice | None = None,
     ) -> transfer_pb2.TransferHandshake:
         """Once answered: the handshake (tickets.handshake_for), proving our nonce on our
         connection with a secret; `ceiling_s`: the sender's, which the receiver adopts."""
         return handshake_for(
             self._ticket, layout, self._transport.address, self._auth, kv_device,
-            write_in_place, ceiling_s, self.nonce or b"", self.connection, self.encrypt,
+            write_in_place, ceiling_s, self.nonce or b"", self.connection, self.encrypt, heads,
         )  # fmt: skip

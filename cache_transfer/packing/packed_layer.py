@@ -89,10 +89,17 @@ def unpack_layer(
     impl: str = "auto",
 ) -> None:
     """Scatter a packed layer into `block_ids` (distinct) of the receiver's caches, K and V
-    together (one launch / one index_copy_ as in `pack_layer`)."""
+    together (one launch / one index_copy_ as in `pack_layer`); caches that are a head slice
+    of a pool (strided views), K and V each by one index_copy_."""
     ids = check_block_ids(block_ids, k_cache.shape[0], k_cache.device, unique=True)
     n = len(ids)
     packed = packed_view(payload, n, k_cache).to(k_cache.device)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        # a head slice of a pool (a tensor-parallel route, cache_transfer/tp/): its rows are
+        # strided, so each block goes in as `[block_size, heads, head_dim]` elements
+        k_cache.index_copy_(0, ids.index, packed[0])
+        v_cache.index_copy_(0, ids.index, packed[1])
+        return
     k_rows, v_rows = as_rows(k_cache), as_rows(v_cache)
     packed_rows = as_rows(packed.reshape(2 * n, *k_cache.shape[1:]))
     if use_triton(k_cache, packed_rows, k_rows, impl):

@@ -1,16 +1,18 @@
 """Convert a llama.cpp GGUF file, once, into a cached Hugging Face folder.
 
 ```
-<cache_dir>/models/<stem>-<hash of size, mtime, converter version>/
+<cache_dir>/models/<stem>-<hash of the file's sha256, converter version>/   (convert_cache.py)
     config.json              from GGUF metadata (legacy rope_theta/rope_scaling form)
     generation_config.json   bos / eos (+ end-of-turn) ids
     model.safetensors        dequantized to float32, HF names, Q/K rows un-permuted
     tokenizer.json, tokenizer_config.json (with chat_template)   via transformers' GGUF reader
 ```
 
-The folder is written under a temporary name and renamed into place, so a crash never leaves a
-half-written cache, and concurrent converters (a prefill and a decode node starting together)
-agree on one result. Every later load only reads the folder.
+The key is the file's content, so copies of one file (each clone installs its own) share one
+folder. One process converts, under a file lock; others starting at the same time (a prefill
+and a decode node) wait for it, then read its folder. The folder is written under a temporary
+name and renamed into place, so a crash never leaves a half-written cache. Every later load only
+reads the folder.
 
 All dequantized tensors are held in memory while writing (fine for small models; an 8B model
 needs ~32 GB of RAM and disk at float32).
@@ -18,7 +20,6 @@ needs ~32 GB of RAM and disk at float32).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -35,8 +36,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from engine.model.arch_config import RopeConfig
+from engine.model.convert_cache import conversion_lock, converted_folder
 from engine.model.rope import rope_inv_freq
-from pdserve import envs
 from pdserve.progress import still_working, track
 
 logger = logging.getLogger(__name__)
@@ -72,28 +73,27 @@ _MISSING = object()
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """The cached HF folder of `gguf_path`, converting the file first if needed."""
+    """The cached HF folder of `gguf_path`'s content, converting the file first if needed
+    (under a lock: of processes starting together, one converts and the others wait)."""
     gguf_path = gguf_path.resolve()
-    stat = gguf_path.stat()
-    key = f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    dst = envs.cache_dir() / "models" / f"{gguf_path.stem}-{digest}"
+    dst = converted_folder(gguf_path, CONVERTER_VERSION)
     if dst.is_dir():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        start_s = time.perf_counter()
-        write_hf_folder(gguf_path, tmp)
-        _make_readable(tmp)
+    with conversion_lock(dst):
+        if dst.is_dir():  # converted by the process that held the lock
+            return dst
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
         try:
+            start_s = time.perf_counter()
+            write_hf_folder(gguf_path, tmp)
+            _make_readable(tmp)
             tmp.rename(dst)
-        except OSError:
-            if not dst.is_dir():  # else another process finished the same conversion first
-                raise
-        logger.info("converted %s to %s in %.1f s", gguf_path, dst, time.perf_counter() - start_s)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            logger.info(
+                "converted %s to %s in %.1f s", gguf_path, dst, time.perf_counter() - start_s
+            )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dst
 
 

@@ -2,12 +2,19 @@
 
 ```
 parse_completion(body) / parse_chat(body)
-  unknown or unsupported parameter       -> OpenAIError 400 naming it (tools, response_format, ...)
+  unknown or unsupported parameter       -> OpenAIError 400 naming it (suffix, ...)
   wrong type / value                     -> OpenAIError 400 naming the parameter
   prompt: str | [str] | [int] | [[int]]  -> one GenerateRequest per prompt (prompt or token ids)
-  messages (text content)                -> GenerateRequest.messages (the model's chat template)
-  sampling parameters                    -> generation_pb2.SamplingParams (validated later by
-                                            the same InputProcessor the gRPC API uses)
+  messages (text content)                -> GenerateRequest.messages (the model's chat template;
+                                            openai_messages: tool calls and results too)
+  response_format, guided_*, structured_outputs -> SamplingParams.structured_output
+                                            (openai_structured)
+  sampling parameters                    -> generation_pb2.SamplingParams (openai_sampling;
+                                            logit_bias, prompt_logprobs too; validated later
+                                            by the same InputProcessor the gRPC API uses)
+  echo (completions)                     -> the prompt before the text; with logprobs, its
+                                            prompt_logprobs asked for (openai_responses)
+  tools, tool_choice (chat)              -> tools/tool_choice.py
   n                                      -> n choices per prompt (seed + i mod 2^64 when seeded)
   cache_salt (vLLM's)                    -> the prefix cache's namespace within the tenant's
   integers beyond their protobuf field, lone UTF-16 surrogates in strings -> OpenAIError 400
@@ -23,6 +30,17 @@ from typing import Any
 from pdserve.sampling_params import int_field_range
 from pdserve.v1 import generation_pb2
 from router.http.openai_errors import OpenAIError
+from router.http.openai_messages import chat_messages
+from router.http.openai_sampling import (
+    SAMPLING_PARAMS,
+    is_int,
+    read_bool,
+    read_int,
+    sampling_params,
+)
+from router.http.openai_structured import PARAMS as STRUCTURED_PARAMS
+from router.http.tools.tool_choice import PARAMS as TOOL_PARAMS
+from router.http.tools.tool_choice import ToolRequest, tool_request
 
 MAX_N = 16
 DEFAULT_MAX_CHOICES = 256  # prompts x n per request (--max-choices-per-request)
@@ -32,28 +50,15 @@ MAX_COMPLETION_LOGPROBS = 20
 _MAX_TOKENS_MAX = int_field_range(generation_pb2.SamplingParams, "max_tokens")[1]
 _SEED_END = int_field_range(generation_pb2.SamplingParams, "seed")[1] + 1  # seeds wrap here
 
-# Parameters both endpoints take, with their sampling field (None: handled by the endpoint).
-_SAMPLING = {
-    "temperature": (float, "temperature"),
-    "top_p": (float, "top_p"),
-    "seed": (int, "seed"),
-    "presence_penalty": (float, "presence_penalty"),
-    "frequency_penalty": (float, "frequency_penalty"),
-    "top_k": (int, "top_k"),  # vLLM extras from here on
-    "min_p": (float, "min_p"),
-    "repetition_penalty": (float, "repetition_penalty"),
-    "min_tokens": (int, "min_tokens"),
-}
 _COMMON = {"model", "n", "stop", "stream", "stream_options", "user", "ignore_eos",
-           "stop_token_ids", "max_tokens", "cache_salt", *_SAMPLING}  # fmt: skip
+           "stop_token_ids", "max_tokens", "cache_salt", "prompt_logprobs", *SAMPLING_PARAMS,
+           *STRUCTURED_PARAMS}  # fmt: skip
 _COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
+              *TOOL_PARAMS}  # fmt: skip
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # Accepted only at their no-op value: param -> what that value is.
-_NO_OP: dict[str, tuple[object, ...]] = {
-    "echo": (False,),
-    "suffix": (None, ""),
-    "logit_bias": (None, {}),
-}
+_NO_OP: dict[str, tuple[object, ...]] = {"suffix": (None, "")}
 
 
 @dataclass
@@ -71,10 +76,14 @@ class OpenAIRequest:
     num_prompts: int
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    echo: bool = False  # completions: the prompt comes back before the text (its logprobs too)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: on each choice
     logprobs: int | None = None  # top alternatives per token (0: sampled token only)
     chat: bool = False
     max_tokens_set: bool = True  # chat without max_tokens: filled to the context length
     max_tokens_param: str = "max_tokens"  # the name the body used (chat: or max_completion_tokens)
+    tools: ToolRequest | None = None  # chat: its tools and tool_choice
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,14 +94,17 @@ def parse_completion(
     (the context length; None: unchecked here, the InputProcessor checks it)."""
     body = _check_keys(body, _COMMON | _COMPLETION_ONLY)
     prompts = _prompts(body.get("prompt"), max_prompt_tokens)
-    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    best_of = _int(body, "best_of", 1, MAX_N)
-    n = _int(body, "n", 1, MAX_N) or 1
+    logprobs = read_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    best_of = read_int(body, "best_of", 1, MAX_N)
+    n = read_int(body, "n", 1, MAX_N) or 1
     _check_choices(len(prompts), n, max_choices)
     if best_of is not None and best_of != n:
         raise OpenAIError(f"best_of ({best_of}) other than n ({n}) is not supported", "best_of")
-    max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
-    sampling = _sampling(body, max_tokens, logprobs)  # unset: the model's default, else 16
+    max_tokens = read_int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
+    sampling = sampling_params(body, max_tokens, logprobs)  # unset: the model's default, else 16
+    echo = read_bool(body, "echo")
+    if echo and logprobs is not None:  # the prompt's logprobs, as many alternatives
+        sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs)
     requests = []
     for prompt in prompts:
         request = generation_pb2.GenerateRequest()
@@ -101,7 +113,9 @@ def parse_completion(
         else:
             request.prompt_token_ids.ids.extend(prompt)
         requests.append(request)
-    return _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
+    parsed = _request(body, requests, sampling, n, logprobs, chat=False, max_tokens_set=True)
+    parsed.echo = echo
+    return parsed
 
 
 def parse_chat(
@@ -109,19 +123,28 @@ def parse_chat(
 ) -> OpenAIRequest:
     body = _check_keys(body, _COMMON | _CHAT_ONLY)
     request = generation_pb2.GenerateRequest()
-    request.messages.messages.extend(_messages(body.get("messages")))
-    want_logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, 20)
+    request.messages.messages.extend(chat_messages(body.get("messages")))
+    want_logprobs = read_bool(body, "logprobs")
+    top = read_int(body, "top_logprobs", 0, 20)
     if top is not None and not want_logprobs:
         raise OpenAIError("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    max_tokens = _int(body, "max_completion_tokens", 1, _MAX_TOKENS_MAX)
+    max_tokens = read_int(body, "max_completion_tokens", 1, _MAX_TOKENS_MAX)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
-    n = _int(body, "n", 1, MAX_N) or 1
+        max_tokens = read_int(body, "max_tokens", 1, _MAX_TOKENS_MAX)
+    n = read_int(body, "n", 1, MAX_N) or 1
     _check_choices(1, n, max_choices)
-    sampling = _sampling(body, max_tokens, logprobs)
+    sampling = sampling_params(body, max_tokens, logprobs)
+    tools = tool_request(body)
+    request.messages.tools.extend(tools.wire_tools())
+    forced = tools.structured_output()
+    if forced is not None:
+        if sampling.HasField("structured_output"):
+            raise OpenAIError(f"tool_choice {tools.mode!r} forces the output's shape: send no "
+                              "response_format or guided_* beside it", "tool_choice")  # fmt: skip
+        sampling.structured_output.CopyFrom(forced.to_proto())
     parsed = _request(body, [request], sampling, n, logprobs, True, max_tokens is not None)
+    parsed.tools = tools
     if "max_completion_tokens" in body:
         parsed.max_tokens_param = "max_completion_tokens"
     return parsed
@@ -139,12 +162,14 @@ def _request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("model is required: the served model's name (GET /v1/models)", "model")
-    stream = _bool(body, "stream")
+    stream = read_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise OpenAIError("stream_options needs stream: true", "stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise OpenAIError("stream_options takes only include_usage", "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - _STREAM_OPTIONS):
+        raise OpenAIError(
+            "stream_options takes only include_usage and continuous_usage_stats", "stream_options"
+        )
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("user must be a string", "user")
     cache_salt = body.get("cache_salt", "")
@@ -165,7 +190,9 @@ def _request(
         choices=choices,
         num_prompts=len(prompts),
         stream=stream,
-        include_usage=bool(options and _bool(options, "include_usage")),
+        include_usage=bool(options and read_bool(options, "include_usage")),
+        continuous_usage=bool(options and read_bool(options, "continuous_usage_stats")),
+        prompt_logprobs="prompt_logprobs" in body,
         logprobs=logprobs,
         chat=chat,
         max_tokens_set=max_tokens_set,
@@ -216,44 +243,13 @@ def _check_text(value: Any, param: str) -> None:
             stack.extend(item)
 
 
-def _sampling(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
-) -> generation_pb2.SamplingParams:
-    sampling = generation_pb2.SamplingParams()
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    if logprobs is not None:
-        sampling.logprobs = logprobs
-    for name, (kind, dest) in _SAMPLING.items():
-        if name in body:
-            value: int | float | None
-            if kind is int:
-                value = _int(body, name, *int_field_range(generation_pb2.SamplingParams, dest))
-            else:
-                value = _number(body, name, kind)
-            setattr(sampling, dest, value)
-    stop = body.get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise OpenAIError("stop must be a non-empty string or a list of them", "stop")
-    sampling.stop.extend(stop)
-    stop_ids = body.get("stop_token_ids", [])
-    low, high = int_field_range(generation_pb2.SamplingParams, "stop_token_ids")
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and low <= t <= high for t in stop_ids):
-        raise OpenAIError("stop_token_ids must be a list of token ids", "stop_token_ids")
-    sampling.stop_token_ids.extend(stop_ids)
-    sampling.ignore_eos = _bool(body, "ignore_eos")
-    return sampling
-
-
 def _prompts(prompt: Any, max_prompt_tokens: int | None) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [_token_ids(prompt, max_prompt_tokens)]
         if all(isinstance(p, list) and p for p in prompt):
             return [_token_ids(p, max_prompt_tokens) for p in prompt]
@@ -272,72 +268,6 @@ def _token_ids(ids: list[Any], max_prompt_tokens: int | None) -> list[int]:
             "prompt",
         )
     low, high = int_field_range(generation_pb2.TokenIds, "ids")
-    if not all(_is_int(t) and low <= t <= high for t in ids):
+    if not all(is_int(t) and low <= t <= high for t in ids):
         raise OpenAIError("prompt token ids must be non-negative integers", "prompt")
     return list(ids)
-
-
-def _messages(messages: Any) -> list[generation_pb2.ChatMessage]:
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages must be a non-empty list of {role, content}", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise OpenAIError(f"messages[{i}] must be an object with a role", "messages")
-        for key in message:
-            if key not in ("role", "content", "name"):
-                raise OpenAIError(f"unsupported parameter: messages[{i}].{key}", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append(generation_pb2.ChatMessage(role=role, content=_content(i, message)))
-    return out
-
-
-def _content(i: int, message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise OpenAIError(
-                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
-                    "messages",
-                )
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise OpenAIError(f"messages[{i}].content must be a string or text parts", "messages")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict[str, Any], name: str, kind: type[int] | type[float]) -> int | float:
-    value = body[name]
-    ok = _is_int(value) if kind is int else (_is_int(value) or isinstance(value, float))
-    if not ok:
-        raise OpenAIError(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
-    return kind(value)
-
-
-def _int(body: dict[str, Any], name: str, low: int, high: int | None) -> int | None:
-    if body.get(name) is None:
-        return None
-    value = int(_number(body, name, int))
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise OpenAIError(f"{name} must be {bounds}, got {value}", name)
-    return value
-
-
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise OpenAIError(f"{name} must be true or false", name)
-    return value

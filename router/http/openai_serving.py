@@ -7,6 +7,7 @@ prepare(parsed)     model check (404), per choice: request id "<id>-<i>", Reques
 complete(...)       every choice to its end -> one JSON body (MAX_CHOICES_IN_FLIGHT at a time)
 open_stream(...)    SSE once the first token is in (a failure before it: its HTTP status, never
                     a 200 then an error): "data: {chunk}" ... [usage chunk] "data: [DONE]"
+                    (continuous_usage_stats: every chunk carries the usage so far)
 ```
 """
 
@@ -183,13 +184,13 @@ class OpenAIServing:
         states = [ChoiceState() for _ in prepared.processed]
         try:
             for chunk in builder.first_chunks():
-                yield _sse(chunk)
+                yield _sse(builder.with_usage(chunk, states))
             if first is not None:
                 states[first[0]].add(first[1])
-                yield _sse(builder.chunk(*first))
+                yield _sse(builder.with_usage(builder.chunk(*first), states))
                 async for index, response in events:
                     states[index].add(response)
-                    yield _sse(builder.chunk(index, response))
+                    yield _sse(builder.with_usage(builder.chunk(index, response), states))
             if prepared.parsed.include_usage:
                 yield _sse(builder.usage_chunk(states))
         except OpenAIError as error:
@@ -202,7 +203,7 @@ class OpenAIServing:
         return ResponseBuilder(
             prepared.parsed,
             prepared.request_id,
-            [p.prompt_len for p in prepared.processed],
+            [p.prompt_token_ids for p in prepared.processed],
             self.handler.registry.tokenizer,
         )
 

@@ -14,10 +14,18 @@ from pdserve.v1 import node_pb2
 
 START_TIMEOUT_S = 300.0
 POLL_S = 0.05
+# Each node's KV pool unless a test sizes it: 256 MiB (~5.8K tokens of the default model)
+# instead of the CPU default of 1 GiB. Every e2e prompt fits, and the clusters of parallel test
+# workers fit in memory together: a default smollm2-135m node holds ~1.9 GiB RSS, one with this
+# pool ~1.2 GiB (README, "Memory").
+KV_CACHE_MEMORY = "256MiB"
+_POOL_FLAGS = ("--kv-cache-memory", "--num-kv-blocks")
 
 
 class Cluster(BenchCluster):
     def __init__(self, args: list[str]) -> None:
+        if not any(a.split("=")[0] in _POOL_FLAGS for a in args):
+            args = [*args, "--kv-cache-memory", KV_CACHE_MEMORY]
         super().__init__(None, args, timeout_s=START_TIMEOUT_S)
 
     @property

@@ -1,40 +1,14 @@
-"""What the operator-facing e2e tests read off a running `tests.e2e.cluster.Cluster`: free
-ports to give pd-serve, and from pd-serve's output (`cluster.log`, each child's lines prefixed
-with its name) the HTTP API's URL, each node's /metrics URL and a process's log lines."""
+"""What the operator-facing e2e tests read off a running `tests.e2e.cluster.Cluster`: from
+pd-serve's output (`cluster.log`, each child's lines prefixed with its name) the HTTP API's URL, each node's /metrics URL and a process's log lines."""
 
 from __future__ import annotations
 
 import re
-import socket
 import time
 
 _HTTP = re.compile(r"pd-serve: OpenAI-compatible API on (\S+)/v1 ")
 _METRICS = re.compile(r"^\[(prefill|decode)-(\d+)\] pd-\w+ listening on .*metrics (http://\S+?)\)")
-FIND_ATTEMPTS = 50
 POLL_S = 0.05
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports free on loopback right now (pd-serve gives node i
-    of `--metrics-port N` the port N + i)."""
-    for _ in range(FIND_ATTEMPTS):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65536:
-            continue
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                sockets.append(socket.socket())
-                sockets[-1].bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def wait_for_line(cluster, pattern: re.Pattern, timeout_s: float) -> re.Match:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import _cluster
+from tests.e2e.conftest import REAL_MODEL_CLUSTERS, _cluster
 from tests.e2e.test_serving import (  # noqa: F401 (offline_reference: a fixture)
     cancel_mid_stream,
     greedy,
     offline_reference,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
 
 @pytest.fixture(scope="module")

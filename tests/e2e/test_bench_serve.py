@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, REAL_MODEL_CLUSTERS]
 
 SERVE_TIMEOUT_S = 600
 

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import GenerationClient
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
 from tests.e2e.observe import process_lines
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), REAL_MODEL_CLUSTERS]
 
 TIMEOUT_S = 120.0
 LOG_WAIT_S = 10.0  # node lines may be written just after the router's answer went out

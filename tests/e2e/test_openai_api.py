@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from router.client import GenerationClient
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), REAL_MODEL_CLUSTERS]
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -208,8 +208,8 @@ BAD_REQUESTS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**7}, "max_tokens"),  # over the context length
     ({"n": 0}, "n"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "a b"}}]}}, "tools"),
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format"),
 ]
 
 

@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from router.client import GenerationClient, GenerationResult
+from tests.e2e.conftest import REAL_MODEL_CLUSTERS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
 PROMPTS = [
     "The capital of France is",
@@ -49,6 +50,17 @@ def greedy(address: str) -> list[GenerationResult]:
     return generate_many(address, PROMPTS, temperature=0.0, max_tokens=MAX_TOKENS)
 
 
+def test_2p2d_spreads_requests_and_matches(cluster_2p2d, offline_reference):
+    # First in the module: its 4 nodes start and stop before cluster_1p1d's 2 start.
+    expected, _ = offline_reference
+    results = greedy(cluster_2p2d.router)
+    assert [r.token_ids for r in results] == expected
+    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert cluster_2p2d.node_stats(name).num_finished_requests >= 2, name
+    stats = cluster_2p2d.wait_all_blocks_free(timeout_s=5)
+    assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.values()), stats
+
+
 def test_1p1d_equals_colocated_and_offline(cluster_1p1d, cluster_colocated, offline_reference):
     expected, tokenizer = offline_reference
     disaggregated = greedy(cluster_1p1d.router)
@@ -67,16 +79,6 @@ def test_1p1d_equals_colocated_and_offline(cluster_1p1d, cluster_colocated, offl
     for cluster in (cluster_1p1d, cluster_colocated):
         stats = cluster.wait_all_blocks_free(timeout_s=5)
         assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.values()), stats
-
-
-def test_2p2d_spreads_requests_and_matches(cluster_2p2d, offline_reference):
-    expected, _ = offline_reference
-    results = greedy(cluster_2p2d.router)
-    assert [r.token_ids for r in results] == expected
-    for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
-        assert cluster_2p2d.node_stats(name).num_finished_requests >= 2, name
-    stats = cluster_2p2d.wait_all_blocks_free(timeout_s=5)
-    assert all(s.num_free_kv_blocks == s.num_kv_blocks for s in stats.values()), stats
 
 
 def test_streaming_chunks_text_and_stop_string(cluster_1p1d, offline_reference):

@@ -12,10 +12,10 @@ import pytest
 from cache_transfer.transports import ucx_available
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.e2e.cluster import Cluster
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, REAL_MODEL_CLUSTERS
 from tests.e2e.test_serving import MAX_TOKENS, PROMPTS, greedy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), REAL_MODEL_CLUSTERS]
 
 TRANSPORTS = [
     pytest.param(

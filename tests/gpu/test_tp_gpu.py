@@ -6,11 +6,9 @@ benchmarks/scripts/gpu2_tp_check.sh runs this file."""
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch.distributed as dist
 
 from engine import LLM, SamplingParams
 from engine.distributed import TPError
+from engine.distributed.process_group import connect_store, create_store
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,7 +61,7 @@ def run(tp: int, dtype: str, enforce_eager: bool = False, **kwargs: Any):
 
 def _graph_rank(rank: int, port: int, out: Any) -> None:
     torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = connect_store(port, 2, timeout_s=60)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     x = torch.zeros(1024, device="cuda")
@@ -85,12 +84,10 @@ def _graph_rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_an_nccl_all_reduce_replays_inside_a_cuda_graph() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    store = create_store(2, timeout_s=60)  # here, on a port it bound: the ranks are clients
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_graph_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_graph_rank, args=(r, store.port, out)) for r in range(2)]
     for proc in procs:
         proc.start()
     results = dict(out.get(timeout=120) for _ in procs)

@@ -1,25 +1,12 @@
-"""The fault suite's shared cluster (one set of node processes for every fault test: starting
-them is the expensive part) and the fault table printed at the end of the run."""
+"""The fault suite's shared cluster: one set of node processes for every fault test (starting
+them is the expensive part). The fault table is started afresh and printed at the end of the
+run by tests/conftest.py (the process that reports, under pytest-xdist too)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.faults.fault_cluster import FaultCluster
-from tests.e2e.faults.table import read_rows, render, reset, table_path
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _fresh_fault_table():
-    """Each pytest run starts the table afresh."""
-    reset()
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    rows = read_rows()
-    if rows:
-        terminalreporter.section(f"fault table ({table_path()})")
-        terminalreporter.write_line(render(rows))
 
 
 @pytest.fixture(scope="package")

@@ -95,13 +95,19 @@ class FaultCluster(RegistryCluster):
         for name in names:
             self._rss_start.setdefault(name, self.rss_mib(name))
 
-    def restart(self, name: str) -> None:
-        """Start a killed node again under the same name (new ports, same flags)."""
+    def restart(self, name: str, same_ports: bool = False) -> None:
+        """Start a killed node again under the same name, with the same flags: on new ports,
+        or (`same_ports`) on the gRPC and KV ports it had bound."""
         role = name.split("-")[0]
         count = self._counts[role]
         self._counts[role] = int(name.split("-")[1])
+        flags = self._flags[name]
+        if same_ports:
+            ports = (self.nodes[name].address, self.kv_addresses[name])
+            port, kv_port = (int(address.rsplit(":", 1)[1]) for address in ports)
+            flags = {**flags, "port": port, "kv_port": kv_port}
         try:
-            proc = self._spawn(role, self._flags[name])
+            proc = self._spawn(role, flags)
         finally:
             self._counts[role] = count
         line = self._listening_line(proc)

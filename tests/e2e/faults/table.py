@@ -2,12 +2,15 @@
 them (a Markdown table, for the closing note of issue 15); pytest prints it at the end of a run
 that ran fault tests (tests/e2e/faults/conftest.py).
 
-Rows are JSON lines appended to `$PDSERVE_FAULT_TABLE` (default: pdserve-fault-table.jsonl in
-the system's temporary folder); a pytest session starts the file afresh.
+Rows are JSON lines appended to `$PDSERVE_FAULT_TABLE` (default: pdserve-fault-table-<hash of
+this checkout's path>.jsonl in the system's temporary folder: runs of two checkouts on one
+machine keep apart); a pytest run that may run fault tests starts the file afresh, its parallel
+workers append to it (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -16,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ENV_VAR = "PDSERVE_FAULT_TABLE"
+_CHECKOUT = Path(__file__).resolve().parents[3]
 COLUMNS = ("fault", "sent", "completed", "clear_errors", "leaked_blocks", "hung", "notes")
 
 
@@ -31,9 +35,11 @@ class FaultRow:
 
 
 def table_path() -> Path:
-    return Path(
-        os.environ.get(ENV_VAR) or Path(tempfile.gettempdir()) / "pdserve-fault-table.jsonl"
-    )
+    explicit = os.environ.get(ENV_VAR)
+    if explicit:
+        return Path(explicit)
+    checkout = hashlib.sha256(str(_CHECKOUT).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"pdserve-fault-table-{checkout}.jsonl"
 
 
 def reset() -> None:

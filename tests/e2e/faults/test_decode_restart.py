@@ -15,7 +15,6 @@ from cache_transfer.transports import ucx_available
 from tests.e2e.faults.fault_cluster import FaultCluster
 from tests.e2e.faults.fault_tools import run_one
 from tests.e2e.registry_cluster import eventually
-from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,12 +51,12 @@ def test_decode_restarted_on_its_ports(tmp_path, monkeypatch, transport):
     with FaultCluster(tmp_path) as cluster:
         flags = dict(kv_transport=transport, transfer_timeout_s=TRANSFER_TIMEOUT_S,
                      bind_retry_s=30)  # old ports may linger (within LAUNCH_TIMEOUT_S)  # fmt: skip
-        cluster.start_nodes(decode=1, port=free_port(), kv_port=free_port(), **flags)
+        cluster.start_nodes(decode=1, **flags)  # on ports it picks and binds itself
         cluster.start_nodes(prefill=1, **flags)
         before, _ = asyncio.run(requests(cluster, 2, seed=5))
         assert cluster.stats("decode-0").num_failed_transfers == 0
         cluster.kill("decode-0")
-        cluster.restart("decode-0")  # the same ports (it retries a port still held)
+        cluster.restart("decode-0", same_ports=True)  # (it retries a port still held)
         start = time.monotonic()
         after, num_prefill_failures = asyncio.run(requests(cluster, 3, seed=50))
         elapsed_s = time.monotonic() - start

@@ -21,7 +21,7 @@ from pdserve.registry import NODE_KEY_PATTERN, NodeRecord
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 from tests.e2e.faults.fault_cluster import TRANSFER_TIMEOUT_S
 from tests.e2e.faults.fault_tools import Outcome, burst, prompts, run_one, wait_registered
-from tests.redis_server import free_port
+from tests.ports import unlistened_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,6 +36,13 @@ async def reference_tokens(client) -> list[int]:
     result = await client.generate_all(prompt_token_ids=REFERENCE, max_tokens=8,
                                        temperature=0.0, ignore_eos=True, timeout_s=DEADLINE_S)  # fmt: skip
     return result.token_ids
+
+
+@pytest.fixture
+def nobody_port():
+    """A loopback port where nobody listens, and nobody can start to, during the test."""
+    with unlistened_port() as port:
+        yield port
 
 
 def test_forged_and_oversized_kv_frames(fault_cluster):
@@ -76,7 +83,7 @@ def test_forged_and_oversized_kv_frames(fault_cluster):
     assert growth < MAX_FRAME_RSS_GROWTH_MIB, f"RSS grew {growth:.0f} MiB"
 
 
-def test_forged_tickets(fault_cluster):
+def test_forged_tickets(fault_cluster, nobody_port):
     """Tickets nobody issued: one names the decode node's KV address (no such transfer there),
     one an address where nobody listens. The prefill node gives up within its transfer timeout,
     frees everything; the decode node allocates nothing; outputs are unchanged."""
@@ -114,7 +121,7 @@ def test_forged_tickets(fault_cluster):
                 stub = node_pb2_grpc.PrefillNodeStub(channel)
                 outcomes = await asyncio.gather(
                     forged_prefill(stub, info.layout_hash, cluster.kv_addresses["decode-0"]),
-                    forged_prefill(stub, info.layout_hash, f"tcp://127.0.0.1:{free_port()}"),
+                    forged_prefill(stub, info.layout_hash, f"tcp://127.0.0.1:{nobody_port}"),
                 )
             after = await reference_tokens(client)
             return outcomes, before, after
@@ -127,7 +134,7 @@ def test_forged_tickets(fault_cluster):
     assert before == after
 
 
-def test_forged_registry_records(fault_cluster):
+def test_forged_registry_records(fault_cluster, nobody_port):
     """Records nobody's node wrote: a decode node at an address where nobody listens, and the
     prefill node's address claiming to be a decode node. Requests still complete."""
     cluster = fault_cluster
@@ -137,7 +144,7 @@ def test_forged_registry_records(fault_cluster):
         prefill = next(r for r in real if r.role == "prefill")
         forged = [
             dataclasses.replace(decode, node_id="forged-nobody",
-                                address=f"127.0.0.1:{free_port()}", updated_at_s=time.time()),
+                                address=f"127.0.0.1:{nobody_port}", updated_at_s=time.time()),
             dataclasses.replace(prefill, node_id="forged-role", role="decode",
                                 updated_at_s=time.time()),
         ]  # fmt: skip

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.e2e.observe import free_ports
+from tests.ports import free_port, start_on_free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -40,7 +40,12 @@ def _own_limit(wanted: int) -> int:
     return target - 200
 
 
-def _start_router(cluster, http_port: int, log_path) -> tuple[subprocess.Popen, str, str]:
+def _start_router(cluster, log_path) -> tuple[subprocess.Popen, str, str]:
+    """pd-router with its HTTP API on a free port (another one if that was taken meanwhile)."""
+    return start_on_free_ports(lambda: _start_router_once(cluster, free_port(), log_path))
+
+
+def _start_router_once(cluster, http_port: int, log_path) -> tuple[subprocess.Popen, str, str]:
     def low_limit() -> None:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(ROUTER_SOFT_LIMIT, hard), hard))
@@ -56,7 +61,9 @@ def _start_router(cluster, http_port: int, log_path) -> tuple[subprocess.Popen, 
     ready = _READY.match(line.strip())
     if ready is None:
         process.kill()
-        raise RuntimeError(f"pd-router printed {line!r}")
+        process.wait(30)
+        log.close()
+        raise RuntimeError(f"pd-router printed {line!r}; its log: {log_path.read_text()[-2000:]}")
     return process, ready[1], ready[2]
 
 
@@ -119,7 +126,7 @@ def _slowloris_closed_after(http_url: str, limit_s: float) -> float | None:
 def test_idle_http_connections_and_slowloris_leave_the_router_answering(fault_cluster, tmp_path):
     cluster = fault_cluster
     num_idle = min(NUM_IDLE, _own_limit(NUM_IDLE))  # the machine's hard limit may forbid it
-    process, grpc_address, http_url = _start_router(cluster, free_ports(1), tmp_path / "router.log")
+    process, grpc_address, http_url = _start_router(cluster, tmp_path / "router.log")
     idle: list[socket.socket] = []
 
     async def main() -> tuple[dict, dict]:

@@ -31,7 +31,7 @@ from cache_transfer.transports.base import TransportError
 from cache_transfer.transports.tcp import TcpTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import transfer_pb2
-from tests.redis_server import free_port
+from tests.ports import unlistened_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -216,9 +216,8 @@ def test_a_sender_ignores_challenges_it_cannot_trust(backend: str) -> None:
 
 
 def test_an_unreachable_receiver_fails_the_sender_within_the_connect_timeout() -> None:
-    async def scenario() -> tuple[float, TransferState, str, float]:
+    async def scenario(dead: str) -> tuple[float, TransferState, str, float]:
         transport = TcpTransport(connect_timeout_s=0.5)
-        dead = f"tcp://127.0.0.1:{free_port()}"
         started = time.monotonic()
         with pytest.raises(TransportError, match="could not connect"):
             await transport.send(dead, b"hello?")
@@ -235,7 +234,8 @@ def test_an_unreachable_receiver_fails_the_sender_within_the_connect_timeout() -
         await decode.close()
         return raw_s, state, sender.error or "", elapsed_s
 
-    raw_s, state, error, elapsed_s = run(scenario())
+    with unlistened_port() as port:  # held: nothing can start to listen there meanwhile
+        raw_s, state, error, elapsed_s = run(scenario(f"tcp://127.0.0.1:{port}"))
     assert raw_s < 5.0 and elapsed_s < 5.0, (raw_s, elapsed_s)
     assert state == TransferState.FAILED and "could not reach the receiver" in error, error
 

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +20,8 @@ from engine.engine_core import EngineCore
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, NodeConfig, SchedulerConfig
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.prefill_server import PrefillServer
+from tests.unit.decode_node.node_process import LAUNCH_TIMEOUT_S as LAUNCH_TIMEOUT_S
+from tests.unit.decode_node.node_process import NodeProcess as NodeProcess
 from tests.unit.decode_node.raw_peer import RawPeer as RawPeer  # re-exported for the tests
 from tests.waiting import wait_until as wait_until  # re-exported for the tests
 
@@ -162,17 +160,22 @@ def decode_request(
     )
 
 
-async def read_ticket(call: grpc.aio.UnaryStreamCall) -> node_pb2.TransferTicket:
-    message = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+async def read_ticket(
+    call: grpc.aio.UnaryStreamCall, timeout_s: float = RPC_TIMEOUT_S
+) -> node_pb2.TransferTicket:
+    message = await asyncio.wait_for(call.read(), timeout_s)
     assert message.WhichOneof("kind") == "ticket", message
     return message.ticket
 
 
-async def read_chunks(call: grpc.aio.UnaryStreamCall) -> list[node_pb2.TokenChunk]:
-    """Every TokenChunk of a Decode stream up to the one with a finish_reason."""
+async def read_chunks(
+    call: grpc.aio.UnaryStreamCall, timeout_s: float = RPC_TIMEOUT_S
+) -> list[node_pb2.TokenChunk]:
+    """Every TokenChunk of a Decode stream up to the one with a finish_reason (each waited for
+    at most `timeout_s`)."""
     chunks = []
     while True:
-        message = await asyncio.wait_for(call.read(), RPC_TIMEOUT_S)
+        message = await asyncio.wait_for(call.read(), timeout_s)
         assert message is not grpc.aio.EOF, f"the stream ended after {chunks}"
         assert message.WhichOneof("kind") == "tokens", message
         chunks.append(message.tokens)
@@ -189,11 +192,13 @@ def tokens_of(chunks: list[node_pb2.TokenChunk]) -> list[int]:
     return token_ids
 
 
-async def read_prefill(call: grpc.aio.UnaryStreamCall) -> list[node_pb2.PrefillResponse]:
+async def read_prefill(
+    call: grpc.aio.UnaryStreamCall, timeout_s: float = RPC_TIMEOUT_S
+) -> list[node_pb2.PrefillResponse]:
     """Both messages of a Prefill stream (first token, transfer result), then its end."""
-    messages = [await asyncio.wait_for(call.read(), RPC_TIMEOUT_S) for _ in range(2)]
+    messages = [await asyncio.wait_for(call.read(), timeout_s) for _ in range(2)]
     assert [m.WhichOneof("kind") for m in messages] == ["first_token", "transfer_result"]
-    assert await asyncio.wait_for(call.read(), RPC_TIMEOUT_S) is grpc.aio.EOF
+    assert await asyncio.wait_for(call.read(), timeout_s) is grpc.aio.EOF
     return messages
 
 
@@ -216,12 +221,14 @@ async def run_disaggregated(
     request_id: str,
     prompt_token_ids: list[int],
     sampling: node_pb2.NodeSamplingParams = GREEDY,
+    timeout_s: float = RPC_TIMEOUT_S,
 ) -> Handoff:
-    """Play the router: Decode -> ticket -> Prefill -> first token; then D's stream."""
+    """Play the router: Decode -> ticket -> Prefill -> first token; then D's stream. Both
+    calls' deadline: `timeout_s` (a whole prefill and decode of the request must fit it)."""
     decode_call = nodes.decode_stub.Decode(
-        decode_request(request_id, prompt_token_ids, sampling), timeout=RPC_TIMEOUT_S
+        decode_request(request_id, prompt_token_ids, sampling), timeout=timeout_s
     )
-    ticket = await read_ticket(decode_call)
+    ticket = await read_ticket(decode_call, timeout_s)
     prefill_call = nodes.prefill_stub.Prefill(
         node_pb2.PrefillRequest(
             request_id=request_id,
@@ -229,10 +236,10 @@ async def run_disaggregated(
             sampling=sampling,
             ticket=ticket,
         ),
-        timeout=RPC_TIMEOUT_S,
+        timeout=timeout_s,
     )
-    first, result = await read_prefill(prefill_call)
-    chunks = await read_chunks(decode_call)
+    first, result = await read_prefill(prefill_call, timeout_s)
+    chunks = await read_chunks(decode_call, timeout_s)
     return Handoff(ticket, first.first_token, result.transfer_result, chunks)
 
 
@@ -241,50 +248,11 @@ async def run_local(
     request_id: str,
     prompt_token_ids: list[int],
     sampling: node_pb2.NodeSamplingParams = GREEDY,
+    timeout_s: float = RPC_TIMEOUT_S,
 ) -> list[int]:
-    """A LOCAL_PREFILL request on the decode node; its output token ids."""
+    """A LOCAL_PREFILL request on the decode node (deadline `timeout_s`); its output ids."""
     call = nodes.decode_stub.Decode(
         decode_request(request_id, prompt_token_ids, sampling, disaggregated=False),
-        timeout=RPC_TIMEOUT_S,
+        timeout=timeout_s,
     )
-    return tokens_of(await read_chunks(call))
-
-
-LISTENING = re.compile(r"^(pd-\w+) listening on (\S+):(\d+) \(kv (\S+)\)$")
-LAUNCH_TIMEOUT_S = 120.0
-
-
-@dataclass
-class NodeProcess:
-    """A `pd-prefill` / `pd-decode` launcher run as a child process, and its listening line."""
-
-    process: subprocess.Popen
-    match: re.Match
-
-    @classmethod
-    def launch(cls, module: str, *flags: str) -> NodeProcess:
-        """Run `python -m module` with the tiny model; return once it printed its line."""
-        argv = [sys.executable, "-m", module, "--model", MODEL, "--device", "cpu"]
-        argv += ["--dtype", "float32", "--num-kv-blocks", "16", "--log-level", "warning", *flags]
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        with ThreadPoolExecutor(1) as pool:
-            line = pool.submit(process.stdout.readline).result(timeout=LAUNCH_TIMEOUT_S)
-        match = LISTENING.match(line.rstrip("\n"))
-        if match is None:
-            process.kill()
-            raise AssertionError(f"{module} printed {line!r}; stderr: {process.stderr.read()}")
-        return cls(process, match)
-
-    @property
-    def address(self) -> str:
-        return f"{self.match[2]}:{self.match[3]}"
-
-    def stop(self, signum: int) -> tuple[int, str]:
-        """Send `signum`; the exit code and whatever else it printed to stdout."""
-        self.process.send_signal(signum)
-        try:
-            out, _ = self.process.communicate(timeout=LAUNCH_TIMEOUT_S)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-        return self.process.returncode, out
+    return tokens_of(await read_chunks(call, timeout_s))

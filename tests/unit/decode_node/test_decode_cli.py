@@ -64,11 +64,12 @@ def test_unknown_model_exits_1_with_a_message() -> None:
     assert done.stdout == ""
 
 
-def test_tensor_parallelism_is_refused_until_the_hand_off_knows_tp_sizes(capsys) -> None:
-    """A node at TP > 1 would hand over one rank's heads: refused at parse time (exit 2)."""
+def test_a_tensor_parallel_size_that_does_not_split_the_model_is_refused(capsys) -> None:
+    """Nodes serve --tensor-parallel-size N (their hand-off sends every rank's heads); a size
+    the model's heads do not divide is refused before any rank starts, naming the sizes."""
     from node_common.launcher import run_node
 
-    with pytest.raises(SystemExit) as exit_info:
-        run_node(DecodeServer, ["--tensor-parallel-size", "2", "--device", "cpu"])
-    assert exit_info.value.code == 2
-    assert "--tensor-parallel-size > 1 is not served by nodes yet" in capsys.readouterr().err
+    argv = ["--model", "synthetic:tiny-llama", "--tensor-parallel-size", "3", "--device", "cpu"]
+    assert run_node(DecodeServer, [*argv, "--port", "0", "--kv-transport", "tcp"]) == 1
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size 3 does not split" in err and "Sizes that work: 1, 2, 4" in err

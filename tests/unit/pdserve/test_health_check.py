@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from concurrent import futures
 
 import grpc
@@ -10,6 +9,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve import health_check
+from tests.ports import unlistened_port
 
 
 @pytest.fixture
@@ -38,10 +38,8 @@ def test_not_serving_exits_1_and_says_so(health_server, capsys) -> None:
 
 
 def test_nothing_listening_is_unavailable() -> None:
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    problem = health_check.check(f"127.0.0.1:{port}", timeout_s=2)
+    with unlistened_port() as port:  # held: nobody can start to listen there meanwhile
+        problem = health_check.check(f"127.0.0.1:{port}", timeout_s=2)
     assert problem is not None and "UNAVAILABLE" in problem
 
 

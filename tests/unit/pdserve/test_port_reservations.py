@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.local_cluster import describe_exit
 from pdserve.port_reservations import PortReservations, PortTaken
+from tests.ports import free_port, start_on_free_ports
 
 FAIL_WITHIN_S = 8.0  # the acceptance bound for `make serve` with port 8000 taken
 
@@ -28,10 +29,13 @@ def _listener() -> socket.socket:
 
 def test_a_reserved_port_is_held_until_released() -> None:
     reservations = PortReservations("127.0.0.1")
-    probe = _listener()
-    port = probe.getsockname()[1]
-    probe.close()
-    reservations.reserve(port, "the router's HTTP API", "--http-port N")
+
+    def reserve_a_free_port() -> int:  # (another, if one is taken before it is held)
+        port = free_port()
+        reservations.reserve(port, "the router's HTTP API", "--http-port N")
+        return port
+
+    port = start_on_free_ports(reserve_a_free_port)
     with pytest.raises(OSError), socket.socket() as other:
         other.bind(("127.0.0.1", port))  # held: nobody else gets it meanwhile
         other.listen(1)

@@ -24,6 +24,7 @@ from pdserve.config import RouterConfig
 from pdserve.v1 import generation_pb2, node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 from router.server import RouterServer
+from tests.ports import free_port, start_on_free_ports_async
 
 CORPUS = [
     "héllo wörld 日本語 🙂",
@@ -207,6 +208,9 @@ class FakeNode(
             )
             if request.sampling.HasField("logprobs"):
                 first.logprob.CopyFrom(_logprob(first_token, 0))
+            if request.sampling.HasField("prompt_logprobs"):  # prompt tokens 2..n
+                prompt = request.prompt_token_ids[1:]
+                first.prompt_logprobs.extend(_logprob(t, i) for i, t in enumerate(prompt))
             await context.write(node_pb2.PrefillResponse(first_token=first))
             await self.gate.wait()
             result = node_pb2.PrefillTransferResult(
@@ -272,8 +276,11 @@ class RouterHarness:
         num_prefill: int = 1,
         num_decode: int = 1,
         chunk_size: int = 2,
+        free_http_port: bool = False,
         **config: Any,
     ) -> None:
+        """`free_http_port`: serve HTTP on a free port (picked again if another process takes
+        it before the router binds it); else `http_port` (default 0: no HTTP API)."""
         self.model = FakeModel(output_token_ids, chunk_size)
         self.prefill = [
             FakeNode(node_pb2.NODE_ROLE_PREFILL, self.model, files) for _ in range(num_prefill)
@@ -282,19 +289,30 @@ class RouterHarness:
             FakeNode(node_pb2.NODE_ROLE_DECODE, self.model, files) for _ in range(num_decode)
         ]
         self._config = {"port": 0, "http_port": 0, "node_wait_s": 2.0, "grace_s": 0.0, **config}
+        self._free_http_port = free_http_port
         self.router: RouterServer | None = None
         self.client: GenerationClient | None = None
+
+    async def _start_router(self) -> RouterServer:
+        config = dict(self._config, http_port=free_port()) if self._free_http_port else self._config
+        router = RouterServer(
+            RouterConfig(
+                prefill_addrs=tuple(n.address for n in self.prefill),
+                decode_addrs=tuple(n.address for n in self.decode),
+                **config,
+            )
+        )
+        try:
+            await router.start()
+        except BaseException:
+            await router.stop()
+            raise
+        return router
 
     async def __aenter__(self) -> RouterHarness:
         for node in (*self.prefill, *self.decode):
             await node.start()
-        config = RouterConfig(
-            prefill_addrs=tuple(n.address for n in self.prefill),
-            decode_addrs=tuple(n.address for n in self.decode),
-            **self._config,
-        )
-        self.router = RouterServer(config)
-        await self.router.start()
+        self.router = await start_on_free_ports_async(self._start_router)
         self.client = GenerationClient(self.router.address)
         return self
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 from router_fakes import RouterHarness
 
 from pdserve.v1 import node_pb2
@@ -11,16 +9,10 @@ from pdserve.v1 import node_pb2
 TEXT = "one two three four five six seven eight"  # what the fake nodes generate
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def harness(
     tokenizer_files: node_pb2.TokenizerFiles, output_ids: list[int], **config: object
 ) -> RouterHarness:
-    return RouterHarness(tokenizer_files, output_ids, http_port=free_port(), **config)
+    return RouterHarness(tokenizer_files, output_ids, free_http_port=True, **config)
 
 
 def base_url(h: RouterHarness) -> str:

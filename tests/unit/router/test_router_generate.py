@@ -8,7 +8,9 @@ import asyncio
 import pytest
 from router_fakes import TEST_TIMEOUT_S, RouterHarness, run
 
+from pdserve.structured_output import StructuredOutputParams
 from pdserve.v1 import node_pb2
+from router.client import build_request
 from tests.waiting import wait_until
 
 WAIT_S = 10.0  # what the router's cancellations get to reach the fake nodes
@@ -215,3 +217,30 @@ def test_get_model_info_comes_from_the_nodes(tokenizer_files, output_ids) -> Non
 
     assert (info.model_name, info.max_model_len, info.vocab_size) == ("fake-model", 64, 320)
     assert list(info.eos_token_ids) == [2]
+
+
+def test_prompt_logprobs_and_a_structured_output_over_grpc(tokenizer_files, output_ids) -> None:
+    """The GenerateRequest's structured_output, prompt_logprobs and logit_bias reach both
+    nodes; P's prompt logprobs come out on the first chunk although D's index 0 (the same
+    token, delivered before P writes it) may arrive first."""
+    spec = StructuredOutputParams.json_schema({"type": "object"})
+
+    async def body():
+        async with RouterHarness(tokenizer_files, output_ids, chunk_size=3) as h:
+            request = build_request("hello world", max_tokens=4, prompt_logprobs=1,
+                                    logit_bias={5: -1.5})  # fmt: skip
+            request.sampling.structured_output.CopyFrom(spec.to_proto())
+            chunks = [c async for c in h.client.stream(request)]
+            return chunks, h
+
+    chunks, h = run(body())
+    (decode_request,) = h.decode[0].requests
+    (prefill_request,) = h.prefill[0].requests
+    for node_request in (decode_request, prefill_request):
+        sampling = node_request.sampling
+        assert StructuredOutputParams.from_proto(sampling.structured_output) == spec
+        assert sampling.prompt_logprobs == 1 and dict(sampling.logit_bias) == {5: -1.5}
+    prompt_ids = list(decode_request.prompt_token_ids)
+    assert [lp.token_id for lp in chunks[0].prompt_logprobs] == prompt_ids[1:]
+    assert all(not c.prompt_logprobs for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == output_ids[:4]

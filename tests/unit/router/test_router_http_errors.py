@@ -20,11 +20,20 @@ def output_ids(tokenizer) -> list[int]:
     ("payload", "status", "param"),
     [
         ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+        (
+            {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+            400,
+            "guided_regex, guided_choice",
+        ),
+        ({"prompt": "x", "guided_json": {"enum": list(range(5000))}}, 400, "guided_json"),
         ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"prompt": []}, 400, "prompt"),
-        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+        ({"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+        ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
         ({"prompt": "x", "top_p": 7.0}, 400, "top_p"),  # the shared validation (as gRPC's)
         ({"prompt": [999999]}, 400, "prompt"),
         ({"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),  # over the context

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -17,6 +16,7 @@ from router.node_client import tokenizer_from_files
 from router.node_registry import NodeRegistry
 from router.node_source import NodeAddress, StaticNodeSource
 from router.server import GENERATION_SERVICE, RouterServer
+from tests.ports import free_port, start_on_free_ports_async
 from tests.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -166,12 +166,18 @@ def test_health_follows_a_decode_node_that_dies_and_comes_back(tokenizer_files) 
     async def body():
         node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel([5, 6]), tokenizer_files)
         address = await node.start()
-        with socket.socket() as sock:  # a free port for the HTTP API
-            sock.bind(("127.0.0.1", 0))
-            http_port = sock.getsockname()[1]
-        config = RouterConfig(port=0, http_port=http_port, decode_addrs=(address,))
-        router = RouterServer(config)
-        await asyncio.wait_for(router.start(), TEST_TIMEOUT_S)
+
+        async def start_router() -> RouterServer:  # HTTP on a free port, again if it was taken
+            config = RouterConfig(port=0, http_port=free_port(), decode_addrs=(address,))
+            router = RouterServer(config)
+            try:
+                await asyncio.wait_for(router.start(), TEST_TIMEOUT_S)
+            except BaseException:
+                await router.stop(0)
+                raise
+            return router
+
+        router = await start_on_free_ports_async(start_router)
         channel = grpc.aio.insecure_channel(router.address)
         stub = health_pb2_grpc.HealthStub(channel)
         seen = []

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import node_pb2
-from tests.redis_server import free_port
+from tests.ports import unlistened_port
 from tests.unit.decode_node.node_harness import GREEDY, engine_config, prompt, run, running_nodes
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,10 +58,11 @@ def test_prefill_calls_to_a_dead_address_end_within_the_connect_timeout(caplog) 
         async with running_nodes(
             "tcp", prefill_engine=busy, transfer_timeout_s=TRANSFER_TIMEOUT_S
         ) as nodes:
-            dead = f"tcp://127.0.0.1:{free_port()}"
-            return await asyncio.gather(
-                *(dead_prefill(nodes, dead, seed) for seed in range(NUM_CALLS))
-            )  # (running_nodes asserts both pools whole again at exit)
+            with unlistened_port() as port:  # held: nothing can start to listen there meanwhile
+                dead = f"tcp://127.0.0.1:{port}"
+                return await asyncio.gather(
+                    *(dead_prefill(nodes, dead, seed) for seed in range(NUM_CALLS))
+                )  # (running_nodes asserts both pools whole again at exit)
 
     outcomes = run(main(), timeout_s=150)
     for status, details, elapsed_s in outcomes:

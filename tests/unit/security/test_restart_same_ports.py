@@ -27,12 +27,6 @@ pytestmark = pytest.mark.timeout(300)
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx does not import here")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _serve_one(address: str, request_id: str) -> list[int]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = node_pb2_grpc.DecodeNodeStub(channel)
@@ -45,9 +39,12 @@ async def _serve_one(address: str, request_id: str) -> list[int]:
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("ucx", marks=needs_ucx)])
 def test_a_node_restarted_on_its_ports_after_kill_9_serves(transport: str) -> None:
-    port, kv_port = _free_port(), _free_port()
+    # The first start binds free ports itself (port 0) and says which: nothing can take them
+    # between a pick and the bind. The restart then asks for exactly those.
+    first = NodeProcess.launch("decode_node.cli", "--kv-transport", transport)
+    port = int(first.address.rsplit(":", 1)[1])
+    kv_port = int(first.match[4].rsplit(":", 1)[1])
     flags = ("--port", str(port), "--kv-port", str(kv_port), "--kv-transport", transport)
-    first = NodeProcess.launch("decode_node.cli", *flags)
     # Live connections to both ports when the node dies: the node's side closes first.
     peers = [socket.create_connection(("127.0.0.1", p), timeout=10) for p in (port, kv_port)]
     try:

@@ -5,13 +5,13 @@ not retried, whether refused or timed out."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from transfer_helpers import run
 
 from cache_transfer import TransportError, make_transport
 from cache_transfer.transports import ucx_available
+from tests.ports import unlistened_port
 
 pytestmark = [
     pytest.mark.skipif(not ucx_available(), reason="ucxx does not import here"),
@@ -73,11 +73,8 @@ def test_a_dead_peer_is_not_retried(monkeypatch: pytest.MonkeyPatch, times_out: 
     """Refused at once, or (ucxx waiting out its exchange) timed out: nothing listens on the
     port, so no second attempt."""
     calls = count_connects(monkeypatch, first_times_out=times_out)
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
 
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         src = make_transport("ucx")
         src.start(Recorder())
         with pytest.raises(TransportError, match="cannot connect"):
@@ -85,4 +82,5 @@ def test_a_dead_peer_is_not_retried(monkeypatch: pytest.MonkeyPatch, times_out: 
         assert len(calls) == 1
         await src.close()
 
-    run(scenario())
+    with unlistened_port() as port:  # held: nothing can start to listen there meanwhile
+        run(scenario(port))

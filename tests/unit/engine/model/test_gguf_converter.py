@@ -169,7 +169,7 @@ def test_converted_gguf_matches_transformers(
     assert not (folder / "tokenizer.json").exists()  # these files carry no tokenizer
 
 
-def test_conversion_is_cached_and_keyed_by_the_file(
+def test_conversion_is_cached_and_keyed_by_the_files_content(
     hf_checkpoints, cache_dir, tmp_path, monkeypatch
 ):
     path = tmp_path / "tiny.gguf"
@@ -186,8 +186,10 @@ def test_conversion_is_cached_and_keyed_by_the_file(
 
     file_stat = path.stat()
     os.utime(path, ns=(file_stat.st_atime_ns, file_stat.st_mtime_ns + 1_000_000))
+    assert convert_gguf(path) == first  # touched, the same content: the same folder
+    write_gguf(hf_checkpoints["qwen2-bias-tied"], "qwen2", path)
     with pytest.raises(AssertionError, match="redone"):
-        convert_gguf(path)  # a changed file is converted again
+        convert_gguf(path)  # another content is converted again
 
 
 def test_failed_conversion_leaves_nothing_behind(hf_checkpoints, cache_dir, tmp_path, monkeypatch):

@@ -123,6 +123,18 @@ def test_resolve_device():
             resolve_device("cuda:0")
 
 
+def test_prepare_prints_the_folder_or_one_line_why_not(capsys) -> None:
+    """`python -m engine.model.prepare MODEL` (what pd-serve runs before its nodes start)."""
+    from engine.model import prepare
+
+    assert prepare.main(["synthetic:tiny-llama"]) == 0
+    assert capsys.readouterr().out == "synthetic:tiny-llama\n"
+    assert prepare.main(["no-such-model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither an existing path nor a known name" in err[0]
+    assert prepare.main([]) == 2
+
+
 def test_sampling_defaults_come_from_the_generation_config(hf_checkpoints, tmp_path):
     """Issue 34: as vLLM's --generation-config auto; other keys (do_sample, eos) are not
     sampling defaults."""
