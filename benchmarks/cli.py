@@ -13,6 +13,8 @@ against.
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
     pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
     pd-bench kv-offload [...]  the host KV tier's promotion and demotion vs the plain copy rate
+    pd-bench router [...]      what the router adds against instant nodes: latency, CPU, rate
+    pd-bench fp8-kv [...]      FP8 KV cache quality vs the model's KV dtype (agreement, KL)
 
 `pd-bench COMMAND --help` lists each command's flags.
 """
@@ -35,11 +37,13 @@ COMMANDS = {
     "engine": "benchmarks.engine.bench_engine",
     "profile": "benchmarks.engine.profile_step",
     "kv-offload": "benchmarks.engine.bench_kv_offload",
+    "router": "benchmarks.router.bench_router",
+    "fp8-kv": "benchmarks.engine.bench_fp8_kv",
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
     "transfer", "mac", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
-    "kv-offload",
+    "kv-offload", "router", "fp8-kv",
 )  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 from cache_transfer.in_place.pool_sharing import CudaIpcSharing, InProcessSharing, PoolSharing
 from cache_transfer.kv_transfer_manager import KVTransferManager
-from cache_transfer.layout import KVLayout
+from cache_transfer.layout import KVLayout, dtype_mismatch
 from cache_transfer.packing.block_copy import LayerBlocks, copy_layer, copy_layers
 from cache_transfer.packing.packed_layer import pack_layer, unpack_layer
 from cache_transfer.receiver import KVReceiver
@@ -30,6 +30,7 @@ __all__ = [
     "TransportError",
     "copy_layer",
     "copy_layers",
+    "dtype_mismatch",
     "make_transport",
     "pack_layer",
     "unpack_layer",

@@ -18,6 +18,7 @@ _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,  # --kv-cache-dtype fp8_e4m3 (fixed per-head scales)
 }
 
 
@@ -30,7 +31,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # "float32" | "float16" | "bfloat16" | "fp8_e4m3" (the cache's storage)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -84,6 +85,17 @@ class KVLayout:
         """Stable sha256 hex of the fields: equal hashes mean byte-compatible caches."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def dtype_mismatch(src_dtype: str, dst_dtype: str) -> str | None:
+    """The refusal naming two different KV cache dtypes (sender's first), or None when they
+    agree or one is unknown ("": an older peer)."""
+    if not src_dtype or not dst_dtype or src_dtype == dst_dtype:
+        return None
+    return (
+        f"kv cache dtype {src_dtype} vs {dst_dtype} (the prefill node's vs the decode node's): "
+        "start both with the same --kv-cache-dtype (and --dtype)"
+    )
 
 
 @dataclass(frozen=True)

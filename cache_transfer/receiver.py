@@ -103,7 +103,8 @@ class KVReceiver(TransferSession):
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self.route, self._ticket = route, route.ticket if route else issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
-            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks)  # fmt: skip
+            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
+            layout.dtype)  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         self.writes_settled = self._in_place.writes_settled  # no write can land: blocks free
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))

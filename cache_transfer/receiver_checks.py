@@ -36,7 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_transfer.layout import HeadSlice, KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout, dtype_mismatch
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.state import TransferState
 from cache_transfer.suffix import KVSuffix
@@ -186,7 +186,8 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
     for field, want in expected.items():
         got = getattr(handshake, field)
         if got != want:
-            return f"{field} is {got!r}, this receiver expects {want!r}"
+            dtypes = dtype_mismatch(handshake.kv_cache_dtype, r.layout.dtype)
+            return dtypes or f"{field} is {got!r}, this receiver expects {want!r}"
     sent = HeadSlice(  # unset (proto3 zeros): a TP 1 sender, every head of the layout
         handshake.kv_head_start,
         handshake.kv_head_end or handshake.kv_head_start + r.layout.num_kv_heads,

@@ -26,7 +26,7 @@ import hmac
 import time
 from collections.abc import Sequence
 
-from cache_transfer.layout import HeadSlice, KVLayout
+from cache_transfer.layout import HeadSlice, KVLayout, dtype_mismatch
 from cache_transfer.protocol import PROTOCOL_VERSION
 from cache_transfer.suffix import KVSuffix
 from pdserve.security import ClusterAuth
@@ -69,12 +69,14 @@ def issue_ticket(
     num_tokens: int,
     kv_device: str,
     num_cached_blocks: int = 0,
+    kv_cache_dtype: str = "",
     ranks: Sequence[node_pb2.RankEndpoint] = (),
 ) -> node_pb2.TransferTicket:
     """What a receiver hands the prefill node (through the router): where and into which
     blocks to send its KV (the prompt's after its first `num_cached_blocks`, which the
     receiver holds: `KVSuffix`; a tensor-parallel node: each of its `ranks`' endpoint and kv
-    heads); signed (valid `timeout_s`) when there is a cluster secret."""
+    heads); signed (valid `timeout_s`) when there is a cluster secret (`kv_cache_dtype` only
+    names a mismatch: the signed layout_hash covers it)."""
     ticket = node_pb2.TransferTicket(
         transfer_id=transfer_id,
         dst_address=dst_address,
@@ -83,6 +85,7 @@ def issue_ticket(
         num_tokens=num_tokens,
         kv_device=kv_device,
         num_cached_blocks=num_cached_blocks,
+        kv_cache_dtype=kv_cache_dtype,
         tp_size=len(ranks) if ranks else 0,
         ranks=ranks,
     )
@@ -96,7 +99,8 @@ def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | No
     if not ticket.dst_address:
         return "no dst_address"
     if ticket.layout_hash != layout.layout_hash():
-        return f"layout_hash {ticket.layout_hash!r} differs from this node's {layout}"
+        dtypes = dtype_mismatch(layout.dtype, ticket.kv_cache_dtype)
+        return dtypes or f"layout_hash {ticket.layout_hash!r} differs from this node's {layout}"
     if ticket.num_tokens <= 0:
         return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
     try:
@@ -171,6 +175,7 @@ def handshake_for(
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,
+        kv_cache_dtype=layout.dtype,
         tp_size=heads.tp_size,
         rank=heads.rank,
         kv_head_start=heads.kv_head_start,

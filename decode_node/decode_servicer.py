@@ -30,50 +30,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import NoReturn
 
 import grpc
 
 from cache_transfer import TransferState
 from cache_transfer.tp import TPReceiver
+from decode_node.decode_job import DecodeCounters, DecodeJob, Refused, refuse
 from decode_node.decode_request import check_decode_request, prefix_lookup
-from decode_node.decode_trace import DecodeTrace, DecodeTraces
+from decode_node.decode_trace import DecodeTraces
 from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
-from decode_node.transfer_caps import PendingHold, TransferCapExceeded, TransferCaps
+from decode_node.transfer_caps import TransferCapExceeded, TransferCaps
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
 from node_common.node_messages import GrammarPrep, prompt_logprobs, token_logprob
-from node_common.role_servicer import NodeCounters, RoleServicer, abort_call, ends_with_status
+from node_common.role_servicer import RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
 from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodeCounters(NodeCounters):
-    """Since the node started (num_finished_requests: streams that ended with a finish_reason;
-    num_queued_prefill_tokens: prompt tokens of local prefills with no token yet)."""
-
-    num_local_prefills: int = 0  # LOCAL_PREFILL requests and fallbacks
-    num_fallbacks: int = 0  # DISAGGREGATED requests whose hand-off failed
-
-
-@dataclass
-class _DecodeJob:
-    """One Decode call, as Abort and CancelTransfer find it."""
-
-    request_id: str
-    trace: DecodeTrace
-    receiver: TPReceiver | None = None  # DISAGGREGATED, while the KV is awaited
-    block_ids: list[int] = field(default_factory=list)  # reserved: held prefix, then received
-    hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
-    aborted: bool = False
-    finished: bool = False  # the stream delivered its finish_reason
 
 
 class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
@@ -86,7 +63,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         )
         self._traces = traces
         self._hand_offs = HandOffs(node, node.manager)
-        self._jobs: dict[str, _DecodeJob] = {}
+        self._jobs: dict[str, DecodeJob] = {}
         self.admission = KVAdmission(
             self._engine, node.layout.block_size, node.core.config.scheduler.max_num_seqs,
             config.max_queued_requests, config.queue_timeout_s,
@@ -114,7 +91,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request {request.request_id!r} is already decoding on this node",
             )
-        job = self._jobs[request.request_id] = _DecodeJob(
+        job = self._jobs[request.request_id] = DecodeJob(
             request.request_id, self._traces.open(request.request_id)
         )
         grammar = GrammarPrep.start(self._engine, params, context)  # compiles meanwhile
@@ -132,8 +109,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 chunks = self._prefill_locally(job, engine_request)
             async for chunk in chunks:
                 yield node_pb2.DecodeResponse(tokens=chunk)
-        except _Refused as refused:
-            await _refuse(context, refused.error)
+        except Refused as refused:
+            await refuse(context, refused.error)
         finally:
             grammar.close()
             self._close(job)
@@ -166,7 +143,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
 
     async def _reserve(
         self,
-        job: _DecodeJob,
+        job: DecodeJob,
         request: node_pb2.DecodeRequest,
         params: SamplingParams,
         context: grpc.aio.ServicerContext,
@@ -187,7 +164,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             wait_s = max(0.0, deadline - time.monotonic())
             reserved = await self.admission.reserve(request_id, num_tokens, wait_s, lookup)
         except (AdmissionRefused, TransferCapExceeded) as error:
-            await _refuse(context, error)
+            await refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
         job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
@@ -204,7 +181,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         return receiver
 
     async def _after_transfer(
-        self, job: _DecodeJob, request: Request, receiver: TPReceiver
+        self, job: DecodeJob, request: Request, receiver: TPReceiver
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """Resume from the received KV, or free the reservation and prefill locally."""
         state = await receiver.wait()
@@ -227,7 +204,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
 
     async def _resume(
         self,
-        job: _DecodeJob,
+        job: DecodeJob,
         request: Request,
         block_ids: Sequence[int],
         first_token: transfer_pb2.FirstToken,
@@ -249,10 +226,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             yield chunk
 
     async def _prefill_locally(
-        self, job: _DecodeJob, request: Request
+        self, job: DecodeJob, request: Request
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         if job.aborted:  # checked right before the engine sees the request
-            yield self._abort_chunk(job, 0)
+            yield self._abort_chunk(job, 0, prefilled_here=True)
             return
         job.trace.prefilled_locally = True
         self.counters.num_local_prefills += 1
@@ -263,23 +240,24 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         try:
             admitted = await self.admission.admit_local(request.num_tokens)
             if job.aborted:  # while it waited for room
-                yield self._abort_chunk(job, next_index)
+                yield self._abort_chunk(job, next_index, prefilled_here=True)
                 return
             outputs = self._engine.generate(request)
             async for chunk in self._chunks(job, outputs, next_index=next_index):
                 self.counters.num_queued_prefill_tokens -= num_queued
                 num_queued = 0
                 admitted.done()  # its prompt's blocks are the engine's now
+                chunk.prefilled_here = True
                 yield chunk
         except AdmissionRefused as error:
-            raise _Refused(error) from None
+            raise Refused(error) from None
         finally:
             self.counters.num_queued_prefill_tokens -= num_queued
             if admitted is not None:
                 admitted.done()
 
     async def _chunks(
-        self, job: _DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
+        self, job: DecodeJob, outputs: AsyncIterator[StepOutput], next_index: int
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         """One TokenChunk per engine output, numbered from `next_index`."""
         async for out in outputs:
@@ -301,17 +279,21 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
                 )  # fmt: skip
             yield chunk
 
-    def _abort_chunk(self, job: _DecodeJob, output_index: int) -> node_pb2.TokenChunk:
+    def _abort_chunk(
+        self, job: DecodeJob, output_index: int, prefilled_here: bool = False
+    ) -> node_pb2.TokenChunk:
         self._finish(job)
         return node_pb2.TokenChunk(
-            output_index=output_index, finish_reason=FinishReason.ABORT.value
+            output_index=output_index,
+            finish_reason=FinishReason.ABORT.value,
+            prefilled_here=prefilled_here,
         )
 
-    def _finish(self, job: _DecodeJob) -> None:
+    def _finish(self, job: DecodeJob) -> None:
         job.finished = True
         self.counters.num_finished_requests += 1
 
-    def _close(self, job: _DecodeJob) -> None:
+    def _close(self, job: DecodeJob) -> None:
         """However the call ended: nothing of the request stays on this node."""
         self._jobs.pop(job.request_id, None)
         if job.hold is not None:
@@ -328,19 +310,3 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         transfer written in place only once its sender cannot write any more (its drained
         notice, or its deadline: TPReceiver.writes_settled)."""
         self.admission.release(request_id, receiver.writes_settled if receiver else None)
-
-
-class _Refused(Exception):
-    """Carries an AdmissionRefused out of a token generator to the Decode handler."""
-
-    def __init__(self, error: AdmissionRefused) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-async def _refuse(
-    context: grpc.aio.ServicerContext, error: AdmissionRefused | TransferCapExceeded
-) -> NoReturn:
-    """RESOURCE_EXHAUSTED with a retry hint (in the message and as trailing metadata)."""
-    context.set_trailing_metadata((("pdserve-retry-after-s", f"{error.retry_after_s:g}"),))
-    await abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node: {error}")

@@ -84,11 +84,10 @@ class EngineCore:
         self.device = tp.device if tp else resolve_device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, config.model.model)
         self.config = config = with_backend_block_size(config, self.device, self.dtype)
-        self.on_layer_done = on_layer_done
-        block_size = config.cache.block_size
+        self.on_layer_done, block_size = on_layer_done, config.cache.block_size
         self.attn_backend = get_attention_backend(
             config.model.attention_backend, self.device, self.dtype, block_size,
-            cpu_decode_kernel=envs.cpu_attention_kernel(),
+            cpu_decode_kernel=envs.cpu_attention_kernel(), kv_cache_dtype=config.cache.kv_cache_dtype,
         )  # fmt: skip
         self.loaded: LoadedModel = load_model(
             config.model, self.attn_backend, self.device, self.dtype, tp
@@ -106,6 +105,7 @@ class EngineCore:
             reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
             agree=tp.agree_num_blocks if tp else None,
         )  # fmt: skip
+        self.pool.attach_scales(self.loaded.model.model.layers)  # (FP8 KV: its scales)
         self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
         self.kv_cache_manager = KVCacheManager(
             self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
@@ -133,9 +133,9 @@ class EngineCore:
         graphs = self.runner.decode_graphs
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
-            "decode=%s async_scheduling=%s",
+            "(%s) decode=%s async_scheduling=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
-            self.pool.num_blocks, self.pool.block_size,
+            self.pool.num_blocks, self.pool.block_size, self.pool.dtype,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",

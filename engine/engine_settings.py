@@ -35,7 +35,9 @@ def with_backend_block_size(
         or cache.block_size != CacheConfig().block_size
     ):
         return config
-    resolve_backend_name("flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE)  # or say why not
+    resolve_backend_name(  # or say why not
+        "flash_attn", device, dtype, FLASH_ATTN_BLOCK_SIZE, cache.kv_cache_dtype
+    )
     logger.info("flash_attn: KV block size %d (its paged KV needs a multiple of it)",
                 FLASH_ATTN_BLOCK_SIZE)  # fmt: skip
     new_cache = dataclasses.replace(cache, block_size=FLASH_ATTN_BLOCK_SIZE)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from engine.model.arch_config import ModelArchConfig
+from engine.model.llama import LlamaAttention
+from kernels.attention import kv_quant
 from pdserve.config import CacheConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -19,7 +22,10 @@ class KVCachePool:
     Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
     CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget.
     `agree` (tensor parallelism): the size every rank can hold, from this rank's (each rank's
-    pool holds its own kv heads, with rank 0's block ids)."""
+    pool holds its own kv heads, with rank 0's block ids).
+    `kv_cache_dtype` "fp8_e4m3" (`CacheConfig`): the blocks are float8_e4m3fn (half a bf16
+    block's bytes, so a budget holds twice the blocks), with `kv_scales`
+    `[num_layers, 2, num_kv_heads]` float32 (`attach_scales` hands each layer its own)."""
 
     def __init__(
         self,
@@ -31,6 +37,10 @@ class KVCachePool:
         agree: Callable[[int], int] | None = None,
     ) -> None:
         self.block_size = cache_config.block_size
+        self.dtype = dtype = kv_quant.kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
+        self.kv_scales: torch.Tensor | None = None  # [num_layers, 2, num_kv_heads] (FP8 only)
+        if dtype == kv_quant.FP8_DTYPE:
+            self.kv_scales = kv_quant.unit_scales(arch.num_layers, arch.num_kv_heads, device)
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
         self.num_blocks = self._size_pool(cache_config, device, reserve_bytes)
         if agree is not None:
@@ -49,6 +59,14 @@ class KVCachePool:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.buffer[layer, 0], self.buffer[layer, 1]) for layer in range(arch.num_layers)
         ]
+
+    def attach_scales(self, layers: nn.ModuleList) -> None:
+        """Each decoder layer's attention reads and writes its cache with its layer's scales
+        (None: not FP8)."""
+        for layer_idx, layer in enumerate(layers):
+            attention = layer.get_submodule("self_attn")
+            assert isinstance(attention, LlamaAttention), type(attention)
+            attention.kv_scales = None if self.kv_scales is None else self.kv_scales[layer_idx]
 
     @staticmethod
     def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -71,7 +71,9 @@ class NodeBase(abc.ABC):
             )
         self.core = core
         self.config = config
-        self.layout = node_layout(core)  # the model's: what tickets and handshakes compare
+        # the model's KV layout in the pool's storage dtype (the model's, or FP8 with
+        # --kv-cache-dtype): what tickets and handshakes compare
+        self.layout = node_layout(core)
         self.engine = AsyncEngine(core)
         self.failed = asyncio.Event()  # the node cannot serve any more (a rank died, hung)
         self.failure: str | None = None

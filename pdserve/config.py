@@ -39,9 +39,9 @@ from pdserve.net import redact_url
 __all__ = [
     "ASYNC_SCHEDULING", "ATTENTION_BACKENDS", "DEFAULT_HOST", "DEFAULT_HTTP_PORT",
     "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
-    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES", "CacheConfig",
-    "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig", "RouterConfig",
-    "SchedulerConfig", "SecurityConfig", "knob", "parse_size",
+    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES",
+    "CacheConfig", "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig",
+    "RouterConfig", "SchedulerConfig", "SecurityConfig", "knob", "parse_size",
 ]  # fmt: skip
 
 DEFAULT_HOST = "127.0.0.1"

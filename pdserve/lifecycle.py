@@ -5,7 +5,8 @@ serve_until_signalled(start, ready_line):
     start() ──► print ready_line(server) (flushed: pd-serve and tests read it)
     SIGINT / SIGTERM (also while starting) ──► server.stop() ──► return
     the server's `failed` event (a node that cannot go on) ──► server.stop() ──► ServerFailed
-run_server(name, start, ready_line) -> exit code: the above under asyncio.run, and
+run_server(name, start, ready_line, event_loop="asyncio") -> exit code: the above in a new
+    event loop (asyncio's, or uvloop's: event_loop="uvloop"), and
     "NAME: <error>" on stderr with exit code 1 when the server cannot start; first, the
     open-file soft limit raised to the hard one (raise_fd_limit: a router's 1,024 default
     was what 1,100 idle HTTP connections exhausted)
@@ -78,18 +79,38 @@ async def serve_until_signalled(
             loop.remove_signal_handler(signum)
 
 
+EVENT_LOOPS = ("asyncio", "uvloop")
+
+
 def run_server(
-    name: str, start: Callable[[], Coroutine[Any, Any, S]], ready_line: Callable[[S], str]
+    name: str,
+    start: Callable[[], Coroutine[Any, Any, S]],
+    ready_line: Callable[[S], str],
+    event_loop: str = "asyncio",
 ) -> int:
-    """`serve_until_signalled` in a new event loop; the exit code (1, with a message on stderr,
-    when the server cannot start: a taken port, a bad model, ...)."""
+    """`serve_until_signalled` in a new event loop (`event_loop`: one of EVENT_LOOPS); the exit
+    code (1, with a message on stderr, when the server cannot start: a taken port, a bad
+    model, ...)."""
     raise_fd_limit()
     try:
-        asyncio.run(serve_until_signalled(start, ready_line))
+        with asyncio.Runner(loop_factory=_loop_factory(event_loop)) as runner:
+            runner.run(serve_until_signalled(start, ready_line))
     except (OSError, ValueError, ServerFailed) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _loop_factory(event_loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """asyncio's default (None) or uvloop's; ValueError for another name."""
+    if event_loop == "asyncio":
+        return None
+    if event_loop != "uvloop":
+        raise ValueError(f"event loop {event_loop!r}: choose one of {', '.join(EVENT_LOOPS)}")
+    import uvloop  # (optional: only who asks for it needs it installed)
+
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def raise_fd_limit() -> int:

@@ -44,6 +44,7 @@ from pdserve.cli import (
     setup_logging,
 )
 from pdserve.config import CacheConfig
+from pdserve.engine_config import kv_cache_dtype_tp_refusal
 from pdserve.node_placement import node_devices, num_gpus
 from pdserve.port_reservations import PortReservations, PortTaken
 
@@ -275,16 +276,24 @@ def build_serve_parser() -> ArgumentParser:
     return parser
 
 
+def _args_refusal(args: argparse.Namespace) -> str | None:
+    """Why pd-serve cannot start these nodes, before it starts any, or None."""
+    if args.decode < 1 or args.prefill < 0:
+        return "need --decode >= 1 and --prefill >= 0"
+    if min(args.prefill_tp or 1, args.decode_tp or 1) < 1:
+        return "--prefill-tp and --decode-tp must be >= 1"
+    tp = args.tensor_parallel_size
+    largest = max(args.prefill_tp or tp, args.decode_tp or tp)
+    return kv_cache_dtype_tp_refusal(args.kv_cache_dtype, largest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_serve_parser()
     args = parser.parse_args(argv)
     setup_logging(args, "serve")
-    if args.decode < 1 or args.prefill < 0:
-        print("pd-serve: need --decode >= 1 and --prefill >= 0", file=sys.stderr)
-        return 2
-    if min(args.prefill_tp or 1, args.decode_tp or 1) < 1:
-        print("pd-serve: --prefill-tp and --decode-tp must be >= 1", file=sys.stderr)
+    if (refusal := _args_refusal(args)) is not None:
+        print(f"pd-serve: {refusal}", file=sys.stderr)
         return 2
     cluster = LocalCluster(
         args, forwarded_argv(parser, argv, NODE), forwarded_argv(parser, argv, ROUTER)

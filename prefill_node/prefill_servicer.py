@@ -37,7 +37,7 @@ from typing import NoReturn
 
 import grpc
 
-from cache_transfer import TransferState
+from cache_transfer import TransferState, dtype_mismatch
 from cache_transfer.tickets import ticket_misfit
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
@@ -108,7 +108,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         set_request_id(request_id)  # this call's log lines carry the request id
         engine_request, trace = await self._open(request, context)
         trace.marks_s["rpc"] = arrived_s
-        handoff = asyncio.create_task(self._attach(request))
+        handoff = asyncio.create_task(self._attach(request, trace))
         held = False  # the engine holds the request's blocks (prefill done, transfer pending)
         num_queued = engine_request.prompt_len  # load, reported until the prefill ends
         self.counters.num_queued_prefill_tokens += num_queued
@@ -201,9 +201,12 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
     ) -> None:
         """Raises TicketError if this node cannot send the request's KV on `ticket`."""
         if ticket.layout_hash != self._layout_hash:
+            dtypes = dtype_mismatch(self._layout.dtype, ticket.kv_cache_dtype)
             raise TicketError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
+                f"{dtypes}; "
+                * bool(dtypes)
+                + f"the ticket's KV layout hash {ticket.layout_hash!r} differs from this prefill "
                 f"node's {self._layout_hash!r} ({self._layout}): pair nodes serving the same "
                 "model, dtype and block size",
             )
@@ -220,9 +223,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
         if problem is not None:
             raise TicketError(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
 
-    async def _attach(self, request: node_pb2.PrefillRequest) -> KVSink:
+    async def _attach(self, request: node_pb2.PrefillRequest, trace: TransferTrace) -> KVSink:
         """The request's sender, attached to the streamer: on its inline ticket, or on the one
-        AttachTicket brings within the transfer timeout. Raises TicketError."""
+        AttachTicket brings within the transfer timeout (marked "ticket"). Raises TicketError."""
         request_id = request.request_id
         timeout_s = min(request.transfer_timeout_s or math.inf, self._transfer_timeout_s)
         ticket = request.ticket
@@ -236,6 +239,7 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                     f"request {request_id}: no AttachTicket within {timeout_s:.3g} s",
                 ) from None
             self._check_ticket(request, ticket)
+        trace.mark("ticket")
         # the queue ahead of it counts: the engine computes it first (ProgressBeats say so)
         ceiling_s = timeout_s + self.counters.num_queued_prefill_tokens / self._prefill_rate
         try:

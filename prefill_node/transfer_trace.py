@@ -19,7 +19,8 @@ class TransferTrace:
     # CUDA: layer_computed_s is when the sender saw the layer's KV-written event complete (the
     # hook runs ahead of the GPU; one GPU: the layers held back, when the one they waited for
     # was seen); CPU: when the hook ran
-    # milestones by name: "rpc", "computing", "first_token", "layers_handed", "result"
+    # milestones by name: "rpc", "ticket" (its ticket is in: inline, or AttachTicket),
+    # "computing", "first_token", "layers_handed", "result"
     marks_s: dict[str, float] = field(default_factory=dict)
 
     def mark(self, name: str) -> None:

@@ -11,10 +11,11 @@ gracefully (exit 0).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from pdserve.cli import build_parser, router_config, setup_logging
-from pdserve.lifecycle import run_server
+from pdserve.lifecycle import EVENT_LOOPS, run_server
 from pdserve.security import load_cluster_auth
 from router.auth import ApiKeys
 from router.server import RouterServer
@@ -31,6 +32,11 @@ def build_router_parser() -> argparse.ArgumentParser:
         "--decode", action="append", default=[], metavar="ADDR",
         help="a decode node's HOST:PORT (repeatable; at least one, unless --registry)",
     )  # fmt: skip
+    parser.add_argument(
+        "--event-loop", choices=EVENT_LOOPS, default="asyncio",
+        help="the event loop the router runs on (uvloop: pip install uvloop; "
+        "benchmarks/results/2026-12-06-cpu-router.txt compares them) (default: %(default)s)",
+    )  # fmt: skip
     return parser
 
 
@@ -42,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             "give at least one --decode ADDR (decode nodes also serve colocated mode), or a "
             "--registry URL where nodes register"
         )
+    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        parser.error("--event-loop uvloop: uvloop is not installed (pip install uvloop)")
     try:
         config = router_config(
             args, prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode)
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return server
 
-    return run_server("pd-router", start, _ready_line)
+    return run_server("pd-router", start, _ready_line, args.event_loop)
 
 
 def _ready_line(server: RouterServer) -> str:

@@ -10,6 +10,7 @@ async with GenerationClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from pdserve.config import DEFAULT_HOST, DEFAULT_ROUTER_PORT
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from router.node_client import MAX_RECEIVE_MESSAGE_BYTES, tokenizer_from_files
+from router.request_record import TRACE_METADATA
 
 
 @dataclass
@@ -115,13 +117,25 @@ class GenerationClient:
         await self._channel.close()
 
     async def stream(
-        self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None
+        self,
+        request: generation_pb2.GenerateRequest,
+        timeout_s: float | None = None,
+        trace: dict[str, float] | None = None,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The response chunks of `request`; leaving the loop early cancels the call."""
-        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        """The response chunks of `request`; leaving the loop early cancels the call. With a
+        `trace` dict, the router records the request's milestones and they are put there once
+        the stream ends (name -> time.monotonic() of the router's host: router/request_record.py)."""
+        metadata = self._metadata
+        if trace is not None:
+            metadata = (*(metadata or ()), (TRACE_METADATA, "1"))
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=metadata)
         try:
             async for chunk in call:
                 yield chunk
+            if trace is not None:
+                for key, value in await call.trailing_metadata() or ():
+                    if key == TRACE_METADATA and isinstance(value, str):
+                        trace.update(json.loads(value))
         finally:
             call.cancel()
 

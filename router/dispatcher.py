@@ -36,7 +36,7 @@ from router.node_registry import NodeRegistry
 from router.output_processor import NodeTokens
 from router.policies import Route, RoutingPolicy
 from router.request_calls import RequestCalls
-from router.request_record import RequestRecord
+from router.request_record import RequestRecord, mark
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class Dispatcher:
                 timeout_s,
                 lambda failed: self._retry_prefill(request, failed),
                 output_token_ids,
+                record.marks if record is not None else None,
             )
             try:
                 async for tokens in calls.stream():
@@ -159,6 +160,7 @@ class Dispatcher:
             self._stats.route_picked(route.local_reason)
         if record is not None:
             record.route = _describe_route(route)
+            mark(record.marks, "routed")
         return route
 
     def _retry_prefill(self, request: ProcessedRequest, failed: NodeClient) -> NodeClient | None:

@@ -23,6 +23,10 @@ _SEED_BITS = 63
 CHARS_PER_TOKEN_CAP = 32  # no tokenizer packs more characters than this into a token, in practice
 NO_TOKENIZER = "this model has no tokenizer: send prompt_token_ids"
 MAX_REQUEST_ID_CHARS = 256  # a client request id: what every log line of the request carries
+# Requests this small are processed on the event loop (tens of microseconds); larger ones, and
+# every chat template (Jinja), on a worker thread, so a long prompt never stalls other requests.
+INLINE_PROMPT_CHARS = 4096
+INLINE_PROMPT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,20 @@ class InputProcessor:
                     f"{self._vocab_size} tokens (ids 0..{self._vocab_size - 1})",
                     name.removeprefix("sampling."),
                 )
+
+
+def processes_inline(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether `request` is cheap enough to validate and tokenize on the event loop: token
+    ids or a text prompt within INLINE_PROMPT_TOKENS / INLINE_PROMPT_CHARS, and a structured
+    output spec (parsed and walked when checked) within INLINE_PROMPT_CHARS (a thread hop
+    costs more than that work)."""
+    constraint = request.sampling.structured_output
+    if len(constraint.spec) + sum(map(len, constraint.choices)) > INLINE_PROMPT_CHARS:
+        return False
+    kind = request.WhichOneof("input")
+    if kind == "prompt_token_ids":
+        return len(request.prompt_token_ids.ids) <= INLINE_PROMPT_TOKENS
+    return kind == "prompt" and len(request.prompt) <= INLINE_PROMPT_CHARS
 
 
 def _chat_chars(chat: generation_pb2.ChatMessages) -> int:

@@ -7,7 +7,12 @@ Names follow Prometheus conventions: `pdserve_` prefix, base units, counters end
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+M = TypeVar("M", Counter, Histogram)
 
 # Seconds: from a few ms (small models, local) up to minutes (long prompts, long outputs).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -55,6 +60,16 @@ class RouterMetrics:
         )  # fmt: skip
         self._add_counters(r)
         self._migrations: Counter | None = None  # created by the first migration()
+        self._children: dict[tuple[object, ...], Any] = {}  # labels() results
+
+    def child(self, metric: M, *labels: str) -> M:
+        """`metric.labels(*labels)`, looked up once (labels() validates and locks each call:
+        the request path calls this several times a request)."""
+        key = (id(metric), *labels)
+        child: M | None = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _add_counters(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
@@ -101,6 +116,25 @@ class RouterMetrics:
             )
         self._migrations.inc()
 
+    def observe_itl(self, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` inter-token latency samples of `gap_s` (a chunk of k tokens)."""
+        observe_many(self.itl, gap_s, num_tokens)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value` for the cost of one (prometheus_client's Histogram has no
+    weighted observe): its sum and the bucket `value` falls in move by `count`. Falls back to
+    `count` observes where the histogram's internals are not the ones this was written for."""
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if count <= 1 or buckets is None or bounds is None or total is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect_left(bounds, value)].inc(count)  # the first bound >= value, as observe()

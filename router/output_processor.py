@@ -43,14 +43,14 @@ class NodeTokens:
 
     @classmethod
     def of_chunk(cls, chunk: node_pb2.TokenChunk) -> NodeTokens:
-        """A decode node's chunk."""
+        """A decode node's chunk (its repeated fields as they are: no copies)."""
         return cls(
             output_index=chunk.output_index,
-            token_ids=list(chunk.token_ids),
-            logprobs=list(chunk.logprobs),
+            token_ids=chunk.token_ids,
+            logprobs=chunk.logprobs,
             finish_reason=chunk.finish_reason,
             num_cached_tokens=chunk.num_cached_tokens,
-            prompt_logprobs=list(chunk.prompt_logprobs),
+            prompt_logprobs=chunk.prompt_logprobs,
         )
 
     @classmethod

@@ -5,6 +5,8 @@ HTTP routes), so the same request gives the same tokens whichever API carried it
 process(GenerateRequest)      InputProcessor: validate + tokenize -> ProcessedRequest, with
                               its cache salt (router.tenancy: tenant + client's cache_salt)
                               (InvalidRequestError; UNAVAILABLE before any node is ready)
+process_soon(...)             the same, on a worker thread unless the request is small
+                              (token ids or a short text prompt: on the event loop)
 stream(processed, api, ...)   request id on every log line of this task (pdserve.logs)
   Dispatcher.run              NodeTokens from P and D (route noted in the RequestRecord)
     OutputProcessor.process   GenerateResponse per chunk (timed: TTFT, ITL)
@@ -15,6 +17,7 @@ rejected(...)                 a request that failed validation, counted and logg
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -27,10 +30,10 @@ from pdserve.sampling_params import InvalidRequestError
 from pdserve.v1 import generation_pb2
 from router.dispatcher import Dispatcher
 from router.errors import RouterError
-from router.input_processor import InputProcessor, ProcessedRequest
+from router.input_processor import InputProcessor, ProcessedRequest, processes_inline
 from router.node_registry import NodeRegistry
 from router.output_processor import OutputProcessor
-from router.request_record import RequestRecord
+from router.request_record import Marks, RequestRecord
 from router.stats import RouterStats
 from router.tenancy import MAX_CLIENT_SALT_CHARS, CacheSalts
 
@@ -81,6 +84,15 @@ class RequestHandler:
         salt = self._salts.salt(authorization, request.cache_salt)
         return self._input_processor.process(request, salt)
 
+    async def process_soon(
+        self, request: generation_pb2.GenerateRequest, authorization: str | None = None
+    ) -> ProcessedRequest:
+        """`process`: on the event loop for a small request, else on a worker thread (a long
+        prompt's tokenizing, a chat template, must not stall the other requests)."""
+        if processes_inline(request):
+            return self.process(request, authorization)
+        return await asyncio.to_thread(self.process, request, authorization)
+
     def rejected(
         self, api: str, request_id: str, status: str, message: str, start_s: float
     ) -> None:
@@ -102,12 +114,15 @@ class RequestHandler:
         api: str,
         timeout_s: float | None = None,
         start_s: float | None = None,
+        marks: Marks = None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The request's responses, the last one with finish_reason and usage. Raises
         RouterError (counted, logged). Run it in a task of its own: it sets the task's
-        request id for logging."""
+        request id for logging. `marks`: a traced request's milestones (filled in)."""
         set_request_id(processed.request_id)
-        record = RequestRecord(processed.request_id, api, prompt_tokens=processed.prompt_len)
+        record = RequestRecord(
+            processed.request_id, api, prompt_tokens=processed.prompt_len, marks=marks
+        )
         if start_s is not None:
             record.start_s = start_s
         self.stats.request_started()
@@ -140,7 +155,5 @@ class RequestHandler:
     def _sent(self, record: RequestRecord, num_tokens: int) -> None:
         now = time.monotonic()
         if num_tokens and record.last_token_s is not None:
-            gap_s = (now - record.last_token_s) / num_tokens
-            for _ in range(num_tokens):
-                self.stats.metrics.itl.observe(gap_s)
+            self.stats.metrics.observe_itl((now - record.last_token_s) / num_tokens, num_tokens)
         record.tokens_sent(num_tokens, now)

@@ -1,10 +1,30 @@
 """RequestRecord: one request's route, token counts and timings, for metrics and its access
-log line (written once, when the request ends)."""
+log line (written once, when the request ends).
+
+A traced request (the client asked: `pdserve-trace` metadata) also carries its milestones
+(`Marks`, time.monotonic() by name, each set once by `mark`): "received", "processed"
+(validated, tokenized), "routed" (the policy picked), "decode_sent" / "prefill_sent" (the node
+calls started), "ticket" (D's ticket in), "attached" (P took it), "prefill_first_token" /
+"decode_first_token" (the first token in from P / D), "first_token_out" (to the client). They
+go back to the client in the trailing metadata and into the access line (`spans=`). An
+untraced request records none: `mark` is one `is None` test.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+Marks = dict[str, float] | None  # a traced request's milestones by name; None: not traced
+# Request metadata asking for the request's milestones; the trailing metadata of the same name
+# carries them (JSON: name -> time.monotonic() of the router's host).
+TRACE_METADATA = "pdserve-trace"
+
+
+def mark(marks: Marks, name: str) -> None:
+    """Records milestone `name` of a traced request (its first time only)."""
+    if marks is not None and name not in marks:
+        marks[name] = time.monotonic()
 
 
 @dataclass
@@ -21,10 +41,13 @@ class RequestRecord:
     end_s: float | None = None
     finish_reason: str = ""  # "stop" | "length" | "abort" when served
     status: str = "OK"  # gRPC status name: OK, INVALID_ARGUMENT, CANCELLED, UNAVAILABLE, ...
+    marks: Marks = None  # traced: its milestones
 
     def tokens_sent(self, num_tokens: int, now_s: float) -> None:
         if num_tokens and self.first_token_s is None:
             self.first_token_s = now_s
+            if self.marks is not None:
+                self.marks["first_token_out"] = now_s
         if num_tokens:
             self.last_token_s = now_s
         self.completion_tokens += num_tokens
@@ -53,9 +76,19 @@ class RequestRecord:
     def access_line(self) -> str:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1000:.1f}ms"
         outcome = self.finish_reason if self.status == "OK" else self.status
-        return (
+        line = (
             f"request {self.request_id} {self.api} route={self.route} "
             f"prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
             f"cached_tokens={self.cached_tokens} ttft={ttft} total={self.total_s * 1000:.1f}ms "
             f"status={self.status} finish={outcome or '-'}"
         )
+        if self.marks:
+            line += " spans=" + self.spans()
+        return line
+
+    def spans(self) -> str:
+        """A traced request's milestones in time order, ms after it arrived: "name:ms,..."."""
+        marks = self.marks or {}
+        start_s = marks.get("received", self.start_s)
+        ordered = sorted(marks.items(), key=lambda item: item[1])
+        return ",".join(f"{name}:{(t - start_s) * 1e3:.3f}" for name, t in ordered)

@@ -5,14 +5,15 @@ Generate(request)
   RequestHandler.process        -> INVALID_ARGUMENT with the validation message
   RequestHandler.stream         -> GenerateResponse, written at once; stops at the finish
   RouterError                   -> its status; client cancel -> counted, node calls cancelled
+  `pdserve-trace` metadata      -> the request's milestones in the trailing metadata
 GetTokenizer                    the first ready node's tokenizer files, for clients (pd-bench)
 ```
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -24,6 +25,7 @@ from router.auth import AUTHORIZATION
 from router.errors import RouterError, abort
 from router.input_processor import loggable_request_id
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
+from router.request_record import TRACE_METADATA, mark
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         start_s = time.monotonic()
+        authorization, traced = _metadata(context)
+        marks = {"received": start_s} if traced else None
         try:
             # Tokenizing a long prompt takes a while: off the event loop, so other calls go on.
-            authorization = _metadata(context, AUTHORIZATION)  # the tenant (API key), if any
-            processed = await asyncio.to_thread(self._handler.process, request, authorization)
+            processed = await self._handler.process_soon(request, authorization)
+            mark(marks, "processed")
         except (InvalidRequestError, RouterError) as error:
             error = _as_router_error(error)
             self._handler.rejected(
@@ -53,12 +57,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             await abort(context, error.code, error.message)
         try:
-            stream = self._handler.stream(processed, "grpc", context.time_remaining(), start_s)
+            stream = self._handler.stream(
+                processed, "grpc", context.time_remaining(), start_s, marks
+            )
             async with contextlib.aclosing(stream):  # a cancel ends the node calls at once
                 async for response in stream:
                     await context.write(response)
         except RouterError as error:
             await abort(context, error.code, error.message)
+        if marks is not None:  # the client asked: its milestones, time.monotonic() by name
+            context.set_trailing_metadata(((TRACE_METADATA, json.dumps(marks)),))
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -105,11 +113,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 _TOKENIZER_TIMEOUT_S = 30.0  # a large tokenizer.json is tens of MB
 
 
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+def _metadata(context: grpc.aio.ServicerContext) -> tuple[str | None, bool]:
+    """The client's authorization header (its tenant, if any) and whether it asked for a
+    trace (`pdserve-trace` metadata)."""
+    authorization, traced = None, False
     for name, value in context.invocation_metadata() or ():
-        if name == key and isinstance(value, str):
-            return value
-    return None
+        if name == AUTHORIZATION and isinstance(value, str):
+            authorization = value
+        elif name == TRACE_METADATA:
+            traced = True
+    return authorization, traced
 
 
 def _as_router_error(error: Exception) -> RouterError:

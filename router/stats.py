@@ -51,15 +51,16 @@ class RouterStats:
 
     def routed(self, address: str) -> None:
         self.requests_routed[address] += 1
-        self.metrics.node_requests.labels(address).inc()
+        self.metrics.child(self.metrics.node_requests, address).inc()
 
     def route_picked(self, local_reason: str | None) -> None:
         """A route: disaggregated (`local_reason` None) or local for `local_reason`."""
+        m = self.metrics
         if local_reason is None:
-            self.metrics.routes.labels("disaggregated", "").inc()
+            m.child(m.routes, "disaggregated", "").inc()
         else:
             self.local_prefill_routes[local_reason] += 1
-            self.metrics.routes.labels("local", local_reason).inc()
+            m.child(m.routes, "local", local_reason).inc()
 
     def retry(self) -> None:
         self.num_retries += 1
@@ -90,7 +91,7 @@ class RouterStats:
             self.num_cancelled += 1
         else:
             self.errors[record.status] += 1
-        m.requests.labels(record.api, record.status, record.finish_reason or "").inc()
+        m.child(m.requests, record.api, record.status, record.finish_reason or "").inc()
         m.generation_tokens.inc(record.completion_tokens)
         if (ttft_s := record.ttft_s) is not None:
             m.ttft.observe(ttft_s)

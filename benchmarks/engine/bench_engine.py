@@ -49,6 +49,7 @@ from pdserve.config import (
     ParallelConfig,
     parse_size,
 )
+from pdserve.engine_config import KV_CACHE_DTYPES
 from pdserve.sampling_params import SamplingParams
 
 MAX_STEPS_TO_FIRST_TOKEN = 64  # a whole prompt prefills in one step; async adds one more
@@ -95,6 +96,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="tiny model for the per-step floor at batch 1 ('' to skip)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights and KV dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--attention-backend",
@@ -160,7 +162,7 @@ def make_engine(
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
-        enable_prefix_caching=False, **asdict(parallel),
+        enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **asdict(parallel),
     )  # fmt: skip
     return EngineCore(config)
 
@@ -229,7 +231,7 @@ def decode_rows(
     args, core: EngineCore, bandwidth: float, label: str, tp_info: list[dict] | None = None
 ) -> list[Row]:
     rows = []
-    model, arch, dtype = core.loaded.model, core.arch, core.dtype
+    model, arch, dtype = core.loaded.model, core.arch, core.pool.dtype  # (KV: the pool's)
     for context, batch in itertools.product(args.contexts, args.batch_sizes):
         step, costs = decode_step_s(core, batch, context, args.steps, args.warmup_steps)
         if costs is not None and tp_info is not None:
@@ -270,7 +272,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
     core = make_engine(args, args.model, max_len, max(args.batch_sizes))
     graphs = core.runner.decode_graphs
     info = {
-        "model": args.model, "dtype": str(core.dtype), "device": str(device),
+        "model": args.model, "dtype": str(core.dtype), "kv_dtype": str(core.pool.dtype),
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "attention": core.attn_backend.name, "block_size": core.pool.block_size,
         "cuda_graphs": bool(graphs and graphs.captured),

@@ -3,6 +3,7 @@
     pd-bench ttft [--model synthetic:llama3-8b] [--prompt-tokens 2048 8192] [--requests 5]
                   [--transport ucx] [--device auto] [--dtype auto] [--serve-arg=--flag ...]
     pd-bench ttft --pd-addr HOST:PORT --colocated-addr HOST:PORT    (routers already running)
+    pd-bench ttft --breakdown ...    also where each TTFT went (router and node milestones)
 
 Starts `pd-serve --prefill 0` (colocated), measures, stops it; then `pd-serve` 1P1D on the same
 devices, measures, stops it. Each measurement sends idle single requests (one at a time,
@@ -14,6 +15,10 @@ token arrivals), and the per-layer timeline of the last 1P1D request (computed a
 prefill node, landed on the decode node; ms after the request was sent, one host clock). With
 both nodes on one GPU the prefill holds every layer but the last back until the one before the
 last is written (cache_transfer/README.md), so those layers all show the time it saw that one.
+With --breakdown every measured request is traced (the router's milestones come back in its
+trailing metadata; the nodes' marks of a 1P1D request from GetStats right after it) and a table
+per length splits the median TTFT into router, hop and node rows (ttft_breakdown.py); without
+it nothing is traced.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.serve.cluster import BenchCluster, ClusterSpec
+from benchmarks.serve.ttft_breakdown import RequestTimes, node_marks, table
+from pdserve.v1 import node_pb2
 from router.client import GenerationClient, build_request
 
 REQUEST_TIMEOUT_S = 600.0
@@ -39,6 +47,7 @@ class Samples:
     last_sent_s: float = 0.0  # monotonic time the last request was sent
     last_token_s: list[float] = field(default_factory=list)  # its tokens' arrival times
     milestones: list[str] = field(default_factory=list)  # its path through the nodes
+    traced: list[RequestTimes] = field(default_factory=list)  # --breakdown: every measured one
 
     def median(self, which: str = "ttft_ms") -> float:
         return statistics.median(getattr(self, which))
@@ -48,8 +57,21 @@ class Samples:
         return values[min(len(values) - 1, round(0.9 * (len(values) - 1)))]
 
 
-async def measure(addr: str, prompt_tokens: int, requests: int, warmup: int, seed: int) -> Samples:
-    """Idle single requests at one prompt length: TTFT and time to the second token, in ms."""
+# The prefill and decode nodes' last LayerTimeline (1P1D), fetched after each traced request.
+NodeTimelines = Callable[[], tuple[node_pb2.LayerTimeline, node_pb2.LayerTimeline]]
+
+
+async def measure(
+    addr: str,
+    prompt_tokens: int,
+    requests: int,
+    warmup: int,
+    seed: int,
+    breakdown: bool = False,
+    timelines: NodeTimelines | None = None,
+) -> Samples:
+    """Idle single requests at one prompt length: TTFT and time to the second token, in ms;
+    with `breakdown`, each measured request's milestones (and its nodes', via `timelines`)."""
     samples = Samples()
     rng = random.Random(seed * 1_000_003 + prompt_tokens)
     async with GenerationClient(addr) as client:
@@ -63,12 +85,13 @@ async def measure(addr: str, prompt_tokens: int, requests: int, warmup: int, see
         vocab = [t for t in range(min(info.vocab_size, 32000)) if t not in eos]
         for i in range(warmup + requests):
             ids = [rng.choice(vocab) for _ in range(prompt_tokens)]
-            request = build_request(
-                prompt_token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True
-            )
+            request_id = f"ttft{prompt_tokens}-{i}"
+            request = build_request(prompt_token_ids=ids, max_tokens=2, temperature=0.0,
+                                    ignore_eos=True, request_id=request_id)  # fmt: skip
             times: list[float] = []
+            trace: dict[str, float] | None = {} if breakdown and i >= warmup else None
             sent_s = time.monotonic()
-            async for chunk in client.stream(request, timeout_s=REQUEST_TIMEOUT_S):
+            async for chunk in client.stream(request, REQUEST_TIMEOUT_S, trace):
                 times.extend(time.monotonic() for _ in chunk.token_ids)
             if len(times) < 2:
                 raise RuntimeError(f"the router returned {len(times)} tokens, expected 2")
@@ -77,6 +100,13 @@ async def measure(addr: str, prompt_tokens: int, requests: int, warmup: int, see
                 samples.second_ms.append((times[1] - sent_s) * 1e3)
                 samples.last_sent_s = sent_s
                 samples.last_token_s = times
+            if trace is not None:
+                traced = RequestTimes(sent_s, times[0], trace)
+                if timelines is not None:
+                    prefill, decode = await asyncio.to_thread(timelines)
+                    traced.prefill = node_marks(prefill, request_id)
+                    traced.decode = node_marks(decode, request_id)
+                samples.traced.append(traced)
     return samples
 
 
@@ -86,8 +116,19 @@ def run_all(
     """Samples per prompt length; with the 1P1D `cluster`, each length's last request's
     milestones too."""
     results = {}
+    timelines = None
+    if cluster is not None:
+
+        def timelines() -> tuple[node_pb2.LayerTimeline, node_pb2.LayerTimeline]:
+            return (
+                cluster.node_stats("prefill-0").last_transfer,
+                cluster.node_stats("decode-0").last_transfer,
+            )
+
     for n in args.prompt_tokens:
-        results[n] = asyncio.run(measure(addr, n, args.requests, args.warmup, args.seed))
+        results[n] = asyncio.run(
+            measure(addr, n, args.requests, args.warmup, args.seed, args.breakdown, timelines)
+        )
         if cluster is not None:
             results[n].milestones = milestone_rows(cluster, results[n])
     return results
@@ -173,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=5, help="measured per prompt length")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests per length")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="trace every measured request: where its TTFT went (router, hops, nodes)",
+    )
     parser.add_argument("--pd-addr", help="a running 1P1D router (skip starting one)")
     parser.add_argument("--colocated-addr", help="a running colocated router")
     parser.add_argument(
@@ -212,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(samples.milestones))
     print(f"\nper-layer timeline of the last 1P1D request ({args.prompt_tokens[-1]} tokens):")
     print("\n".join(timeline))
+    if args.breakdown:
+        for n in pd:
+            print(f"\nwhere the TTFT went, {n} prompt tokens ({args.requests} requests each):")
+            print("\n".join(table(colocated[n].traced, pd[n].traced)))
     return 0
 
 

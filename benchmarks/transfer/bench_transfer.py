@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=["bfloat16", "float16", "float32"],
-        help="KV cache dtype",
+        choices=["bfloat16", "float16", "float32", "fp8_e4m3"],
+        help="KV cache dtype (fp8_e4m3: --kv-cache-dtype fp8_e4m3's blocks, half of bf16's)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(

@@ -48,4 +48,6 @@ def as_rows(blocks: torch.Tensor) -> torch.Tensor:
     rows = blocks.view(blocks.shape[0], -1)
     if block_bytes % 8 == 0 and rows.data_ptr() % 8 == 0:
         return rows.view(torch.int64)
+    if rows.dtype == torch.float8_e4m3fn:  # (CPU has no index_copy_ of FP8: bytes, the same)
+        return rows.view(torch.uint8)
     return rows

@@ -7,8 +7,8 @@ route_ticket(auth, ticket, route, dst, layout)
                                      the ticket a route's session runs on: its own transfer id
                                      (route_id), the decode rank's address and device, the head
                                      slice's layout hash; blocks, tokens, held blocks (the
-                                     suffix) and expiry the whole's;
-                                     with a cluster secret signed as it is (seal_ticket)
+                                     suffix), KV cache dtype and expiry the whole's; with a
+                                     cluster secret signed as it is (seal_ticket)
 ```
 
 Both ends derive a route's ticket the same way from the whole (the prefill rank after checking
@@ -86,6 +86,7 @@ def route_ticket(
         expires_at_unix_s=ticket.expires_at_unix_s,
         kv_device=dst.kv_device,
         num_cached_blocks=ticket.num_cached_blocks,  # every route skips the blocks D holds
+        kv_cache_dtype=ticket.kv_cache_dtype,
     )
     if auth is not None:
         seal_ticket(auth, derived)

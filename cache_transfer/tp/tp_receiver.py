@@ -65,6 +65,7 @@ class TPReceiver:
             self._ticket = issue_ticket(
                 manager.auth, timeout_s, uuid.uuid4().hex, ranks[0].address, dst_block_ids,
                 layout.layout_hash(), num_tokens, ranks[0].kv_device, num_cached_blocks,
+                layout.dtype,
                 rank_endpoints(list(ranks)),
             )  # fmt: skip
         self.transfer_id = self._ticket.transfer_id

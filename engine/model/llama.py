@@ -78,6 +78,7 @@ def _normed_project(
 
 class LlamaAttention(nn.Module):
     tp: TPLayers | None = None  # tensor parallelism (set_tensor_parallel)
+    kv_scales: torch.Tensor | None = None  # [2, KVH] an FP8 cache's scales (KVCachePool sets)
 
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -115,9 +116,10 @@ class LlamaAttention(nn.Module):
             k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         k_cache, v_cache = kv_cache
         # Rotary on q and k and the KV-cache write in one op; the backend only attends.
-        q, k = self.ops.rotary_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        scales, slots = self.kv_scales, meta.slot_mapping
+        q, k = self.ops.rotary_qk_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, scales)
         out = self.attn_backend.forward(
-            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True
+            q, k, v, k_cache, v_cache, meta, self.scale, kv_written=True, kv_scales=scales
         )  # [T, H, D]
         out = _project(self.ops, self.o_proj, out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.reduce(out)  # row-parallel: all-reduce

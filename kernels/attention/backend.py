@@ -17,6 +17,8 @@ class AttentionBackend(ABC):
     `kv_written`: the caller's fused rotary kernel stored them already), then
     computes causal attention of every query token over its request's whole context (cached
     prefix + this step's tokens), with grouped-query heads (num_heads % num_kv_heads == 0).
+    An FP8 cache (float8_e4m3fn, `kernels.attention.kv_quant`) is written quantized and read
+    dequantized with `kv_scales` (K's and V's per KV head); flash_attn refuses one.
     """
 
     name: ClassVar[str]
@@ -39,5 +41,6 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads]: an FP8 cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

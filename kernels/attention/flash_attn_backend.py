@@ -41,7 +41,13 @@ class FlashAttnBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
+        kv_scales: torch.Tensor | None = None,  # an FP8 cache's: refused (the selector too)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if k_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                "the flash_attn backend does not read an FP8 KV cache: use "
+                "--attention-backend triton (or torch) with --kv-cache-dtype fp8_e4m3"
+            )
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

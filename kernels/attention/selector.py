@@ -1,7 +1,8 @@
 """Pick an attention backend by name, or the fastest one that fits ("auto").
 
 ```
-auto on CUDA: flash_attn (installed, fp16/bf16, block_size % 256 == 0) > triton (installed) > torch
+auto on CUDA: flash_attn (installed, fp16/bf16, block_size % 256 == 0, KV not FP8) > triton
+              (installed) > torch
 auto on CPU:  torch (bf16/fp16: its decode rows on the C++ kernel, cpu_paged_decode.py)
 ```
 
@@ -36,15 +37,18 @@ def get_attention_backend(
     dtype: torch.dtype,
     block_size: int,
     cpu_decode_kernel: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """A backend instance for `name` ("auto" | "torch" | "triton" | "flash_attn"). The torch
     backend on CPU in bf16/fp16 takes the C++ decode kernel (cpu_paged_decode.py) when
     `cpu_decode_kernel` and it builds.
 
+    `kv_cache_dtype` "fp8_e4m3": only backends that read FP8 blocks (not flash_attn).
+
     Raises ValueError saying why when the named backend cannot run here, and what to use.
     """
     device = torch.device(device)
-    resolved = resolve_backend_name(name, device, dtype, block_size)
+    resolved = resolve_backend_name(name, device, dtype, block_size, kv_cache_dtype)
     backend = _load(resolved)
     if resolved != "torch":
         return backend()
@@ -58,16 +62,17 @@ def get_attention_backend(
 
 
 def resolve_backend_name(
-    name: str, device: torch.device, dtype: torch.dtype, block_size: int
-) -> str:
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+    kv_cache_dtype: str = "auto",
+) -> str:  # fmt: skip
     """The concrete backend name `name` stands for here; ValueError if it cannot run."""
     if name == "auto":
-        return _auto_name(device, dtype, block_size)
+        return _auto_name(device, dtype, block_size, kv_cache_dtype)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
-    reason = unavailable_reason(name, device, dtype, block_size)
+    reason = unavailable_reason(name, device, dtype, block_size, kv_cache_dtype)
     if reason is not None:
-        fallback = _auto_name(device, dtype, block_size)
+        fallback = _auto_name(device, dtype, block_size, kv_cache_dtype)
         raise ValueError(
             f"attention backend {name!r} cannot run here: {reason}; "
             f"use {fallback!r} (or 'auto') instead"
@@ -76,12 +81,18 @@ def resolve_backend_name(
 
 
 def unavailable_reason(
-    name: str, device: torch.device, dtype: torch.dtype, block_size: int
-) -> str | None:
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int,
+    kv_cache_dtype: str = "auto",
+) -> str | None:  # fmt: skip
     """Why backend `name` cannot run with these settings, or None if it can."""
     _, _, package = _BACKENDS[name]
     if package is None:
         return None
+    if name == "flash_attn" and kv_cache_dtype != "auto":
+        return (
+            f"the flash_attn backend does not read a {kv_cache_dtype} KV cache "
+            "(--kv-cache-dtype fp8_e4m3 runs on the triton and torch backends)"
+        )
     if device.type != "cuda":
         return f"it needs a CUDA device (got {device})"
     if name == "flash_attn" and dtype not in (torch.float16, torch.bfloat16):
@@ -103,9 +114,11 @@ def is_installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _auto_name(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+def _auto_name(
+    device: torch.device, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto"
+) -> str:
     for name in ("flash_attn", "triton"):
-        if unavailable_reason(name, device, dtype, block_size) is None:
+        if unavailable_reason(name, device, dtype, block_size, kv_cache_dtype) is None:
             return name
     return "torch"
 

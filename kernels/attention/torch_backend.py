@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import cpu_paged_decode
+from kernels.attention import cpu_paged_decode, kv_quant
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
 
@@ -39,12 +39,26 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads] float32: an FP8 cache's scales
 ) -> None:
-    """Store each token's K/V at its cache slot (slot = block_id * block_size + offset)."""
+    """Store each token's K/V at its cache slot (slot = block_id * block_size + offset); an
+    FP8 cache stores them quantized (kv_quant.quantize)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
+    if kv_quant.is_fp8(k_cache):
+        scales = _fp8_scales(kv_scales)
+        k = kv_quant.quantize(k, scales[0]).view(torch.uint8)
+        v = kv_quant.quantize(v, scales[1]).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)  # (CPU: no fp8
+        # index_copy_)
     # A view, never a copy (the write must land in the cache): fails loudly if not contiguous.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _fp8_scales(kv_scales: torch.Tensor | None) -> torch.Tensor:
+    if kv_scales is None:
+        raise ValueError("an FP8 KV cache needs its kv_scales ([2, num_kv_heads])")
+    return kv_scales
 
 
 @dataclass(frozen=True)
@@ -99,15 +113,21 @@ def make_group(
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     group: AttentionGroup,
+    scale: torch.Tensor | None = None,  # [num_kv_heads]: an FP8 cache's scales
+    dtype: torch.dtype | None = None,  # the FP8 cache's values in this dtype
 ) -> torch.Tensor:  # [n, max_len, num_kv_heads, head_dim]
     """Each row's context K (or V) as [n, max_len, KVH, D], reading only the blocks needed: one
     `index_select` of whole blocks (a memcpy per block, unlike advanced indexing), or a view
-    of the cache for a lone row with consecutive blocks."""
+    of the cache for a lone row with consecutive blocks. An FP8 cache's blocks are
+    dequantized after the gather (only the blocks read)."""
     num_kv_heads, head_dim = cache.shape[2:]
     if group.first_block is not None:  # [blocks_per_row, bs, KVH, D]: a view, no copy
         blocks = cache[group.first_block : group.first_block + group.block_ids.numel()]
     else:
         blocks = cache.index_select(0, group.block_ids)  # [n * blocks_per_row, bs, KVH, D]
+    if kv_quant.is_fp8(cache):
+        assert scale is not None and dtype is not None, "an FP8 cache is read with its scales"
+        blocks = kv_quant.dequantize(blocks, scale, dtype)
     return blocks.view(group.num_rows, -1, num_kv_heads, head_dim)[:, : group.max_len]
 
 
@@ -117,10 +137,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads]: an FP8 cache's scales
 ) -> torch.Tensor:  # [n, max_q_len, num_heads, head_dim]
     """Causal attention of padded queries over their requests' paged context."""
-    k = gather_context(k_cache, group)  # [n, max_len, KVH, D]
-    v = gather_context(v_cache, group)
+    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    k = gather_context(k_cache, group, k_scale, q.dtype)  # [n, max_len, KVH, D]
+    v = gather_context(v_cache, group, v_scale, q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -232,14 +254,18 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads]: an FP8 cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if q.shape[1] % k.shape[1] != 0:
             raise ValueError(
                 f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})"
             )
         if not kv_written:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        kernel = self.cpu_decode_kernel and not meta.static_shapes and meta.num_decodes > 0
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        fp8 = kv_quant.is_fp8(k_cache)  # (the C++ decode kernel reads bf16/fp16 blocks only)
+        kernel = (
+            self.cpu_decode_kernel and not fp8 and not meta.static_shapes and meta.num_decodes > 0
+        )
         plan = self._plan(meta, k_cache.shape[1], plan_decodes=not kernel)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
@@ -249,9 +275,11 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens[:num_decodes], scale,
             )  # fmt: skip
         elif plan.decode_groups:
-            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale)
+            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale, kv_scales)
         if plan.prefill is not None:
-            out[num_decodes:] = _prefill(q[num_decodes:], k_cache, v_cache, plan.prefill, scale)
+            out[num_decodes:] = _prefill(
+                q[num_decodes:], k_cache, v_cache, plan.prefill, scale, kv_scales
+            )
         return out
 
     def _plan(self, meta: AttentionMetadata, block_size: int, plan_decodes: bool) -> StepPlan:
@@ -271,16 +299,17 @@ def _decode(
     v_cache: torch.Tensor,
     plan: StepPlan,
     scale: float,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """One padded attention per length group."""
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
-        return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale)[:, 0]
+        return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale, kv_scales)[:, 0]
     out = torch.empty_like(q)
     for group in groups:
         assert group.rows is not None, "a group of several names its rows"
         q_group = q.index_select(0, group.rows)[:, None]  # [n, 1, H, D]
-        out_group = paged_attention(q_group, k_cache, v_cache, group, scale)[:, 0]
+        out_group = paged_attention(q_group, k_cache, v_cache, group, scale, kv_scales)[:, 0]
         out.index_copy_(0, group.rows, out_group)
     return out
 
@@ -291,6 +320,7 @@ def _prefill(
     v_cache: torch.Tensor,
     plan: PrefillPlan,
     scale: float,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:  # [num_prefill_tokens, num_heads, head_dim]
     """One padded attention over every prefill chunk."""
     _, num_heads, head_dim = q.shape
@@ -298,5 +328,5 @@ def _prefill(
     q_padded = q.new_zeros(num_rows, num_heads, head_dim)
     q_padded.index_copy_(0, plan.flat_idx, q)
     q_padded = q_padded.view(plan.group.num_rows, plan.max_q_len, num_heads, head_dim)
-    out = paged_attention(q_padded, k_cache, v_cache, plan.group, scale)
+    out = paged_attention(q_padded, k_cache, v_cache, plan.group, scale, kv_scales)
     return out.reshape(num_rows, num_heads, head_dim).index_select(0, plan.flat_idx)

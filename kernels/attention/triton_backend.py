@@ -60,13 +60,28 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # the caller already stored k/v at meta.slot_mapping
+        kv_scales: torch.Tensor | None = None,  # [2, num_kv_heads]: an FP8 cache's scales
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if q.shape[1] % k.shape[1] != 0:
             raise ValueError(
                 f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})"
             )
         if not kv_written:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        v_scale = None
+        if k_cache.dtype == torch.float8_e4m3fn:  # the kernels read FP8 tiles as bf16
+            q, v_scale = _fold_fp8_scales(q, kv_scales)
+        out = self._attend(q, k_cache, v_cache, meta, scale)
+        return out if v_scale is None else out.mul_(v_scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
@@ -80,6 +95,21 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens, num_decodes, max(meta.query_lens_cpu[num_decodes:]), scale,
             )  # fmt: skip
         return out
+
+
+def _fold_fp8_scales(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_scales: torch.Tensor | None,  # [2, num_kv_heads] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # (q * k_scale, v_scale [num_heads, 1]) per q head
+    """An FP8 cache's scales around the kernels, which read the stored values: a score is
+    q . (k_scale * k_stored) = (k_scale * q) . k_stored, and an output row is v_scale times
+    the weighted sum of stored V rows (each q head takes its KV head's scales). Two small
+    launches, graph-safe (no host read)."""
+    if kv_scales is None:
+        raise ValueError("an FP8 KV cache needs its kv_scales ([2, num_kv_heads])")
+    group = q.shape[1] // kv_scales.shape[1]
+    per_head = kv_scales.repeat_interleave(group, dim=1).to(q.dtype)  # [2, num_heads]
+    return q * per_head[0][:, None], per_head[1][:, None]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

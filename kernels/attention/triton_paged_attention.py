@@ -94,16 +94,21 @@ def _load_kv_tile(
     )
     ptrs = cache_ptr + row_offs[:, None] + offs_d[None, :]
     if MASKED:
-        return tl.load(ptrs, mask=in_range[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    if HEAD_DIM != HEAD_DIM_PAD:
-        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    return tl.load(ptrs)
+        tile = tl.load(ptrs, mask=in_range[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_DIM != HEAD_DIM_PAD:
+        tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:  # FP8 KV: exact in fp16 (the scales are
+        return tile.to(tl.float16)  # applied around the kernel: triton_backend.forward)
+    else:  # (an else: a static branch's return does not end the function being compiled)
+        return tile
 
 
 @triton.jit
 def _scores(q, k, scale_log2, DOT_PRECISION: tl.constexpr):
     """q [M, HEAD_DIM_PAD] . k [BLOCK_N, HEAD_DIM_PAD] -> [M, BLOCK_N] fp32, log2 domain."""
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
 
 
 @triton.jit

@@ -50,11 +50,13 @@ def rotary_qk_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    kv_scales: torch.Tensor | None = None,  # [2, KVH] float32: an FP8 cache's scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary on q and k, then the rotated k and v stored at their cache slots (what the
-    attention backend's write would store). Returns (q, k) rotated."""
+    attention backend's write would store; quantized in an FP8 cache). Returns (q, k)
+    rotated."""
     q, k = rotary_qk(q, k, cos, sin)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k
 
 

@@ -105,10 +105,12 @@ def _norm_warps(block: int) -> int:
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_q_heads,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, scale_ptr,
+    num_q_heads, num_kv_heads,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_cos, stride_sin, stride_cache_slot, stride_cache_head,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait_then_release(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -137,13 +139,30 @@ def _rotary_kernel(
         if is_k:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             cache_offs = slot * stride_cache_slot + kv_head * stride_cache_head
-            tl.store(k_cache_ptr + cache_offs + offs, o1, mask=mask)
-            tl.store(k_cache_ptr + cache_offs + HALF + offs, o2, mask=mask)
             v_base = v_ptr + tok * stride_v_tok + kv_head * stride_v_head
             v1 = tl.load(v_base + offs, mask=mask, other=0.0)
             v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
-            tl.store(v_cache_ptr + cache_offs + offs, v1, mask=mask)
-            tl.store(v_cache_ptr + cache_offs + HALF + offs, v2, mask=mask)
+            k_ptrs = k_cache_ptr + cache_offs
+            v_ptrs = v_cache_ptr + cache_offs
+            if FP8:  # x / scale of its head, saturated, rounded to e4m3 (kv_quant.quantize)
+                k_scale = tl.load(scale_ptr + kv_head)
+                v_scale = tl.load(scale_ptr + num_kv_heads + kv_head)
+                tl.store(k_ptrs + offs, _to_fp8(o1, k_scale, k_cache_ptr), mask=mask)
+                tl.store(k_ptrs + HALF + offs, _to_fp8(o2, k_scale, k_cache_ptr), mask=mask)
+                tl.store(v_ptrs + offs, _to_fp8(v1, v_scale, k_cache_ptr), mask=mask)
+                tl.store(v_ptrs + HALF + offs, _to_fp8(v2, v_scale, k_cache_ptr), mask=mask)
+            else:
+                tl.store(k_ptrs + offs, o1, mask=mask)
+                tl.store(k_ptrs + HALF + offs, o2, mask=mask)
+                tl.store(v_ptrs + offs, v1, mask=mask)
+                tl.store(v_ptrs + HALF + offs, v2, mask=mask)
+
+
+@triton.jit
+def _to_fp8(x, scale, cache_ptr):
+    scaled = x.to(tl.float32) / scale
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    return scaled.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
 
 
 def _check_last_dim(*tensors: torch.Tensor) -> None:
@@ -173,28 +192,34 @@ def rotary_qk_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    kv_scales: torch.Tensor | None = None,  # [2, KVH] float32: an FP8 cache's scales
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k in place and store the rotated k and v at their cache slots: one launch
-    for the rotary and the KV-cache write. Returns (q, k)."""
+    """Rotate q and k in place and store the rotated k and v at their cache slots (quantized
+    in an FP8 cache): one launch for the rotary and the KV-cache write. Returns (q, k)."""
     _check_last_dim(q, k, v, cos, sin)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need the same strides and a contiguous head_dim")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (kv_scales is None or not kv_scales.is_contiguous()):
+        raise ValueError("an FP8 KV cache needs its kv_scales ([2, num_kv_heads], contiguous)")
     slots = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, KVH, D]: fails if not a view
     _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, slots.stride(0),
-                   slots.stride(1), write_kv=True)  # fmt: skip
+                   slots.stride(1), write_kv=True, kv_scales=kv_scales if fp8 else None)  # fmt: skip
     return q, k
 
 
-def _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slots, stride_slot, stride_head, write_kv):
+def _launch_rotary(q, k, v, cos, sin, k_cache, v_cache, slots, stride_slot, stride_head, write_kv,
+                   kv_scales=None):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     half = head_dim // 2
+    scales = k_cache if kv_scales is None else kv_scales  # (unread unless FP8)
     if num_tokens:
         _rotary_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, v, cos, sin, k_cache, v_cache, slots, num_q_heads,
+            q, k, v, cos, sin, k_cache, v_cache, slots, scales, num_q_heads, k.shape[1],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), stride_slot, stride_head,
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE_KV=write_kv, num_warps=1,
-            **pdl.options(num_tokens),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), WRITE_KV=write_kv,
+            FP8=kv_scales is not None, num_warps=1, **pdl.options(num_tokens),
         )  # fmt: skip
 
 

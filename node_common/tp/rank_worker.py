@@ -58,9 +58,10 @@ AgentFactory = Callable[
 
 
 def node_layout(core: EngineCore) -> KVLayout:
-    """The model's KV layout (every kv head), as tickets and handshakes compare it."""
+    """The model's KV layout (every kv head) in the pool's storage dtype (the model's, or FP8:
+    --kv-cache-dtype), as tickets and handshakes compare it."""
     return KVLayout.from_dtype(
-        core.dtype,
+        core.pool.dtype,
         model=core.loaded.name,
         block_size=core.config.cache.block_size,
         **core.arch.layout_fields(),

@@ -30,7 +30,7 @@ from router.errors import RouterError
 from router.http.openai_errors import OpenAIError
 from router.http.openai_protocol import OpenAIRequest
 from router.http.openai_responses import ChoiceState, ResponseBuilder
-from router.input_processor import ProcessedRequest
+from router.input_processor import ProcessedRequest, processes_inline
 from router.request_handler import NO_NODE_MESSAGE, RequestHandler
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class OpenAIServing:
         self, parsed: OpenAIRequest, start_s: float, authorization: str | None = None
     ) -> PreparedRequest:
         """Validated and tokenized choices; raises OpenAIError (counted as rejected).
-        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate.
+        Tokenizing (and the chat template) runs off the event loop, as for gRPC Generate,
+        unless the request is one small choice (`processes_inline`).
         `authorization`: the client's header (its tenant, router.tenancy)."""
         prefix = "chatcmpl" if parsed.chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -85,9 +86,12 @@ class OpenAIServing:
                     f"the model {parsed.model!r} does not exist; this server serves {served!r}",
                     "model", status=404, error_type="not_found_error", code="model_not_found",
                 )  # fmt: skip
-            processed = await asyncio.to_thread(
-                self._process_choices, parsed, request_id, authorization
-            )
+            if len(parsed.choices) == 1 and processes_inline(parsed.choices[0].request):
+                processed = self._process_choices(parsed, request_id, authorization)
+            else:  # a batch, a long prompt, a chat template: off the event loop
+                processed = await asyncio.to_thread(
+                    self._process_choices, parsed, request_id, authorization
+                )
         except InvalidRequestError as error:
             invalid = OpenAIError(str(error), self._param(parsed, error.param))
             raise self._rejected(request_id, invalid, start_s) from None

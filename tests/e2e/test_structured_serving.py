@@ -23,7 +23,8 @@ import pydantic
 import pytest
 
 from tests.e2e.conftest import MODEL, _cluster
-from tests.e2e.observe import free_ports, http_url
+from tests.e2e.observe import http_url
+from tests.ports import free_port
 from tests.unit.engine.structured.conftest import corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -44,7 +45,7 @@ def clients():
     clusters, out = [], {}
     try:
         for mode in MODES:
-            gen = _cluster(*ROLES[mode], "--http-port", str(free_ports(1)))
+            gen = _cluster(*ROLES[mode], port_flags=lambda: ["--http-port", str(free_port())])
             cluster = next(gen)
             clusters.append(gen)
             out[mode] = f"{http_url(cluster)}/v1"

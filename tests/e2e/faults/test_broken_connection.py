@@ -40,16 +40,29 @@ def break_first_token_sends(server) -> None:
 
 
 def record_cancels(server) -> list[tuple[str, str]]:
-    """(transfer_id, reason) of every transfer `server`'s manager is told to cancel (what
-    CancelTransfer does)."""
+    """(transfer_id, reason) of every hand-off `server`'s CancelTransfer cancels (it finds the
+    hand-off through its HandOffs, or tells the manager)."""
     cancels: list[tuple[str, str]] = []
-    cancel = server.manager.cancel
+    hand_offs, manager = server.servicer._hand_offs, server.manager
+    find, manager_cancel = hand_offs.find, manager.cancel
 
-    def recording_cancel(transfer_id: str, reason: str) -> bool:
+    def recording_find(transfer_id: str):
+        hand_off = find(transfer_id)
+        if hand_off is not None:
+            cancel = hand_off.cancel
+
+            def recording_cancel(reason: str) -> None:
+                cancels.append((transfer_id, reason))
+                cancel(reason)
+
+            hand_off.cancel = recording_cancel
+        return hand_off
+
+    def recording_manager_cancel(transfer_id: str, reason: str) -> bool:
         cancels.append((transfer_id, reason))
-        return cancel(transfer_id, reason)
+        return manager_cancel(transfer_id, reason)
 
-    server.manager.cancel = recording_cancel
+    hand_offs.find, manager.cancel = recording_find, recording_manager_cancel
     return cancels
 
 

@@ -55,9 +55,10 @@ def test_a_backlog_on_the_prefill_node_hands_off_every_prompt(tmp_path_factory):
             notes=f"prefill failures={prefill_failures} prefilled={prefilled}",
         )  # fmt: skip
         assert row.completed == NUM_PROMPTS
-        # the backlog's tail waited past twice the no-progress timeout (else nothing was
-        # tested: before issue 34 a hand-off queued past that timeout failed)
-        assert max(o.elapsed_s for o in outcomes) > 2 * TRANSFER_TIMEOUT_S
+        # the backlog's tail waited past the no-progress timeout (else nothing was tested:
+        # before issue 34 a hand-off queued past that timeout failed; an idle machine's backlog
+        # takes ~6 s, a loaded one's longer)
+        assert max(o.elapsed_s for o in outcomes) > TRANSFER_TIMEOUT_S
         assert all(o.num_tokens == MAX_TOKENS for o in outcomes)
         assert prefill_failures == 0  # pdserve_prefill_failures_total unchanged
         assert local == {"prefill-0": 0, "decode-0": 0}  # no fallback

@@ -39,7 +39,7 @@ def _assert_landed(pair: NodePair, src_ids: list[int], dst_ids: list[int]) -> No
         assert torch.equal(dst_v[dst_ids], src_v[src_ids])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
 def test_layers_out_of_order_land_exactly_in_the_reserved_blocks(backend: str, dtype: str) -> None:
     async def scenario() -> None:
         pair = await make_pair(backend, make_layout(dtype))

@@ -147,14 +147,15 @@ for dt, pdl in (("bf16", True), ("fp16", False), ("fp32", False)):  # pdl: launc
              {**ptrs("out_ptr", "x_ptr", "residual_ptr", "weight_ptr"), "eps": "fp32",
               **ints("n_cols", "stride_out", "stride_x", "stride_res")},
              {"HAS_RESIDUAL": True, "BLOCK": 4096, "USE_PDL": pdl})
-    for write_kv in (True, False):
+    for write_kv, fp8 in ((True, False), (False, False), (True, True)):  # fp8: an FP8 cache
+        cache = "*fp8e4nv" if fp8 else "*" + dt
         compile_(t._rotary_kernel,
-                 {**ptrs("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr",
-                         "v_cache_ptr"), "slot_ptr": "*i64",
-                  **ints("num_q_heads", "stride_q_tok", "stride_q_head", "stride_k_tok",
-                         "stride_k_head", "stride_v_tok", "stride_v_head", "stride_cos",
-                         "stride_sin", "stride_cache_slot", "stride_cache_head")},
-                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv, "USE_PDL": pdl})
+                 {**ptrs("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr"), "k_cache_ptr": cache,
+                  "v_cache_ptr": cache, "slot_ptr": "*i64", "scale_ptr": "*fp32",
+                  **ints("num_q_heads", "num_kv_heads", "stride_q_tok", "stride_q_head",
+                         "stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head",
+                         "stride_cos", "stride_sin", "stride_cache_slot", "stride_cache_head")},
+                 {"HALF": 64, "HALF_PAD": 64, "WRITE_KV": write_kv, "FP8": fp8, "USE_PDL": pdl})
     compile_(t._silu_and_mul_kernel,
              {**ptrs("out_ptr", "x_ptr"), **ints("d", "stride_out", "stride_x")},
              {"BLOCK": 1024, "USE_PDL": pdl})

@@ -140,7 +140,11 @@ class FakeNode(
         self.ticket_gate = asyncio.Event()  # D: the ticket waits for it
         self.ticket_gate.set()
         self.attach_fail_code: grpc.StatusCode | None = None  # P: AttachTicket fails with it
+        self.first_before_ticket = False  # P: the first token goes out before its ticket is in
         self.first_token_delay_s = 0.0  # P: a prefill this long (a long prompt, a backlog)
+        self.first_token_gate = asyncio.Event()  # P: a first token after the KV waits for it
+        self.first_token_gate.set()
+        self.chunks_sent: list[int] = []  # D: the output index of each chunk written
         self.hold_at = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -193,14 +197,9 @@ class FakeNode(
         try:
             if self.fail_code is not None:
                 await context.abort(self.fail_code, "scripted prefill failure")
-            ticket = request.ticket
-            if not request.HasField("ticket"):  # the router attaches it
-                ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
             first_token = self.model.output_token_ids[0]
             finish_reason = "length" if request.sampling.max_tokens == 1 else ""
             await asyncio.sleep(self.first_token_delay_s)
-            if not self.transfer_error:
-                self.model.deliver(ticket.transfer_id, first_token)
             first = node_pb2.PrefillFirstToken(
                 token_id=first_token,
                 finish_reason=finish_reason,
@@ -211,7 +210,16 @@ class FakeNode(
             if request.sampling.HasField("prompt_logprobs"):  # prompt tokens 2..n
                 prompt = request.prompt_token_ids[1:]
                 first.prompt_logprobs.extend(_logprob(t, i) for i, t in enumerate(prompt))
-            await context.write(node_pb2.PrefillResponse(first_token=first))
+            if self.first_before_ticket:  # the forward ended before D's ticket came
+                await context.write(node_pb2.PrefillResponse(first_token=first))
+            ticket = request.ticket
+            if not request.HasField("ticket"):  # the router attaches it
+                ticket = await asyncio.wait_for(self._ticket_of(request.request_id), TEST_TIMEOUT_S)
+            if not self.transfer_error:
+                self.model.deliver(ticket.transfer_id, first_token)
+            if not self.first_before_ticket:
+                await self.first_token_gate.wait()
+                await context.write(node_pb2.PrefillResponse(first_token=first))
             await self.gate.wait()
             result = node_pb2.PrefillTransferResult(
                 ok=not self.transfer_error, error=self.transfer_error, num_bytes=1024
@@ -255,6 +263,7 @@ class FakeNode(
                 chunk.finish_reason = finish_reason
                 chunk.num_cached_tokens = self.model.num_cached_tokens
             await context.write(node_pb2.DecodeResponse(tokens=chunk))
+            self.chunks_sent.append(start)
 
 
 def _logprob(token_id: int, output_index: int) -> generation_pb2.TokenLogprob:

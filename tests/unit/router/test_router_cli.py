@@ -37,14 +37,23 @@ CHAT_JSON_ARGS = ("--chat", "--system", "Be brief.", "hi", "--json", "--max-toke
                   "--logprobs", "0")  # fmt: skip
 
 
-def test_pd_router_serves_pd_client_and_stops_on_sigterm(tokenizer_files, tokenizer) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_pd_router_serves_pd_client_and_stops_on_sigterm(
+    tokenizer_files, tokenizer, event_loop
+) -> None:
+    """Also on uvloop (--event-loop uvloop): the same answers, the same clean stop."""
     output_ids = tokenizer.encode("héllo wörld 🙂", add_special_tokens=False)
 
     async def body():
         node = FakeNode(node_pb2.NODE_ROLE_DECODE, FakeModel(output_ids), tokenizer_files)
         await node.start()
         router = await asyncio.create_subprocess_exec(
-            *ROUTER_ARGV, "--decode", node.address, stdout=asyncio.subprocess.PIPE
+            *ROUTER_ARGV,
+            "--decode",
+            node.address,
+            "--event-loop",
+            event_loop,
+            stdout=asyncio.subprocess.PIPE,
         )
         try:
             line = (await asyncio.wait_for(router.stdout.readline(), CLI_TIMEOUT_S)).decode()

@@ -9,7 +9,7 @@ from router_fakes import CHATML_TEMPLATE, MAX_MODEL_LEN, VOCAB_SIZE, RouterHarne
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.v1 import generation_pb2, node_pb2
 from router.client import build_request
-from router.input_processor import InputProcessor
+from router.input_processor import INLINE_PROMPT_CHARS, InputProcessor, processes_inline
 
 INFO = node_pb2.NodeInfo(max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE)
 
@@ -193,3 +193,17 @@ def test_seeded_choices_wrap_at_the_seed_fields_width() -> None:
 
     parsed = parse_completion({"model": "m", "prompt": "hi", "seed": 2**64 - 1, "n": 3})
     assert [c.request.sampling.seed for c in parsed.choices] == [2**64 - 1, 0, 1]
+
+
+def test_large_structured_output_specs_are_processed_off_the_event_loop() -> None:
+    small = build_request("hi")
+    assert processes_inline(small)
+    schema = '{"type": "object", "description": "%s"}' % ("x" * INLINE_PROMPT_CHARS)
+    large = build_request("hi")
+    large.sampling.structured_output.kind = generation_pb2.STRUCTURED_OUTPUT_KIND_JSON_SCHEMA
+    large.sampling.structured_output.spec = schema
+    assert not processes_inline(large)
+    choices = build_request("hi")
+    choices.sampling.structured_output.kind = generation_pb2.STRUCTURED_OUTPUT_KIND_CHOICE
+    choices.sampling.structured_output.choices.extend(["y" * 100] * (INLINE_PROMPT_CHARS // 50))
+    assert not processes_inline(choices)

@@ -1,6 +1,6 @@
 """pd-bench ttft on CPU: starts a colocated and a 1P1D pd-serve with a tiny model, prints the
-TTFT table for each prompt length, each length's last 1P1D request's milestones, and the last
-request's per-layer timeline."""
+TTFT table for each prompt length, each length's last 1P1D request's milestones, the last
+request's per-layer timeline and (--breakdown) where each length's TTFT went."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from benchmarks.serve.bench_ttft import Samples
 def test_ttft_prints_both_clusters_ratio_and_timeline() -> None:
     argv = [sys.executable, "-m", "benchmarks.cli", "ttft", "--model", "synthetic:tiny-llama"]
     argv += ["--device", "cpu", "--transport", "tcp", "--prompt-tokens", "48", "160"]
-    argv += ["--requests", "2"]
+    argv += ["--requests", "2", "--breakdown"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = done.stdout
@@ -44,6 +44,14 @@ def test_ttft_prints_both_clusters_ratio_and_timeline() -> None:
             assert [m for m in names if m in causal] == causal, block
         later = ["decode kv_done", "decode decoding", "client token 1"]
         assert [m for m in names if m in later] == later, block
+    for n in (48, 160):  # --breakdown: each length's rows, router and node marks both in
+        block = out.split(f"where the TTFT went, {n} prompt tokens", 1)[1].split("\n\n", 1)[0]
+        for row in ("router: validate, tokenize", "  P: prefill", "TTFT (client)",
+                    "  router -> P: AttachTicket"):  # fmt: skip
+            line = next(x for x in block.splitlines() if x.startswith(row))
+            cells = line[len(row) :].split()
+            colocated_ok = row.startswith("  ") or re.fullmatch(r"-?\d+\.\d{3}", cells[0])
+            assert colocated_ok and re.fullmatch(r"-?\d+\.\d{3}", cells[1]), block
 
 
 def test_percentiles_and_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -301,4 +301,7 @@ def test_conversion_and_loading_report_progress_off_a_terminal(
     assert loading and loading[-1].startswith(
         f"loading tiny weights: 100% ({num_tensors}/{num_tensors} tensors"
     )
-    assert sys.stderr.getvalue() == ""
+    # no progress bar on a stream that is not a terminal (other output may land there: another
+    # test's logging handler left on a closed stream reports its error to sys.stderr)
+    written = sys.stderr.getvalue()
+    assert "%|" not in written and "\r" not in written, written

@@ -1,0 +1,1 @@
+"""pd-bench router: the router against instant nodes (torch-free)."""
