@@ -43,8 +43,6 @@ LONG_FILES_ALLOWED: dict[str, str] = {
     "cache_transfer/receiver.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
     "cache_transfer/sender.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
     "cache_transfer/kv_transfer_manager.py": "issue 35 (TP routes) and 39 (frame auth) merged at the deadline: to split (f35-tp-handoff)",
-    "engine/async_engine.py": "issue 38 (reserve_prefix, kv_events) merged with 35/37 at the deadline: to split (f38-reuse)",
-    "prefill_node/layer_streamer.py": "issue 38 (suffix spans) merged with 35 (TP routes) at the deadline: to split (f38-reuse)",
 }
 
 
