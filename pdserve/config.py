@@ -206,7 +206,7 @@ class NodeConfig:
         256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
     )
     suffix_handoff: bool = knob(
-        True, "decode: receive only prompt KV its prefix cache lacks", flag="--no-suffix-handoff"
+        True, "decode: get only KV its prefix cache lacks (default: on)", flag="--no-suffix-handoff"
     )
 
     def __post_init__(self) -> None:
