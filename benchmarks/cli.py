@@ -11,6 +11,7 @@ against.
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
+    pd-bench spec [...]        speculative decoding at batch 1: tokens/s with and without it
     pd-bench profile [...]     a decode step's host phases and GPU kernels (torch.profiler)
     pd-bench kv-offload [...]  the host KV tier's promotion and demotion vs the plain copy rate
     pd-bench router [...]      what the router adds against instant nodes: latency, CPU, rate
@@ -35,6 +36,7 @@ COMMANDS = {
     "compare": "benchmarks.serve.bench_compare",
     "dataset": "benchmarks.serve.bench_dataset",
     "engine": "benchmarks.engine.bench_engine",
+    "spec": "benchmarks.engine.bench_spec",
     "profile": "benchmarks.engine.profile_step",
     "kv-offload": "benchmarks.engine.bench_kv_offload",
     "router": "benchmarks.router.bench_router",
@@ -43,7 +45,7 @@ COMMANDS = {
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
     "transfer", "mac", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
-    "kv-offload", "router", "fp8-kv",
+    "kv-offload", "spec", "router", "fp8-kv",
 )  # fmt: skip
 
 

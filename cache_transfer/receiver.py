@@ -236,7 +236,7 @@ class KVReceiver(TransferSession):
             self._land_in_place(msg.layer_manifest)
         elif kind == "first_token":
             try:
-                self.first_token = self.frames.open_token(msg.first_token)
+                self.first_token = checks.bounded_drafts(self.frames.open_token(msg.first_token))
             except ValueError as error:
                 self.fail(f"refused the first token: {error}")
             self._maybe_succeed()

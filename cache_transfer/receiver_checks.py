@@ -23,7 +23,8 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
        progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
-       first_token          first_token_refusal: once, after every layer is complete
+       first_token          first_token_refusal: once, after every layer is complete;
+                            opened (FrameSealer), bounded_drafts: at most 16 drafts
        result               result_refusal: only the receiver reports success
        ─► refused: the session fails and the peer is told (a handshake: a refused ack)
 
@@ -280,6 +281,9 @@ def layer_refusal(
     return None
 
 
+MAX_DRAFT_TOKENS = 16  # SpeculativeConfig.num_speculative_tokens' bound
+
+
 def first_token_refusal(r: ReceiverView) -> str | None:
     """The first token comes once, after every layer's KV of every token, on the session
     that expects it (a tensor-parallel hand-off's other routes end with their layers)."""
@@ -291,6 +295,15 @@ def first_token_refusal(r: ReceiverView) -> str | None:
     if missing:
         return f"refused the first token: layers {missing[:8]} are incomplete"
     return None
+
+
+def bounded_drafts(first: transfer_pb2.FirstToken) -> transfer_pb2.FirstToken:
+    """The first token as sent (opened, when sealed: its drafts too), with at most
+    `MAX_DRAFT_TOKENS` drafts (speculative decoding); ValueError otherwise."""
+    if len(first.draft_token_ids) > MAX_DRAFT_TOKENS:
+        num = len(first.draft_token_ids)
+        raise ValueError(f"{num} draft tokens, at most {MAX_DRAFT_TOKENS}")
+    return first
 
 
 def result_refusal(result: transfer_pb2.TransferResult) -> str | None:

@@ -193,9 +193,10 @@ class KVSender(TransferSession):
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
+        draft_token_ids: Sequence[int] = (),
     ) -> None:
-        """Send the sampled first token once every layer's message is handed to the transport
-        (which delivers in that order), not once sent. A no-op once finished."""
+        """Send the sampled first token (and its drafts) once every layer's message is handed
+        to the transport (which delivers in order), not once sent. A no-op once finished."""
         if self.finished:
             return
         if self._first_token_sent:
@@ -205,9 +206,9 @@ class KVSender(TransferSession):
         if self._unsubmitted:
             await asyncio.wait(set(self._unsubmitted), timeout=self.remaining_s)
         if not self.finished:
-            first_token = transfer_pb2.FirstToken(
-                token_id=token_id, logprob=logprob, finish_reason=finish_reason
-            )
+            first_token = transfer_pb2.FirstToken(token_id=token_id, logprob=logprob,
+                finish_reason=finish_reason, draft_token_ids=draft_token_ids)  # fmt: skip
+            # sealed whole (drafts included) when encrypted; the frame's MAC covers it all
             await self._send(first_token=self.frames.seal_token(first_token))
 
     def complete(self, peer_id: str, msg: TransferMessage, _: object, header: bytes = b"") -> None:

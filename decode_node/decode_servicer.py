@@ -35,8 +35,9 @@ import grpc
 
 from cache_transfer import TransferState
 from cache_transfer.tp import TPReceiver
+from decode_node.decode_checks import check_decode_request
 from decode_node.decode_job import DecodeCounters, DecodeJob, Refused, refuse
-from decode_node.decode_request import check_decode_request, prefix_lookup
+from decode_node.decode_request import prefix_lookup
 from decode_node.decode_trace import DecodeTraces
 from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
@@ -221,7 +222,8 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         if first_token.HasField("logprob"):
             first.logprobs.append(first_token.logprob)
         yield first
-        outputs = self._engine.resume(request, block_ids, first_token.token_id)
+        drafts = first_token.draft_token_ids  # its first step verifies them
+        outputs = self._engine.resume(request, block_ids, first_token.token_id, drafts)
         async for chunk in self._chunks(job, outputs, next_index=1):
             yield chunk
 

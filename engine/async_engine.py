@@ -50,6 +50,7 @@ from engine.kv_events import KVEventBatch
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from engine.request_streams import RequestStreams, log_error, log_failure, settle
+from engine.spec_decode.handoff_drafts import first_drafts
 from engine.structured import CompiledGrammar
 from pdserve.block_hash import BlockHash
 from pdserve.sampling_params import SamplingParams
@@ -127,14 +128,24 @@ class AsyncEngine:
             yield out
 
     async def resume(
-        self, request: Request, block_ids: Sequence[int], first_token: int
+        self,
+        request: Request,
+        block_ids: Sequence[int],
+        first_token: int,
+        drafts: Sequence[int] = (),
     ) -> AsyncIterator[StepOutput]:
-        """Admit a request whose prompt KV is in its reserved blocks; stream its outputs."""
+        """Admit a request whose prompt KV is in its reserved blocks (with the `drafts` its
+        prefill node proposed after the first token); stream its outputs."""
         stream = self._streams.open(
-            request, lambda: self.core.add_prefilled(request, block_ids, first_token)
+            request, lambda: self.core.add_prefilled(request, block_ids, first_token, drafts)
         )
         async for out in self._streams.drain(request, stream):
             yield out
+
+    def first_drafts(self, request: Request, first_token: int) -> list[int]:
+        """The drafts a prefill node sends with `first_token` (spec_decode/handoff_drafts.py);
+        reads only the fixed configuration: any thread may call it."""
+        return first_drafts(self.core.config.speculative, request, first_token)
 
     async def abort(self, request_id: str) -> bool:
         """Abort wherever the request is. Its stream, if any, ends at once with finish_reason

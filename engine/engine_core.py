@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, decode_graph_reserve_bytes
+from engine.cuda_graphs import decode_graph_reserve_bytes, make_decode_graphs
 from engine.distributed import TensorParallel, WorkerInit
 from engine.engine_settings import async_scheduling_on, with_backend_block_size
+from engine.engine_stats import EngineStats
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.kv_offload import KVOffload, KVOffloadStats
@@ -40,6 +40,8 @@ from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_decode import SpecDecodeParts, SpecDecodeStats
+from engine.spec_decode.handoff_drafts import checked_drafts
 from engine.structured import CompiledGrammar, StructuredOutputManager
 from kernels.attention import get_attention_backend
 from pdserve import envs
@@ -47,21 +49,6 @@ from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_prefilled_held: int
-    num_reserved: int
-    num_total_blocks: int
-    num_free_blocks: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
-    # the host tier (all 0 when --kv-offload-memory is 0): engine/kv_offload
-    kv_offload: KVOffloadStats = dataclasses.field(default_factory=KVOffloadStats)
-    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes too)
 
 
 class EngineCore:
@@ -99,23 +86,7 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's context length "
                 f"{self.arch.max_position_embeddings}"
             )
-        use_graphs = self._decode_graphs_usable()
-        self.pool = KVCachePool(
-            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
-            reserve_bytes=self._graph_reserve_bytes() if use_graphs else 0,
-            agree=tp.agree_num_blocks if tp else None,
-        )  # fmt: skip
-        self.pool.attach_scales(self.loaded.model.model.layers)  # (FP8 KV: its scales)
-        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
-        self.kv_cache_manager = KVCacheManager(
-            self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
-        )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(
-            self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
-            self.device, self.pool.scratch_block, self._make_decode_graphs(use_graphs),
-        )  # fmt: skip
+        self._init_memory(config, tp)
         if tp is not None:  # rank 0: publishes each step, waits until the group is ready
             tp.attach(self.runner)
         # Structured outputs (engine/structured/README.md): grammars and the sampler's masks
@@ -129,17 +100,51 @@ class EngineCore:
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
         self._log_ready()
 
+    def _init_memory(self, config: EngineConfig, tp: TensorParallel | None) -> None:
+        """The KV pool (with a draft model's share), the host tier, the block ledger, the
+        scheduler, the graphs and the runner."""
+        use_graphs, block_size = self._decode_graphs_usable(), config.cache.block_size
+        spec_parts = SpecDecodeParts(
+            config, self.loaded, self.attn_backend, self.device, self.dtype, self.max_model_len
+        )  # (a draft model's weights load before the pool is sized)
+        reserve = decode_graph_reserve_bytes(self.arch, config.scheduler.max_num_seqs)
+        self.pool = KVCachePool(
+            self.loaded.model.arch, config.cache, self.device, self.dtype,  # (this rank's heads)
+            reserve_bytes=reserve + spec_parts.reserve_bytes() if use_graphs else 0,
+            extra_bytes_per_block=spec_parts.extra_bytes_per_block(),
+            agree=tp.agree_num_blocks if tp else None,
+        )  # fmt: skip
+        self.pool.attach_scales(self.loaded.model.model.layers)  # (FP8 KV: its scales)
+        self.kv_offload = KVOffload.build(config.cache, self.pool)  # None: no host tier
+        self.kv_cache_manager = KVCacheManager(
+            self.pool.num_blocks, block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_cache_salt, self.kv_offload.host_blocks if self.kv_offload else None,
+        )  # fmt: skip
+        self.spec, verify_graphs = spec_parts.build(self.pool, use_graphs)
+        sched = config.scheduler
+        self.scheduler = Scheduler(sched, self.kv_cache_manager, self.max_model_len, self.spec)
+        decode_graphs = make_decode_graphs(
+            self.loaded.model, self.pool.kv_caches, sched.max_num_seqs, self.max_model_len,
+            self.pool.scratch_block, self.device, not config.model.enforce_eager,
+        ) if use_graphs else None  # fmt: skip
+        self.runner = ModelRunner(
+            self.loaded.model, self.pool.kv_caches, block_size, Sampler(seed=config.model.seed),
+            self.device, self.pool.scratch_block, decode_graphs, verify_graphs,
+            self.spec.observe if self.spec is not None else None,
+        )  # fmt: skip
+
     def _log_ready(self) -> None:
-        graphs = self.runner.decode_graphs
+        graphs, spec = self.runner.decode_graphs, self.config.speculative
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens "
-            "(%s) decode=%s async_scheduling=%s",
+            "(%s) decode=%s async_scheduling=%s speculative=%s",
             self.loaded.name, self.device, self.dtype, self.attn_backend.name,
             self.pool.num_blocks, self.pool.block_size, self.pool.dtype,
             "eager" if graphs is None or not graphs.captured else
             f"cuda graphs (batch <= {graphs.sizes[-1]}, {graphs.capture_s:.1f} s, "
             f"{graphs.pool_bytes / (1 << 20):.0f} MiB)",
             self.async_scheduling,
+            f"{spec.speculative_method} K={spec.num_speculative_tokens}" if self.spec else "off",
         )  # fmt: skip
 
     def _decode_graphs_usable(self) -> bool:
@@ -147,26 +152,6 @@ class EngineCore:
         graph decode covers this context length."""
         limit = self.attn_backend.graph_max_context
         return self.device.type == "cuda" and (limit is None or self.max_model_len <= limit)
-
-    def _graph_reserve_bytes(self) -> int:
-        arch = self.arch
-        qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        return decode_graph_reserve_bytes(
-            arch.hidden_size, arch.intermediate_size, qkv, self.config.scheduler.max_num_seqs
-        )
-
-    def _make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs | None:
-        if not use_graphs:
-            return None
-        block_size = self.pool.block_size
-        graphs = DecodeGraphs(
-            self.loaded.model, self.pool.kv_caches, self.config.scheduler.max_num_seqs,
-            -(-self.max_model_len // block_size), block_size, self.pool.scratch_block,
-            self.device,
-        )  # fmt: skip
-        if not self.config.model.enforce_eager:
-            graphs.capture()
-        return graphs
 
     def layer_ready(self, layer_idx: int) -> torch.cuda.Event | None:
         """In a prefill step's hook: the CUDA event after layer `layer_idx`'s KV write (wait
@@ -210,12 +195,22 @@ class EngineCore:
         self._check_new_id(request.request_id)
         return self._reservations.reserve_prefix(request, num_tokens)
 
-    def add_prefilled(self, request: Request, block_ids: Sequence[int], first_token: int) -> None:
+    def add_prefilled(
+        self,
+        request: Request,
+        block_ids: Sequence[int],
+        first_token: int,
+        draft_token_ids: Sequence[int] = (),
+    ) -> None:
         """Admit a request whose prompt KV already sits in `block_ids` (from `reserve`), with
-        the first token sampled elsewhere; it continues decoding from position prompt_len."""
+        the first token sampled elsewhere; it continues decoding from position prompt_len.
+        `draft_token_ids`: drafts proposed after the first token (the first step verifies them;
+        spec_decode/handoff_drafts.py)."""
         self._reservations.admit(request, block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
+        if self.spec is not None and self.spec.speculates(request):
+            request.draft_token_ids = checked_drafts(draft_token_ids, self.spec, self.arch)
         try:
             self.structured.start_matcher(request)  # advanced by the first token (or raises)
             self.scheduler.add_prefilled(request)
@@ -282,6 +277,8 @@ class EngineCore:
     ) -> LaunchedStep:
         if self.kv_offload is not None:
             self.kv_offload.flush()  # host-tier copies first: the step reads promoted blocks
+        if self.spec is not None:  # draft slots -> verify chunks (drafts proposed now)
+            self.spec.fill_drafts(scheduler_output, self.kv_cache_manager)
         defer = prev is not None and scheduler_output.has_grammar  # masks need prev's tokens
         launched = self.runner.launch(scheduler_output, self.on_layer_done, prev, defer)
         self.scheduler.on_launched(scheduler_output, sampled=not defer)
@@ -294,7 +291,9 @@ class EngineCore:
 
     def _wait(self, scheduler_output: SchedulerOutput, launched: LaunchedStep) -> list[StepOutput]:
         result = launched.wait()
-        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, result.sampled, result.verified
+        )
         return with_prompt_logprobs(outputs, scheduler_output, result.prompt_logprobs)
 
     def close(self) -> None:
@@ -327,6 +326,7 @@ class EngineCore:
             prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             kv_offload=self.kv_offload.stats(prefix.host_hit_tokens)
             if self.kv_offload is not None else KVOffloadStats(),
+            spec_decode=dataclasses.replace(self.spec.stats) if self.spec else SpecDecodeStats(),
         )  # fmt: skip
 
     def _check_new_id(self, request_id: str) -> None:

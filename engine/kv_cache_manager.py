@@ -216,6 +216,20 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(request.request_id, None)
         self._num_promoted.pop(request.request_id, None)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Keep the blocks holding `request`'s first `num_tokens` tokens, drop the rest, last
+        first (a verify step's rejected drafts: blocks only their slots used). Those blocks
+        hold no full computed block, so none is hashed: they go back free, never cached."""
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept < self._num_hashed_blocks.get(request.request_id, 0):
+            raise ValueError(
+                f"request {request.request_id!r}: cannot drop hashed blocks (keeping {num_kept})"
+            )
+        tail = request.block_ids[num_kept:]
+        if tail:
+            self.free_blocks(tail)
+            request.block_ids = request.block_ids[:num_kept]  # rebound: chunks share the old
+
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Fresh blocks for `num_tokens` incoming tokens (decode role), or None if the pool
         cannot supply them. Hand them to a Request's `block_ids` or back to `free_blocks`."""

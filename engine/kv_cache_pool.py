@@ -20,7 +20,9 @@ class KVCachePool:
     `[num_blocks, block_size, num_kv_heads, head_dim]` (the flash-attn paged layout), views of
     one allocation `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`.
     Block `scratch_block` (= num_blocks, the last) is never handed out: padded rows of a
-    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget.
+    CUDA-graph batch write there. `reserve_bytes` (CUDA graphs' pool) comes off the budget;
+    `extra_bytes_per_block`: memory another pool takes per block of this one (a speculative
+    draft model's KV, sized to the same block count), so the budget covers both.
     `agree` (tensor parallelism): the size every rank can hold, from this rank's (each rank's
     pool holds its own kv heads, with rank 0's block ids).
     `kv_cache_dtype` "fp8_e4m3" (`CacheConfig`): the blocks are float8_e4m3fn (half a bf16
@@ -34,6 +36,7 @@ class KVCachePool:
         device: torch.device,
         dtype: torch.dtype,
         reserve_bytes: int = 0,
+        extra_bytes_per_block: int = 0,
         agree: Callable[[int], int] | None = None,
     ) -> None:
         self.block_size = cache_config.block_size
@@ -42,7 +45,9 @@ class KVCachePool:
         if dtype == kv_quant.FP8_DTYPE:
             self.kv_scales = kv_quant.unit_scales(arch.num_layers, arch.num_kv_heads, device)
         self.bytes_per_block = self.block_bytes(arch, self.block_size, dtype)
-        self.num_blocks = self._size_pool(cache_config, device, reserve_bytes)
+        self.num_blocks = self._size_pool(
+            cache_config, device, reserve_bytes, self.bytes_per_block + extra_bytes_per_block
+        )
         if agree is not None:
             self.num_blocks = agree(self.num_blocks)
         self.scratch_block = self.num_blocks
@@ -75,7 +80,11 @@ class KVCachePool:
         return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem_bytes
 
     def _size_pool(
-        self, cache_config: CacheConfig, device: torch.device, reserve_bytes: int
+        self,
+        cache_config: CacheConfig,
+        device: torch.device,
+        reserve_bytes: int,
+        bytes_per_block: int,  # this pool's and any pool sized with it
     ) -> int:
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
@@ -84,14 +93,14 @@ class KVCachePool:
             if budget_bytes is None and device.type == "cuda":
                 free_bytes, _ = torch.cuda.mem_get_info(device)
                 budget_bytes = int(free_bytes * cache_config.gpu_memory_utilization)
-                budget_bytes -= reserve_bytes + self.bytes_per_block  # graphs, scratch block
+                budget_bytes -= reserve_bytes + bytes_per_block  # graphs, scratch block
             if budget_bytes is None:
                 budget_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-            num_blocks = budget_bytes // self.bytes_per_block
+            num_blocks = budget_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget holds no block (one block of {self.block_size} tokens takes "
-                f"{self.bytes_per_block} bytes); raise kv_cache_memory or num_blocks"
+                f"{bytes_per_block} bytes); raise kv_cache_memory or num_blocks"
             )
         return int(num_blocks)
 

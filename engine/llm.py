@@ -123,31 +123,45 @@ class LLM:
 
     def _apply(self, tracked: _Tracked, step_output: StepOutput) -> None:
         output = tracked.output
-        output.token_ids.extend(step_output.new_token_ids)
         output.num_cached_tokens = step_output.num_cached_tokens
         if step_output.prompt_logprobs is not None:
             output.prompt_logprobs = step_output.prompt_logprobs
+        token_ids = step_output.new_token_ids
+        text, num_kept, matched = self._text(tracked, token_ids, step_output.finished)
+        output.token_ids.extend(token_ids[:num_kept])
         if output.logprobs is not None and step_output.new_logprobs:
-            output.logprobs.extend(step_output.new_logprobs)
-        if tracked.detokenizer is None:
-            if step_output.finish_reason is not None:
-                output.finish_reason = step_output.finish_reason.value
-            return
-        text = tracked.detokenizer.update(step_output.new_token_ids)
-        if step_output.finish_reason is not None:
-            text += tracked.detokenizer.flush()
-        if tracked.stop_matcher is not None:
-            text, matched = tracked.stop_matcher.feed(text)
-            if not matched and step_output.finished:
-                text += tracked.stop_matcher.flush()
-            if matched:
-                output.text += text
-                output.finish_reason = FinishReason.STOP.value
-                self.engine.abort(output.request_id)
-                return
+            output.logprobs.extend(step_output.new_logprobs[:num_kept])
         output.text += text
-        if step_output.finish_reason is not None:
+        if matched:
+            output.finish_reason = FinishReason.STOP.value
+            self.engine.abort(output.request_id)
+        elif step_output.finish_reason is not None:
             output.finish_reason = step_output.finish_reason.value
+
+    @staticmethod
+    def _text(tracked: _Tracked, token_ids: list[int], finished: bool) -> tuple[str, int, bool]:
+        """(the text `token_ids` add, how many of them to keep, whether a stop string
+        matched). With stop strings, the tokens go through one at a time: a step may bring
+        several (a speculative verify step's accepted run), and a match ends the output at the
+        token that completed it, the tokens after it dropped."""
+        detokenizer, matcher = tracked.detokenizer, tracked.stop_matcher
+        if detokenizer is None:
+            return "", len(token_ids), False
+        pieces = [[t] for t in token_ids] if matcher is not None and token_ids else [token_ids]
+        texts: list[str] = []
+        for i, piece in enumerate(pieces):
+            text = detokenizer.update(piece)
+            last = i == len(pieces) - 1
+            if finished and last:
+                text += detokenizer.flush()
+            if matcher is not None:
+                text, matched = matcher.feed(text)
+                if matched:
+                    return "".join(texts) + text, i + 1, True
+                if finished and last:
+                    text += matcher.flush()
+            texts.append(text)
+        return "".join(texts), len(token_ids), False
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

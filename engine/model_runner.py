@@ -43,7 +43,8 @@ from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampler_output import PendingSample
 from engine.scheduler_output import DeviceTokens, ScheduledChunk, SchedulerOutput
-from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder
+from engine.spec_decode.verification import sampling_rows
+from engine.step_inputs import FlatBatch, HostStep, StepInputBuilder, verify_query_len
 from engine.structured import TokenBitmask
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ LayerHook = Callable[[int, tuple[PrefillLayerChunk, ...]], None]
 class ModelRunnerOutput:
     # request_id -> (sampled token, its logprobs if asked); only chunks with sample=True
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request_id -> a verify chunk's (token, logprobs) at each of its positions, in order
+    verified: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     # request_id -> (first prompt position, its prompt logprobs from there), if it asked
     prompt_logprobs: PromptLogprobResults = field(default_factory=dict)
 
@@ -69,6 +72,9 @@ class LaunchedStep:
 
     sampling_requests: list[Request] = field(default_factory=list)  # in sampled-row order
     sample: PendingSample | None = None
+    # requests whose rows are a verify chunk's positions (several rows each; never read as a
+    # PENDING token's source: a speculating request's next step waits for this one)
+    verifying: frozenset[Request] = frozenset()
     # launched with defer_sampling: the forward's batch and hidden states, until sampled
     deferred: tuple[FlatBatch, torch.Tensor] | None = None
     prompt_logprobs: PendingPromptLogprobs | None = None
@@ -98,7 +104,10 @@ class LaunchedStep:
         for request, token_id, logprobs in zip(
             self.sampling_requests, sampled.token_ids, sampled.logprobs
         ):
-            output.sampled[request.request_id] = (token_id, logprobs)
+            if request in self.verifying:
+                output.verified.setdefault(request.request_id, []).append((token_id, logprobs))
+            else:
+                output.sampled[request.request_id] = (token_id, logprobs)
         return output
 
 
@@ -112,9 +121,13 @@ class ModelRunner:
         device: torch.device,
         scratch_block: int = 0,
         decode_graphs: DecodeGraphs | None = None,
+        verify_graphs: DecodeGraphs | None = None,
+        on_batch: Callable[[FlatBatch], None] | None = None,
     ) -> None:
         """`scratch_block`: a KV block never handed out, where padded rows write;
-        `decode_graphs`: static decode buffers (and graphs, once captured) on CUDA."""
+        `decode_graphs`: static decode buffers (and graphs, once captured) on CUDA;
+        `verify_graphs`: the same for speculative verify steps (K + 1 tokens per request);
+        `on_batch`: called with every step's inputs before its forward (a draft model)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -122,6 +135,8 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputBuilder(block_size, scratch_block, device)
         self.decode_graphs = decode_graphs
+        self.verify_graphs = verify_graphs
+        self.on_batch = on_batch
         self.token_bitmask: TokenBitmask | None = None  # set when structured outputs can run
         # Rank 0 of a tensor-parallel group (EngineCore sets it): each step's inputs go to the
         # other ranks, which run the same forward (`follow`)
@@ -172,7 +187,7 @@ class ModelRunner:
         (batch, hidden), step.deferred = step.deferred, None
         sampled = self.sample_async(batch, hidden)
         step.sampling_requests, step.sample = sampled.sampling_requests, sampled.sample
-        step.check = sampled.check
+        step.check, step.verifying = sampled.check, sampled.verifying
 
     def prepare(self, scheduler_output: SchedulerOutput) -> FlatBatch:
         """The step's device inputs (host numpy, one copy); no sync."""
@@ -188,8 +203,11 @@ class ModelRunner:
         """Hidden states [rows, hidden]: a graph replay for a graph-routed decode batch, else
         one eager model call (with the per-layer hook for prefill chunks: the batch's, or
         `prefill_chunks` on a tensor-parallel worker rank). Queued, not waited."""
-        if batch.is_decode_only and self.decode_graphs is not None:
-            return self.decode_graphs.run(batch)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        graphs = self.decode_graphs if batch.meta.decode_query_len == 1 else self.verify_graphs
+        if batch.is_decode_only and graphs is not None:
+            return graphs.run(batch)
         if prefill_chunks is None and on_layer_done is not None:
             prefill_chunks = _prefill_chunks(batch)
         return self.model(
@@ -203,9 +221,10 @@ class ModelRunner:
     ) -> None:
         """A tensor-parallel worker rank's step: rank 0's inputs (`_publish`), the same
         forward (its collectives with rank 0's), this rank's vocab slice of the logits to rank 0."""
-        width, decode_only, num_prev = message.ints
+        width, decode_only, num_prev, query_len = message.ints
         prev_ids = tp.receive_tokens(num_prev) if num_prev else None
-        batch = self.inputs.from_host(HostStep(message.arrays, width, bool(decode_only)), prev_ids)
+        step = HostStep(message.arrays, width, bool(decode_only), query_len)
+        batch = self.inputs.from_host(step, prev_ids)
         hidden = self.forward(batch, on_layer_done, message.extras or ())
         if batch.logits_indices.numel():
             self.model.compute_logits(hidden[batch.logits_indices])
@@ -225,16 +244,19 @@ class ModelRunner:
         step = LaunchedStep(check=self.tp.check if self.tp is not None else None)
         if not batch.sampling_chunks:
             return step
-        step.sampling_requests = requests = [c.request for c in batch.sampling_chunks]
+        chunks = batch.sampling_chunks
+        step.sampling_requests = [c.request for c in chunks for _ in range(c.num_sampled_rows)]
+        step.verifying = frozenset(c.request for c in chunks if c.num_draft_tokens)
+        row_views = sampling_rows(chunks)  # a verify chunk's request: one view per position
         mask = None
         if self.token_bitmask is not None:  # host work first: the device runs the forward
-            mask = self.token_bitmask.build([r.matcher for r in requests])
+            mask = self.token_bitmask.build([r.matcher for r in row_views])
         if batch.is_decode_only and len(batch.sampling_chunks) == len(batch.chunks):
-            rows = hidden[: len(batch.chunks)]  # decodes lead; no gather needed (same rows)
+            rows = hidden[: len(batch.chunks) * batch.meta.decode_query_len]  # no gather needed
         else:
             rows = hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)  # [num_sampling, vocab]
-        step.sample = self.sampler.launch(logits, requests, prev, mask)
+        logits = self.model.compute_logits(rows)  # [num_sampled_rows, vocab]
+        step.sample = self.sampler.launch(logits, row_views, prev, mask)
         return step
 
     def _build(
@@ -248,6 +270,10 @@ class ModelRunner:
             c.num_new_tokens == 1 and not c.is_prefill for c in chunks
         ):
             pad_to = self.decode_graphs.padded_size(len(chunks))
+        elif self.verify_graphs is not None and (
+            verify_query_len(chunks) == self.verify_graphs.query_len
+        ):  # a verify step whose every request verifies K drafts
+            pad_to = self.verify_graphs.padded_size(len(chunks))
         batch = self.inputs.build(chunks, pad_to, prev)
         if self.tp is not None:
             self._publish(batch, prev)
@@ -262,7 +288,7 @@ class ModelRunner:
         prev_ids = prev.token_ids if prev is not None and host.num_pending else None
         chunks = _prefill_chunks(batch) if self.tp.worker_hooks else None
         num_prev = 0 if prev_ids is None else prev_ids.numel()
-        ints = (host.block_table_width, int(host.is_decode_only), num_prev)
+        ints = (host.block_table_width, int(host.is_decode_only), num_prev, host.decode_query_len)
         self.tp.send_step(StepMessage(ints, host.fields, chunks or None), prev_ids)
 
     def _layer_hook(

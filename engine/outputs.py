@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import FinishReason, Request, TokenLogprobs
@@ -44,6 +45,21 @@ class StepOutput:
             new_logprobs=None if logprobs is None else [logprobs],
             finish_reason=request.finish_reason,
             prefill_done=prefill_done,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    @classmethod
+    def of_tokens(
+        cls, request: Request, tokens: Sequence[tuple[int, TokenLogprobs | None]]
+    ) -> StepOutput:
+        """`request`'s output of a step that emitted several tokens (a speculative verify
+        step's accepted run), each with its logprobs where asked."""
+        logprobs = [lp for _, lp in tokens if lp is not None]
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=[token_id for token_id, _ in tokens],
+            new_logprobs=logprobs or None,
+            finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
         )
 

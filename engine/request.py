@@ -69,6 +69,9 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' digests, cached
+    # Draft tokens handed in for its next step (speculative decoding: a peer proposed them
+    # after the first token); the next verify step takes them instead of proposing.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Its prefix-cache namespace within the deployment's (pdserve.block_hash.root_hash): the
     # router's digest of its tenant and client salt; "" shares the deployment's.
     cache_salt: str = ""

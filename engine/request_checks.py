@@ -113,3 +113,17 @@ def check_admissible(
             f"request {request_id!r} may need KV for {max_kv_len} tokens but the whole cache "
             f"holds {num_total_blocks * block_size}; lower max_tokens or enlarge the cache"
         )
+
+
+def check_prefilled(request: Request, block_size: int) -> None:
+    """`Scheduler.add_prefilled`'s precondition: every token but the last (the first sampled
+    one) computed, in blocks that cover them."""
+    num_kv_slots = len(request.block_ids) * block_size
+    if request.num_computed_tokens != request.num_tokens - 1 or num_kv_slots < (
+        request.num_computed_tokens
+    ):
+        raise ValueError(
+            f"request {request.request_id!r}: add_prefilled needs num_computed_tokens == "
+            f"num_tokens - 1 and block_ids covering them; got {request.num_computed_tokens} "
+            f"computed of {request.num_tokens} tokens, {len(request.block_ids)} blocks"
+        )

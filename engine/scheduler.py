@@ -18,7 +18,8 @@ host (in launch order). Async scheduling (`schedule_ahead`): while step n runs o
 step n+1 is chosen the same way before n's tokens are known, each such token `PENDING` in its
 decode (read on the device), without preemption (None instead). A request that stops at step n
 wastes its step n+1 slot (the result is dropped), and its blocks are freed only once no
-launched step writes them (`InFlightSteps`).
+launched step writes them (`InFlightSteps`). Speculative decoding (`spec`, engine/spec_decode):
+a decode also gets draft slots, its verify chunk lands its accepted run, rolled back past it.
 
 With chunked prefill disabled, a prompt waits until it fits the step's remaining budget whole;
 `max_num_batched_tokens >= max_model_len` is then required (checked at construction), so that
@@ -29,27 +30,39 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from engine.block_hash import request_token_ids
 from engine.in_flight_steps import InFlightSteps
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus, TokenLogprobs
-from engine.request_checks import check_admissible, check_scheduler_config, stop_status
-from engine.scheduler_output import PENDING, ScheduledChunk, SchedulerOutput
+from engine.request_checks import (
+    check_admissible,
+    check_prefilled,
+    check_scheduler_config,
+    stop_status,
+)
+from engine.scheduler_output import SchedulerOutput, next_chunk
+from engine.spec_decode.landing import land_verified
+from engine.spec_decode.spec_decoder import SpecDecoder
 from pdserve.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 SampledTokens = Mapping[str, tuple[int, TokenLogprobs | None]]  # request_id -> (token, logprobs)
+VerifiedTokens = Mapping[str, Sequence[tuple[int, TokenLogprobs | None]]]  # one per position
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        spec: SpecDecoder | None = None,  # speculative decoding: draft slots, verify landing
     ) -> None:
         check_scheduler_config(config, max_model_len)
         self.config = config
+        self.spec = spec
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.num_preemptions = 0  # total since construction
@@ -94,21 +107,10 @@ class Scheduler:
         self._waiting.append(request)
 
     def add_prefilled(self, request: Request) -> None:
-        """Admit a request whose prompt KV already sits in `request.block_ids`, with
-        `num_computed_tokens` covering every token but its last (the first sampled one).
-
-        If that first token already finishes the request, it finishes at once; its
-        StepOutput (no new tokens) comes with the next step's outputs.
-        """
-        num_kv_slots = len(request.block_ids) * self.kv_cache_manager.block_size
-        if request.num_computed_tokens != request.num_tokens - 1 or num_kv_slots < (
-            request.num_computed_tokens
-        ):
-            raise ValueError(
-                f"request {request.request_id!r}: add_prefilled needs num_computed_tokens == "
-                f"num_tokens - 1 and block_ids covering them; got {request.num_computed_tokens} "
-                f"computed of {request.num_tokens} tokens, {len(request.block_ids)} blocks"
-            )
+        """Admit a request whose prompt KV already sits in `request.block_ids`, every token but
+        its last (the first sampled one) computed. If that token already finishes it, it
+        finishes at once; its StepOutput (no new tokens) comes with the next step's outputs."""
+        check_prefilled(request, self.kv_cache_manager.block_size)
         check_admissible(request, self._requests, self.max_model_len, self.kv_cache_manager)
         self._requests[request.request_id] = request
         self.kv_cache_manager.cache_full_blocks(request)
@@ -170,8 +172,8 @@ class Scheduler:
         tokens and run `schedule()` then. Chosen as `schedule()` would, with the token step n
         samples for a request as `PENDING` (its decode's input, read on the device), except
         that None replaces any preemption (a launched step may still write the victim's KV)."""
-        if self.config.prefill_only:
-            return None
+        if self.config.prefill_only or (self.spec and self.spec.any_speculates(self._running)):
+            return None  # (a verify step's inputs depend on how many drafts were accepted)
         output = SchedulerOutput()
         budget = self._schedule_running(output, preempt=False)
         if budget is None:
@@ -202,17 +204,31 @@ class Scheduler:
                 chunk.request.num_pending_tokens += 1
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: SampledTokens
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: SampledTokens,
+        verified: VerifiedTokens | None = None,
     ) -> list[StepOutput]:
         """The oldest launched step's results (`on_launched` first): append its sampled tokens,
         cache the blocks it filled, apply stop checks. `sampled` holds one (token, logprobs)
-        per chunk with `sample=True`."""
+        per chunk with `sample=True`; `verified` those of each verify chunk's positions."""
         self._in_flight.land(scheduler_output)
         outputs = self.drain_finished_outputs()
         for chunk in scheduler_output.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran, or stopped by the step before it
+            if chunk.num_draft_tokens:  # a verify chunk: its accepted run, its rollback
+                assert self.spec is not None and verified is not None
+                request.num_pending_tokens -= 1
+                emitted, status = land_verified(
+                    self.spec, chunk, verified[request.request_id], self.kv_cache_manager,
+                    self.max_model_len,
+                )  # fmt: skip
+                if status is not None:
+                    self._finish(request, status)
+                outputs.append(StepOutput.of_tokens(request, emitted))
+                continue
             self.kv_cache_manager.cache_full_blocks(request, chunk.end_pos)
             if chunk.sample:
                 token_id, logprobs = sampled[request.request_id]
@@ -238,14 +254,23 @@ class Scheduler:
             ):
                 continue  # stops at the running step
             num_new_tokens = min(request.num_tokens + pending - request.num_computed_tokens, budget)
-            if not preempt:
+            lookahead = self._draft_slots(request, num_new_tokens, budget)  # allocated; 0: none
+            if not lookahead and not preempt:
                 if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
                     return None
-            elif not self._allocate_or_preempt(request, num_new_tokens, output):
+            elif not lookahead and not self._allocate_or_preempt(request, num_new_tokens, output):
                 break
-            output.chunks.append(self._make_chunk(request, num_new_tokens))
-            budget -= num_new_tokens
+            output.chunks.append(next_chunk(request, num_new_tokens, lookahead))
+            budget -= num_new_tokens + lookahead
         return budget
+
+    def _draft_slots(self, request: Request, num_new_tokens: int, budget: int) -> int:
+        """Speculative decoding: draft slots allocated with a decode (never by preemption)."""
+        if self.spec is None:
+            return 0
+        return self.spec.allocate_draft_slots(
+            request, num_new_tokens, budget, self.kv_cache_manager, self.max_model_len
+        )
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, output: SchedulerOutput
@@ -282,23 +307,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self._running[request.request_id] = request
-            output.chunks.append(self._make_chunk(request, num_new_tokens))
+            output.chunks.append(next_chunk(request, num_new_tokens))
             budget -= num_new_tokens
-
-    def _make_chunk(self, request: Request, num_new_tokens: int) -> ScheduledChunk:
-        """The next `num_new_tokens` of `request`; a token still pending on the device (at
-        most one, the last: `schedule_ahead`) is `PENDING`."""
-        start_pos = request.num_computed_tokens
-        end_pos = start_pos + num_new_tokens
-        token_ids = request_token_ids(request, start_pos, end_pos)
-        token_ids += [PENDING] * (num_new_tokens - len(token_ids))
-        return ScheduledChunk(
-            request=request,
-            token_ids=token_ids,
-            start_pos=start_pos,
-            block_ids=request.block_ids,  # not copied: only appended to until the step ends
-            sample=end_pos == request.num_tokens + request.num_pending_tokens,
-        )
 
     # ---- request transitions --------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.block_hash import request_token_ids
 from engine.request import Request
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ class ScheduledChunk:
     # True when this chunk reaches the end of the request's known tokens, so the step samples
     # its next token. False for a non-final chunk of a chunked prefill.
     sample: bool
+    # Speculative decoding (engine/spec_decode). A decode's draft slots: block space for this
+    # many tokens after token_ids, allocated and counted in the step's budget; the proposer
+    # fills up to that many (`SpecDecoder.fill_drafts`).
+    num_lookahead_tokens: int = 0
+    # A verify chunk: token_ids = [last token, d_1 .. d_k], k = num_draft_tokens drafts; the
+    # step samples each of its k + 1 positions and keeps the accepted prefix.
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -48,7 +56,13 @@ class ScheduledChunk:
     @property
     def is_prefill(self) -> bool:
         """Runs prompt tokens (first or later chunk, or a recompute after preemption)."""
-        return self.start_pos < self.request.prompt_len or len(self.token_ids) > 1
+        num_known = len(self.token_ids) - self.num_draft_tokens
+        return self.start_pos < self.request.prompt_len or num_known > 1
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions the step samples: its last token's, and each draft's (0: no sample)."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
 
 @dataclass
@@ -68,3 +82,21 @@ class SchedulerOutput:
     def has_grammar(self) -> bool:
         """A chunk samples under a grammar (structured outputs: its mask needs the matcher)."""
         return any(c.sample and c.request.matcher is not None for c in self.chunks)
+
+
+def next_chunk(request: Request, num_new_tokens: int, num_lookahead: int = 0) -> ScheduledChunk:
+    """The next `num_new_tokens` of `request` (and `num_lookahead` draft slots after them), as
+    the scheduler hands them out; a token still pending on the device (at most one, the last:
+    `Scheduler.schedule_ahead`) is `PENDING`."""
+    start_pos = request.num_computed_tokens
+    end_pos = start_pos + num_new_tokens
+    token_ids = request_token_ids(request, start_pos, end_pos)
+    token_ids += [PENDING] * (num_new_tokens - len(token_ids))
+    return ScheduledChunk(
+        request=request,
+        token_ids=token_ids,
+        start_pos=start_pos,
+        block_ids=request.block_ids,  # not copied: only appended to until the step ends
+        sample=end_pos == request.num_tokens + request.num_pending_tokens,
+        num_lookahead_tokens=num_lookahead,
+    )

@@ -14,7 +14,10 @@ it is, and one gather fills those rows after the copy.
 
 A decode-only batch may be padded to `pad_to` rows (a CUDA graph's batch size): padded rows
 decode token 0 at position 0 into the scratch block (`scratch_block`, never handed out), with a
-context of one token, so they compute finite values that nobody reads.
+context of one token, so they compute finite values that nobody reads. A speculative verify
+batch whose chunks all verify the same number of drafts is a decode batch of Q = 1 + drafts
+queries per row (`AttentionMetadata.decode_query_len`); its padded rows run Q tokens at
+positions 0 .. Q - 1, every block-table column the scratch block.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class HostStep:
     fields: tuple[np.ndarray, ...]
     block_table_width: int
     is_decode_only: bool
+    decode_query_len: int = 1  # > 1: a speculative verify batch (AttentionMetadata's)
 
     @property
     def num_pending(self) -> int:
@@ -56,9 +60,10 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T] int64 (padded rows included)
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] rows of the last token of sampling chunks
+    logits_indices: torch.Tensor  # [num_sampled_rows] the last token's row of each sampling
+    # chunk, every row of a verify chunk (ScheduledChunk.num_sampled_rows), in chunk order
     sampling_chunks: list[ScheduledChunk]
-    is_decode_only: bool  # built with pad_to: plain decodes routed to a decode graph
+    is_decode_only: bool  # built with pad_to: decodes (of meta.decode_query_len) for a graph
     host: HostStep  # what the copy moved (what rank 0 hands the other tensor-parallel ranks)
 
     @property
@@ -100,15 +105,17 @@ class StepInputBuilder:
         """The step's inputs; `prev` provides the token of each `PENDING` decode."""
         # Decodes (one query token) first; stable, so the scheduler's order is kept otherwise.
         ordered = sorted(chunks, key=lambda c: c.num_new_tokens != 1)
-        host = self._host_arrays(ordered, max(pad_to or 0, len(ordered)))
+        query_len = verify_query_len(ordered)  # > 1: every row a verify of this many tokens
+        host = self._host_arrays(ordered, max(pad_to or 0, len(ordered)), query_len)
         sampling_rows = [i for i, c in enumerate(ordered) if c.sample]
-        logits_rows = host.cu_q[1:][sampling_rows] - 1
+        logits_rows = _logits_rows(ordered, sampling_rows, host.cu_q)
         pending_dst, pending_src = _pending_rows(ordered, prev)
         fields = (host.input_ids, host.positions, host.slot_mapping, host.seq_lens, host.cu_q,
                   logits_rows, host.block_tables.reshape(-1), pending_dst, pending_src)  # fmt: skip
         num_rows = host.query_lens.size
-        decode_only = pad_to is not None and np.count_nonzero(host.query_lens == 1) == num_rows
-        step = HostStep(fields, host.block_tables.shape[1], decode_only)
+        num_decodes = np.count_nonzero(host.query_lens == query_len)
+        decode_only = pad_to is not None and num_decodes == num_rows
+        step = HostStep(fields, host.block_tables.shape[1], decode_only, query_len)
         sampling = [ordered[i] for i in sampling_rows]
         return self.from_host(step, prev.token_ids if prev else None, ordered, sampling)
 
@@ -130,6 +137,7 @@ class StepInputBuilder:
             ids_d.index_copy_(0, dst_d, prev_token_ids.index_select(0, src_d))
         seq_lens, cu_q = step.fields[3], step.fields[4]
         query_lens = np.diff(cu_q)
+        query_len = step.decode_query_len
         meta = AttentionMetadata(
             query_start_loc=cu_d.int(),
             seq_lens=seq_d.int(),
@@ -137,9 +145,10 @@ class StepInputBuilder:
             block_tables=bt_d.view(seq_lens.size, step.block_table_width).int(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            num_decodes=int(np.count_nonzero(query_lens == query_len)),
             query_lens_cpu=tuple(query_lens.tolist()),
             seq_lens_cpu=tuple(seq_lens.tolist()),
+            decode_query_len=query_len,
         )
         return FlatBatch(
             chunks=chunks or [],
@@ -152,10 +161,13 @@ class StepInputBuilder:
             host=step,
         )
 
-    def _host_arrays(self, ordered: list[ScheduledChunk], num_rows: int) -> _HostArrays:
-        """The step's per-token and per-row numpy arrays; rows past `ordered` are padding."""
+    def _host_arrays(
+        self, ordered: list[ScheduledChunk], num_rows: int, pad_query_len: int
+    ) -> _HostArrays:
+        """The step's per-token and per-row numpy arrays; rows past `ordered` are padding
+        (`pad_query_len` tokens each)."""
         num_real = len(ordered)
-        query_lens = np.ones(num_rows, np.int64)
+        query_lens = np.full(num_rows, pad_query_len, np.int64)
         query_lens[:num_real] = [c.num_new_tokens for c in ordered]
         start_pos = np.zeros(num_rows, np.int64)
         start_pos[:num_real] = [c.start_pos for c in ordered]
@@ -184,7 +196,7 @@ class StepInputBuilder:
         for i, c in enumerate(ordered):
             n = int(num_blocks[i])
             block_tables[i, :n] = c.block_ids[:n]
-        block_tables[len(ordered) :, 0] = self.scratch_block
+        block_tables[len(ordered) :] = self.scratch_block
         return block_tables
 
     def _to_device(self, fields: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -210,6 +222,27 @@ class StepInputBuilder:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return list(flat.split(sizes))
+
+
+def verify_query_len(ordered: Sequence[ScheduledChunk]) -> int:
+    """Q when every chunk is a speculative verify of Q tokens (the last token and Q - 1
+    drafts): the batch's rows are then all decodes of Q queries (`decode_query_len`, the
+    backends' decode path, a verify graph); else 1 (a verify chunk among others attends as a
+    prompt chunk does)."""
+    if not ordered or not all(c.num_draft_tokens and not c.is_prefill for c in ordered):
+        return 1
+    lengths = {c.num_new_tokens for c in ordered}
+    return lengths.pop() if len(lengths) == 1 else 1
+
+
+def _logits_rows(
+    ordered: Sequence[ScheduledChunk], sampling_rows: list[int], cu_q: np.ndarray
+) -> np.ndarray:
+    """[num sampled rows] the token rows the sampler reads: a sampling chunk's last token, a
+    verify chunk's every token (its last token and each draft), in chunk order."""
+    counts = np.array([ordered[i].num_sampled_rows for i in sampling_rows], np.int64)
+    ends = cu_q[1:][sampling_rows]  # one past each sampling chunk's last token
+    return np.repeat(ends - np.cumsum(counts), counts) + np.arange(int(counts.sum()))
 
 
 def _pending_rows(

@@ -35,6 +35,7 @@ from cache_transfer import CudaIpcSharing, KVTransferManager, make_transport
 from engine.async_engine import AsyncEngine
 from engine.engine_core import EngineCore, EngineStats
 from engine.kv_offload import KVOffloadStats
+from engine.spec_decode import SpecDecodeStats
 from node_common.grpc_node_server import GrpcNodeServer
 from node_common.kv_event_hub import KVEventHub
 from node_common.node_messages import read_tokenizer_files
@@ -205,6 +206,7 @@ class NodeBase(abc.ABC):
             "num_prefilled_tokens": stats.prompt_tokens_computed,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
             **_host_tier_fields(stats.kv_offload),
+            **_spec_fields(stats.spec_decode),
         }
         reply = node_pb2.NodeStats(**{**fields, **self.role_stats(stats)})
         timeline = self.last_transfer()
@@ -297,4 +299,14 @@ def _host_tier_fields(tier: KVOffloadStats) -> dict[str, int]:
         "num_host_prefix_cache_hit_tokens": tier.host_hit_tokens,
         "num_kv_offload_bytes": tier.offload_bytes,
         "num_kv_promotion_bytes": tier.promotion_bytes,
+    }
+
+
+def _spec_fields(spec: SpecDecodeStats) -> dict[str, int]:
+    """NodeStats fields of speculative decoding (engine/spec_decode; zeros when it is off)."""
+    return {
+        "num_spec_verifies": spec.num_verifies,
+        "num_spec_draft_tokens": spec.num_draft_tokens,
+        "num_spec_accepted_tokens": spec.num_accepted_tokens,
+        "num_spec_emitted_tokens": spec.num_emitted_tokens,
     }

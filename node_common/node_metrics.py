@@ -5,7 +5,9 @@
 scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop (gauges: running,
            waiting, KV blocks, host-tier blocks, pending transfers; counters: finished,
            prefix-cache hits (all tiers, host tier), host-tier offload and promotion bytes,
-           local prefills, prefilled tokens, fallbacks)
+           local prefills, prefilled tokens, fallbacks, speculative decoding's verifies, drafts,
+           accepted and emitted tokens; gauges since the start: its acceptance ratio and mean
+           accepted tokens per verify)
 transfer session finished ──► transfer_finished: bytes moved and skipped (the decode node held
                               them: a suffix-only hand-off), per successful hand-off both as a
                               histogram, duration histogram, result ok | failed (by direction:
@@ -67,6 +69,16 @@ _COUNTERS = {
     "num_in_place_transfers": (
         "pdserve_node_kv_transfers_in_place",
         "successful KV hand-offs the prefill node wrote into the decode node's blocks itself"),
+    "num_spec_verifies": (
+        "pdserve_node_spec_decode_verifies",
+        "speculative verify chunks (one request's drafts verified in one step)"),
+    "num_spec_draft_tokens": (
+        "pdserve_node_spec_decode_draft_tokens", "speculative draft tokens verified"),
+    "num_spec_accepted_tokens": (
+        "pdserve_node_spec_decode_accepted_tokens", "speculative draft tokens accepted"),
+    "num_spec_emitted_tokens": (
+        "pdserve_node_spec_decode_emitted_tokens",
+        "tokens speculative verify chunks emitted (accepted drafts + the model's own)"),
     "num_fallbacks": (
         "pdserve_node_kv_transfer_fallbacks",
         "disaggregated requests whose hand-off failed and that were prefilled here instead"),
@@ -100,6 +112,25 @@ class NodeStatsCollector:
         for field, (name, doc) in _COUNTERS.items():
             if field in stats:
                 yield CounterMetricFamily(name, doc, value=stats[field])
+        yield from _spec_ratios(stats)
+
+
+def _spec_ratios(stats: dict[str, int]) -> Iterator[Metric]:
+    """Speculative decoding since the start (none before its first verify): acceptance rate
+    and mean accepted length (rates over a window: the counters' rate() ratios)."""
+    verifies, drafts = stats.get("num_spec_verifies", 0), stats.get("num_spec_draft_tokens", 0)
+    if not (verifies and drafts):
+        return
+    accepted = stats.get("num_spec_accepted_tokens", 0)
+    yield GaugeMetricFamily(
+        "pdserve_node_spec_decode_acceptance_ratio",
+        "draft tokens accepted / verified, since the start", value=accepted / drafts,
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "pdserve_node_spec_decode_mean_accepted_tokens",
+        "draft tokens accepted per verify chunk (per request and step), since the start",
+        value=accepted / verifies,
+    )  # fmt: skip
 
 
 class NodeMetrics:

@@ -2,7 +2,7 @@
 
 ```
 EngineConfig = ModelConfig + CacheConfig + SchedulerConfig     the engine (both node roles, LLM)
-               + ParallelConfig                                (tensor parallelism)
+               + SpeculativeConfig + ParallelConfig            (speculative decoding, TP)
 NodeConfig                                                     where a node listens, KV transfer
 RouterConfig                                                   routing, node addresses, timeouts
 RegistryConfig                                                 the Redis registry
@@ -32,6 +32,7 @@ from pdserve.engine_config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from pdserve.knobs import knob, parse_size, prefix_cache_salt_knob
 from pdserve.net import redact_url
@@ -39,9 +40,9 @@ from pdserve.net import redact_url
 __all__ = [
     "ASYNC_SCHEDULING", "ATTENTION_BACKENDS", "DEFAULT_HOST", "DEFAULT_HTTP_PORT",
     "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MODEL", "DEFAULT_ROUTER_PORT", "DTYPES",
-    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES",
-    "CacheConfig", "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig",
-    "RouterConfig", "SchedulerConfig", "SecurityConfig", "knob", "parse_size",
+    "ENGINE_SECTIONS", "KV_TRANSPORTS", "POLICY_NAMES", "REGISTRY_URL_SCHEMES", "CacheConfig",
+    "EngineConfig", "ModelConfig", "NodeConfig", "ParallelConfig", "RegistryConfig", "RouterConfig",
+    "SchedulerConfig", "SecurityConfig", "SpeculativeConfig", "knob", "parse_size",
 ]  # fmt: skip
 
 DEFAULT_HOST = "127.0.0.1"
@@ -246,8 +247,7 @@ class RouterConfig:
     host: str = knob(DEFAULT_HOST, "address to listen on", cli=False)  # a common flag
     port: int = knob(DEFAULT_ROUTER_PORT, "gRPC port (0: a free one)", cli=False)
     http_port: int = knob(
-        DEFAULT_HTTP_PORT,
-        "OpenAI-compatible HTTP API and /metrics, /health on this port (0: off)",
+        DEFAULT_HTTP_PORT, "OpenAI-compatible HTTP API and /metrics, /health on this port (0: off)"
     )
     # none: colocated mode (decode nodes prefill locally); flags --prefill/--decode ADDR
     prefill_addrs: tuple[str, ...] = knob((), "prefill nodes' HOST:PORT", cli=False)

@@ -1,5 +1,5 @@
 """The engine's settings: `EngineConfig` = `ModelConfig` + `CacheConfig` + `SchedulerConfig`
-+ `ParallelConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
++ `SpeculativeConfig` + `ParallelConfig` (both node roles and the offline `LLM`). Each field is a `knob` (pdserve.knobs): its flag is
 generated from it. Torch-free; `pdserve.config` lists these beside every other setting."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+SPECULATIVE_METHODS = ("ngram", "draft")  # engine/spec_decode's proposers
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,45 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode): a proposer drafts up to K tokens for each
+    decoding request and the model verifies them in one forward. Off unless a method is set."""
+
+    speculative_method: str | None = knob(
+        None, "ngram: prompt lookup; draft: a smaller model (--speculative-model) proposes "
+        "(default: off)", choices=SPECULATIVE_METHODS,
+    )  # fmt: skip
+    num_speculative_tokens: int = knob(4, "draft tokens verified per decoding request and step")
+    speculative_model: str | None = knob(
+        None, "--speculative-method draft: alias, HF folder, .gguf or synthetic:<shape>, with the "
+        "target's vocabulary",
+    )  # fmt: skip
+    ngram_prompt_lookup_min: int = knob(
+        2, "ngram: the shortest suffix n-gram looked up (a 1-token match drafts poorly)"
+    )
+    ngram_prompt_lookup_max: int = knob(4, "ngram: the longest suffix n-gram looked up")
+
+    def __post_init__(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, not {method!r}"
+            )
+        if not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
+        if (method == "draft") != (self.speculative_model is not None):
+            raise ValueError(
+                "--speculative-model goes with --speculative-method draft, and only with it; got "
+                f"method {method!r}, model {self.speculative_model!r}"
+            )
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, got "
+                f"{self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
+            )
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: the model split over N ranks, one process each (engine/distributed)."""
 
@@ -138,6 +178,7 @@ ENGINE_SECTIONS: dict[str, type[Any]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
     "parallel": ParallelConfig,
 }
 
@@ -147,12 +188,17 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        refusal = kv_cache_dtype_tp_refusal(
-            self.cache.kv_cache_dtype, self.parallel.tensor_parallel_size
-        )
+        method, tp = self.speculative.speculative_method, self.parallel.tensor_parallel_size
+        if method is not None and tp > 1:
+            raise ValueError(
+                f"--speculative-method {method} is not supported with --tensor-parallel-size {tp} "
+                "(the verify step does not run across ranks yet): drop one of the two"
+            )
+        refusal = kv_cache_dtype_tp_refusal(self.cache.kv_cache_dtype, tp)
         if refusal is not None:
             raise ValueError(refusal)
 

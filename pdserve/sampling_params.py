@@ -36,6 +36,7 @@ OPTIONAL_PROTO_FIELDS = (
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "speculative",
 )
 # The two wire forms: the client's (with stop strings) and the one nodes receive.
 ProtoT = TypeVar("ProtoT", generation_pb2.SamplingParams, node_pb2.NodeSamplingParams)
@@ -90,6 +91,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured_output: StructuredOutputParams | None = None  # the output must match it
+    # False: no draft tokens are verified for this request, where the engine speculates
+    # (engine/spec_decode); the output distribution is the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

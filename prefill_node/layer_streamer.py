@@ -186,9 +186,11 @@ class LayerStreamer:
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None,
         finish_reason: str,
+        draft_token_ids: Sequence[int] = (),
     ) -> KVSink:
-        """Once every layer is in the sender's hands, send the first token (behind them) and
-        wait for the receiver's result (within the sender's deadline); the finished sender."""
+        """Once every layer is in the sender's hands, send the first token (behind them, with
+        any drafts) and wait for the receiver's result (within the sender's deadline); the
+        finished sender."""
         outgoing = self._outgoing[request_id]
         sender = outgoing.sender
         if sender is None:
@@ -198,7 +200,7 @@ class LayerStreamer:
             await asyncio.wait(set(outgoing.handing), timeout=sender.remaining_s)
         outgoing.trace.mark("layers_handed")  # the first token goes right behind them
         try:
-            await sender.send_first_token(token_id, logprob, finish_reason)
+            await sender.send_first_token(token_id, logprob, finish_reason, draft_token_ids)
         except ValueError as error:  # some layer never went out
             sender.abort(str(error))
         await sender.wait()

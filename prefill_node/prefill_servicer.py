@@ -120,6 +120,9 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 await _abort_call(context, request_id, handoff)
             held = first.prefill_done
             first_token = _first_token(first)
+            if first.finish_reason is None:  # drafts the decode node verifies first
+                drafts = self._engine.first_drafts(engine_request, first_token.token_id)
+                first_token.draft_token_ids.extend(drafts)
             trace.mark("first_token")
             yield node_pb2.PrefillResponse(first_token=first_token)
             self.counters.num_finished_requests += 1
@@ -167,11 +170,13 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
             first_token.token_id,
             first_token.logprob if first_token.HasField("logprob") else None,
             first_token.finish_reason,
+            first_token.draft_token_ids,
         )
         result = _transfer_result(sender)
         logger.info(
-            "prefill done: %d prompt tokens (%d cached), KV hand-off %s: %d bytes in %.1f ms",
-            request.prompt_len, first_token.num_cached_tokens,
+            "prefill done: %d prompt tokens (%d cached), %d drafts, KV hand-off %s: %d bytes in "
+            "%.1f ms", request.prompt_len, first_token.num_cached_tokens,
+            len(first_token.draft_token_ids),
             "ok" if result.ok else f"failed ({result.error})", result.num_bytes,
             result.elapsed_s * 1000,
         )  # fmt: skip

@@ -8,6 +8,8 @@ ceiling measured in the same run.
                     --floor-model synthetic:tiny-llama --batch-sizes 1,4 --contexts 64
                     --prefill-lens 128 --steps 4 --warmup-steps 1 --bandwidth-bytes 64MiB
                     --gemm-size 256
+    speculative: pd-bench engine --num-speculative-tokens 4 (verify steps beside decode steps,
+    verify_step.py)
 
 Decode: `batch` requests admitted at `context` tokens through the decode role's path (reserve +
 add_prefilled: KV blocks in place, no prefill run), then `--steps` calls of `EngineCore.step()`
@@ -37,6 +39,7 @@ import torch
 
 from benchmarks.engine import ceilings as ceil
 from benchmarks.engine import tp_costs
+from benchmarks.engine.verify_step import add_spec_flag, spec_kwargs, use_fixed_drafts
 from benchmarks.serve.report import write_json
 from engine.engine_core import EngineCore
 from engine.model import resolve_device, resolve_dtype
@@ -137,6 +140,7 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     p.add_argument("--warmup-steps", type=int, default=8, help="untimed decode steps first")
     p.add_argument("--prefill-iters", type=int, default=3, help="timed prefills per length")
+    add_spec_flag(p)
 
 
 def _add_ceiling_flags(p: argparse.ArgumentParser) -> None:
@@ -155,27 +159,33 @@ def make_engine(
     args: argparse.Namespace, model: str, max_len: int, max_seqs: int, one_rank: bool = False
 ) -> EngineCore:
     """The engine measured (`one_rank`: at TP 1 whatever --tensor-parallel-size says)."""
-    parallel = config_from_args(ParallelConfig, args)
-    if one_rank:
-        parallel = ParallelConfig()
+    parallel = ParallelConfig() if one_rank else config_from_args(ParallelConfig, args)
     config = EngineConfig.from_kwargs(
         model=model, dtype=args.dtype, device=args.device, max_model_len=max_len,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, max_num_seqs=max_seqs, max_num_batched_tokens=max(max_len, 2048),
         enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype, **asdict(parallel),
+        **spec_kwargs(args),
     )  # fmt: skip
-    return EngineCore(config)
+    core = EngineCore(config)
+    if core.spec is not None:
+        use_fixed_drafts(core)
+    return core
 
 
 def decode_step_s(
-    core: EngineCore, batch: int, context: int, steps: int, warmup: int
+    core: EngineCore, batch: int, context: int, steps: int, warmup: int, num_drafts: int = 0
 ) -> tuple[float, tp_costs.TPCosts | None]:
     """Host time per decode step of `batch` requests at `context` tokens: `steps` calls of
     `EngineCore.step()` after `warmup`, timed together (with async scheduling a call returns
     the previous step's tokens while launching the next, so single calls are not steps); with
-    tensor parallelism, also what it costs the step (tp_costs.py)."""
+    tensor parallelism, also what it costs the step (tp_costs.py). `num_drafts` > 0: verify
+    steps of that many drafts per request (a speculating engine)."""
     ids = itertools.count()
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + warmup + 2, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=2 * steps + warmup + 2 + num_drafts, ignore_eos=True,
+        speculative=num_drafts > 0,
+    )  # fmt: skip
     request_ids: list[str] = []
     for _ in range(batch):
         rid = f"decode-{next(ids)}"
@@ -244,6 +254,12 @@ def decode_rows(
             f"{roofline * 1e3:.3f} ms ({num_bytes / 1e9:.3g} GB)", f"{step / roofline:.2f}x",
             step, roofline,
         ))  # fmt: skip
+        if (k := args.num_speculative_tokens) > 0 and core.spec is not None:
+            verify, _ = decode_step_s(core, batch, context, args.steps, args.warmup_steps, k)
+            rows.append(Row(
+                f"{label} verify K={k} batch {batch} ctx {context}", f"{verify * 1e3:.3f} ms/step",
+                f"decode {step * 1e3:.3f} ms/step", f"{verify / step:.2f}x", verify, step,
+            ))  # fmt: skip
     return rows
 
 
@@ -318,23 +334,7 @@ def format_table(rows: list[Row], info: dict) -> str:
     )  # fmt: skip
     lines = ["| case | measured | ceiling | ratio |", "|---|---|---|---|"]
     lines += [f"| {r.case} | {r.measured} | {r.ceiling} | {r.ratio} |" for r in rows]
-    return head + "\n".join(lines) + _tp_table(info)
-
-
-def _tp_table(info: dict) -> str:
-    """Tensor parallelism's cost per decode step, on rank 0 (tp_costs.py)."""
-    if not info.get("tp"):
-        return ""
-    lines = [
-        f"\n\ntensor parallel size {info['tensor_parallel_size']}: per decode step on rank 0",
-        "| case | step | collectives (share) | step broadcast |", "|---|---|---|---|",
-    ]  # fmt: skip
-    lines += [
-        f"| {c['case']} | {c['step_s'] * 1e3:.3f} ms | {c['collectives_s'] * 1e3:.3f} ms "
-        f"({c['collective_share']:.0%}) | {c['broadcast_s'] * 1e6:.0f} us |"
-        for c in info["tp"]
-    ]
-    return "\n".join(lines)
+    return head + "\n".join(lines) + tp_costs.format_table(info)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,3 +97,19 @@ def measure(core: EngineCore, run_steps: Callable[[int], None], steps: int) -> T
     if core.device.type == "cuda":
         collectives_s = nccl_seconds(lambda: run_steps(steps), steps)
     return TPCosts(step_s, totals["broadcast"] / steps, collectives_s)
+
+
+def format_table(info: dict[str, Any]) -> str:
+    """`pd-bench engine`'s second table: tensor parallelism's cost per decode step, on rank 0."""
+    if not info.get("tp"):
+        return ""
+    lines = [
+        f"\n\ntensor parallel size {info['tensor_parallel_size']}: per decode step on rank 0",
+        "| case | step | collectives (share) | step broadcast |", "|---|---|---|---|",
+    ]  # fmt: skip
+    lines += [
+        f"| {c['case']} | {c['step_s'] * 1e3:.3f} ms | {c['collectives_s'] * 1e3:.3f} ms "
+        f"({c['collective_share']:.0%}) | {c['broadcast_s'] * 1e6:.0f} us |"
+        for c in info["tp"]
+    ]
+    return "\n".join(lines)

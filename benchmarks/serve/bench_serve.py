@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.serve import bench_multi_turn
+from benchmarks.serve import bench_multi_turn, spec_stats
 from benchmarks.serve import report as serve_report
 from benchmarks.serve.cluster import BenchCluster, ClusterSpec, kv_counters
 from benchmarks.serve.datasets import DATASETS, DatasetSpec, SampleRequest, load_requests
@@ -199,8 +199,9 @@ def _warm_up(addr: str, requests: list[SampleRequest], options: SendOptions, num
 
 
 def run_sweep(addr: str, config: str, requests: list[SampleRequest], options: SendOptions,
-              args: argparse.Namespace) -> list[dict]:  # fmt: skip
-    """One run per request rate on the cluster at `addr`."""
+              args: argparse.Namespace, cluster: BenchCluster | None = None) -> list[dict]:  # fmt: skip
+    """One run per request rate on the cluster at `addr` (`cluster`: the one this tool
+    started, whose nodes it reads speculative decoding's counters from)."""
     from tqdm import tqdm
 
     _warm_up(addr, requests, options, args.num_warmups)
@@ -209,12 +210,14 @@ def run_sweep(addr: str, config: str, requests: list[SampleRequest], options: Se
         offsets = arrival_offsets_s(len(requests), rate, args.burstiness, args.seed)
         bar = tqdm(total=len(requests), desc=f"{config} @ {rate_label(rate)} req/s",
                    disable=args.no_progress, file=sys.stderr)  # fmt: skip
+        before = spec_stats.read_counters(cluster)
         with bar:
             records, duration_s = asyncio.run(run_requests(
                 addr, requests, offsets, options, args.max_concurrency, bar,
                 run_name=f"bench-{tag}-{rate_label(rate)}"))  # fmt: skip
+        spec = spec_stats.summary(before, spec_stats.read_counters(cluster))
         runs.append({"config": config, "request_rate": rate,
-                     "summary": summarize(records, duration_s, slo),
+                     "summary": {**summarize(records, duration_s, slo), **spec},
                      "requests": [r.to_dict() for r in records]})  # fmt: skip
     return runs
 
@@ -252,6 +255,8 @@ def report(runs: list[dict], args: argparse.Namespace, payload: dict) -> None:
     """Tables to stdout; --json and --plot files."""
     slo = slo_of(args)
     bench_multi_turn.print_run_tables(runs, slo)
+    if spec := spec_stats.text(runs):
+        print(f"\n{spec}")
     if args.multi_turn:
         exact = args.max_concurrency == 1 and (args.addr is None or args.decode_nodes)
         bench_multi_turn.print_turns(runs, bool(exact))
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             runs, payload["dataset"] = multi_turn(addr, config, args, cluster)
         else:
             requests, options, payload["dataset"] = prepare(addr, args)
-            runs = run_sweep(addr, config, requests, options, args)
+            runs = run_sweep(addr, config, requests, options, args, cluster)
     except grpc.aio.AioRpcError as error:
         print(f"pd-bench serve: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

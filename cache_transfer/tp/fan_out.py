@@ -207,16 +207,17 @@ class FanOutSender:
         token_id: int,
         logprob: generation_pb2.TokenLogprob | None = None,
         finish_reason: str = "",
+        draft_token_ids: Sequence[int] = (),
     ) -> None:
-        """On the route to decode rank 0, behind its layers' sends (awaited to completion);
-        the other routes need nothing more."""
+        """On the route to decode rank 0, behind its layers' sends (awaited to completion),
+        with any drafts (speculative decoding); the other routes need nothing more."""
         sender = next((s for route, s in self.routes if route.first_token), None)
         if sender is None:
             raise ValueError(f"transfer {self.transfer_id}: rank {self._own.rank} has no route "
                              "that carries the first token")  # fmt: skip
         if self._first_route_sends:
             await asyncio.wait(set(self._first_route_sends), timeout=sender.remaining_s)
-        await sender.send_first_token(token_id, logprob, finish_reason)
+        await sender.send_first_token(token_id, logprob, finish_reason, draft_token_ids)
 
     def _slice(self, payload: torch.Tensor, start: int, end: int) -> torch.Tensor:
         num_blocks = payload.numel() // self._rank_layout.bytes_per_block

@@ -1,6 +1,7 @@
 """Paged attention through flash-attn 2 (imported only when this backend is chosen).
 
-Decodes go to `flash_attn_with_kvcache` (split-KV decode over the block table), prefills to
+Decodes go to `flash_attn_with_kvcache` (split-KV decode over the block table; a verify batch's
+K + 1 queries per request with its bottom-right causal mask), prefills to
 `flash_attn_varlen_func` with `block_table`, whose causal mask is aligned bottom-right: query i
 of a request with context c sees keys [0, c + i], as the contract requires. FA2's paged KV
 needs block_size % 256 == 0 and fp16/bf16.
@@ -51,24 +52,28 @@ class FlashAttnBackend(AttentionBackend):
         if not kv_written:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        num_decodes = meta.num_decodes
+        num_decodes, query_len = meta.num_decodes, meta.decode_query_len
+        num_rows = meta.num_decode_tokens
         if num_decodes > 0:
-            out[:num_decodes] = flash_attn_with_kvcache(
-                q[:num_decodes, None],  # [num_decodes, 1, num_heads, head_dim]
+            # [num_decodes, Q, num_heads, head_dim]: Q > 1 (a verify batch) is causal from the
+            # bottom right, query i seeing keys up to cache_seqlens - Q + i
+            q_decode = q[:num_rows].view(num_decodes, query_len, *q.shape[1:])
+            out[:num_rows] = flash_attn_with_kvcache(
+                q_decode,
                 k_cache,
                 v_cache,
                 cache_seqlens=meta.seq_lens[:num_decodes],
                 block_table=meta.block_tables[:num_decodes],
                 softmax_scale=scale,
                 causal=True,
-            )[:, 0]
+            ).flatten(0, 1)
         if meta.num_reqs > num_decodes:
             seq_lens = meta.seq_lens[num_decodes:]
-            # [num_prefills + 1] int32 each; decode d owns token d, so prefills start there.
-            cu_seqlens_q = meta.query_start_loc[num_decodes:] - num_decodes
+            # [num_prefills + 1] int32 each; the decodes own the first num_rows tokens.
+            cu_seqlens_q = meta.query_start_loc[num_decodes:] - num_rows
             cu_seqlens_k = F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-            out[num_decodes:] = flash_attn_varlen_func(
-                q[num_decodes:],
+            out[num_rows:] = flash_attn_varlen_func(
+                q[num_rows:],
                 k_cache,
                 v_cache,
                 cu_seqlens_q=cu_seqlens_q,

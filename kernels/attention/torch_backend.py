@@ -4,12 +4,13 @@ One forward handles a whole flat varlen step without a Python loop over requests
 
 ```
 write this step's k/v into the paged cache at slot_mapping
-decodes  (first num_decodes requests): q [rows, 1, H, D], one masked SDPA per length group
+decodes  (first num_decodes requests): q [rows, Q, H, D] (Q = decode_query_len: 1, or K + 1 in
+         a verify batch), one masked SDPA per length group
 prefills (the rest):                   q padded [num_prefills, max_q, H, D] -> one masked SDPA
 each SDPA gathers its rows' context K/V through block_tables into [B, max_ctx, KVH, D]
   (a lone row whose blocks are consecutive, on CPU: a view of the cache, no copy)
-decodes, with cpu_decode_kernel (bf16/fp16 on CPU, what the selector builds there): the C++
-  kernel of cpu_paged_decode.py reads each row's blocks in place, no gather, no length groups
+decodes of one query, with cpu_decode_kernel (bf16/fp16 on CPU, what the selector builds
+  there): the C++ kernel of cpu_paged_decode.py reads each row's blocks in place, no gather
 ```
 
 Query i of a request with context length c (cached tokens before this step) sits at position
@@ -23,14 +24,13 @@ saw. A static-shape (CUDA graph) batch builds it per call, as its buffers change
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from kernels.attention import cpu_paged_decode, kv_quant
 from kernels.attention.backend import AttentionBackend
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.torch_step_plan import AttentionGroup, PrefillPlan, StepPlan, step_plan
 
 
 def write_kv_cache(
@@ -59,55 +59,6 @@ def _fp8_scales(kv_scales: torch.Tensor | None) -> torch.Tensor:
     if kv_scales is None:
         raise ValueError("an FP8 KV cache needs its kv_scales ([2, num_kv_heads])")
     return kv_scales
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """Rows attended by one padded SDPA, and what its gather and mask need."""
-
-    rows: torch.Tensor | None  # [n] int64 rows of the part (decodes / prefills); None: all
-    num_rows: int
-    block_ids: torch.Tensor  # [n * blocks_per_row] int64: the blocks the gather reads, flat
-    max_len: int  # keys per row (the longest context of the group)
-    mask: torch.Tensor  # [n, 1, max_q_len, max_len] bool: key visible to query
-    # One row whose blocks are consecutive (block_ids[0], block_ids[0] + 1, ...), on CPU: its
-    # context is a view of the cache and nothing is gathered (a lone request's usual case).
-    first_block: int | None = None
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    group: AttentionGroup  # all prefill requests, one SDPA
-    flat_idx: torch.Tensor  # [num_prefill_tokens] int64: token's row in [n * max_q_len]
-    max_q_len: int
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    decode_groups: list[AttentionGroup]
-    prefill: PrefillPlan | None
-
-
-def make_group(
-    block_tables: torch.Tensor,  # [n, max_blocks_per_req] int32, the group's rows
-    q_positions: torch.Tensor,  # [n, max_q_len] int64, position of each query
-    max_len: int,
-    block_size: int,
-    rows: torch.Tensor | None = None,
-) -> AttentionGroup:
-    num_blocks = -(-max_len // block_size)
-    block_ids = block_tables[:, :num_blocks].reshape(-1).long()
-    # A real query's position is < its seq_len, so the causal test also hides the rest of the
-    # last block and block-table padding. Padded query rows see at least key 0 (no NaN).
-    mask = torch.arange(max_len, device=q_positions.device) <= q_positions[:, :, None]
-    first_block = None
-    if block_ids.device.type == "cpu" and block_tables.shape[0] == 1:
-        ids = block_ids.tolist()
-        if ids == list(range(ids[0], ids[0] + num_blocks)):
-            first_block = ids[0]
-    return AttentionGroup(
-        rows, block_tables.shape[0], block_ids, max_len, mask[:, None], first_block
-    )
 
 
 def gather_context(
@@ -154,83 +105,6 @@ def paged_attention(
     return out.transpose(1, 2)
 
 
-MAX_DECODE_GROUPS = 4
-_GROUP_LEN_RATIO = 0.7  # a group's shortest context is at least this fraction of its longest
-
-
-def length_groups(seq_lens: tuple[int, ...]) -> list[tuple[list[int], int]]:
-    """Split request rows into at most MAX_DECODE_GROUPS groups of similar length, longest
-    first: [(rows, max_len)]. One group when the lengths are already close."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
-    groups: list[tuple[list[int], int]] = []
-    start = 0
-    for i in range(1, len(order) + 1):
-        last_group = len(groups) == MAX_DECODE_GROUPS - 1
-        if i == len(order) or (
-            not last_group and seq_lens[order[i]] < _GROUP_LEN_RATIO * seq_lens[order[start]]
-        ):
-            groups.append((order[start:i], seq_lens[order[start]]))
-            start = i
-    return groups
-
-
-def decode_groups(meta: AttentionMetadata, block_size: int) -> list[AttentionGroup]:
-    """One group per set of similar context lengths (at most `MAX_DECODE_GROUPS`): padding
-    every decode to the longest context wastes up to half the gathered KV when lengths are
-    spread, and the gather is most of decode attention's cost. A static-shape batch is one
-    group padded to the block tables' capacity (no host decision on its lengths)."""
-    num_decodes = meta.num_decodes
-    positions = (meta.seq_lens[:num_decodes].long() - 1)[:, None]  # [num_decodes, 1]
-    block_tables = meta.block_tables[:num_decodes]
-    if meta.static_shapes:
-        return [make_group(block_tables, positions, meta.max_seq_len, block_size)]
-    groups = length_groups(meta.seq_lens_cpu[:num_decodes])
-    if len(groups) == 1:
-        return [make_group(block_tables, positions, groups[0][1], block_size)]
-    plans = []
-    for rows, max_len in groups:
-        idx = torch.tensor(rows, device=positions.device)
-        plans.append(
-            make_group(
-                block_tables.index_select(0, idx),
-                positions.index_select(0, idx),
-                max_len,
-                block_size,
-                rows=idx,
-            )
-        )
-    return plans
-
-
-def prefill_plan(meta: AttentionMetadata, block_size: int) -> PrefillPlan:
-    """Where each prefill token sits in the padded [num_prefills, max_q_len] layout, and the
-    prefills' single group."""
-    first = meta.num_decodes
-    num_prefills = meta.num_reqs - first
-    num_prefill_tokens = meta.num_tokens - first
-    device = meta.seq_lens.device
-    query_start_loc = meta.query_start_loc[first:].long() - meta.query_start_loc[first]
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_prefills]
-    req_idx = torch.repeat_interleave(
-        torch.arange(num_prefills, device=device), query_lens, output_size=num_prefill_tokens
-    )
-    token_idx = torch.arange(num_prefill_tokens, device=device) - query_start_loc[req_idx]
-    max_q_len = max(meta.query_lens_cpu[first:])
-    context_lens = meta.seq_lens[first:].long() - query_lens  # tokens cached before this step
-    q_positions = context_lens[:, None] + torch.arange(max_q_len, device=device)
-    max_len = max(meta.seq_lens_cpu[first:])
-    group = make_group(meta.block_tables[first:], q_positions, max_len, block_size)
-    return PrefillPlan(group, req_idx * max_q_len + token_idx, max_q_len)
-
-
-def step_plan(meta: AttentionMetadata, block_size: int, plan_decodes: bool = True) -> StepPlan:
-    """The step's groups; `plan_decodes` False: no decode groups (the decode kernel reads the
-    block tables itself)."""
-    decodes = decode_groups(meta, block_size) if plan_decodes and meta.num_decodes > 0 else []
-    prefill = prefill_plan(meta, block_size) if meta.num_reqs > meta.num_decodes else None
-    return StepPlan(decodes, prefill)
-
-
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch ops only; runs on any device and dtype."""
 
@@ -265,20 +139,24 @@ class TorchAttentionBackend(AttentionBackend):
         fp8 = kv_quant.is_fp8(k_cache)  # (the C++ decode kernel reads bf16/fp16 blocks only)
         kernel = (
             self.cpu_decode_kernel and not fp8 and not meta.static_shapes and meta.num_decodes > 0
-        )
+            and meta.decode_query_len == 1
+        )  # fmt: skip
         plan = self._plan(meta, k_cache.shape[1], plan_decodes=not kernel)
         out = torch.empty_like(q)
-        num_decodes = meta.num_decodes
+        num_decodes, num_rows = meta.num_decodes, meta.num_decode_tokens
         if kernel:
             out[:num_decodes] = cpu_paged_decode.paged_decode_attention(
                 q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                 meta.seq_lens[:num_decodes], scale,
             )  # fmt: skip
         elif plan.decode_groups:
-            out[:num_decodes] = _decode(q[:num_decodes], k_cache, v_cache, plan, scale, kv_scales)
+            q_decode = q[:num_rows].view(num_decodes, meta.decode_query_len, *q.shape[1:])
+            out[:num_rows] = _decode(q_decode, k_cache, v_cache, plan, scale, kv_scales).flatten(
+                0, 1
+            )
         if plan.prefill is not None:
-            out[num_decodes:] = _prefill(
-                q[num_decodes:], k_cache, v_cache, plan.prefill, scale, kv_scales
+            out[num_rows:] = _prefill(
+                q[num_rows:], k_cache, v_cache, plan.prefill, scale, kv_scales
             )
         return out
 
@@ -294,22 +172,22 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _decode(
-    q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    q: torch.Tensor,  # [num_decodes, Q, num_heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: StepPlan,
     scale: float,
     kv_scales: torch.Tensor | None,
-) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+) -> torch.Tensor:  # [num_decodes, Q, num_heads, head_dim]
     """One padded attention per length group."""
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].rows is None:
-        return paged_attention(q[:, None], k_cache, v_cache, groups[0], scale, kv_scales)[:, 0]
+        return paged_attention(q, k_cache, v_cache, groups[0], scale, kv_scales)
     out = torch.empty_like(q)
     for group in groups:
         assert group.rows is not None, "a group of several names its rows"
-        q_group = q.index_select(0, group.rows)[:, None]  # [n, 1, H, D]
-        out_group = paged_attention(q_group, k_cache, v_cache, group, scale, kv_scales)[:, 0]
+        q_group = q.index_select(0, group.rows)  # [n, Q, H, D]
+        out_group = paged_attention(q_group, k_cache, v_cache, group, scale, kv_scales)
         out.index_copy_(0, group.rows, out_group)
     return out
 

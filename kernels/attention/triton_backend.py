@@ -88,6 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, num_decodes,
                 meta.max_seq_len, scale, self.decode_partition_len, self.decode_config,
+                meta.decode_query_len,
             )  # fmt: skip
         if meta.num_reqs > num_decodes:
             paged_prefill_attention(
@@ -162,8 +163,11 @@ def paged_decode_attention(
     scale: float,
     partition_len: int | None = None,  # keys per split; None: per request, in the kernel
     config: DecodeLaunchConfig | None = None,  # None: decode_launch_config of this batch
+    query_len: int = 1,  # query tokens per decode (K + 1 in a verify batch), causal
 ) -> None:
-    """One query per request (the first `num_decodes`) over its whole paged context.
+    """`query_len` queries per request (the first `num_decodes`; request d owns rows
+    [d * query_len, (d + 1) * query_len)) over its whole paged context, causal among the
+    request's new tokens; one program reads each K/V tile once for all of them.
 
     With `partition_len=None` the launch depends on `num_decodes`, the cache shape and the GPU
     alone, and no host value of the batch's lengths is read: safe to capture in a CUDA graph,
@@ -181,31 +185,32 @@ def paged_decode_attention(
     else:
         num_splits = triton.cdiv(max_seq_len, partition_len)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    num_tokens = num_decodes * query_len
     partial_out = partial_lse = out  # unused placeholders when there is one split
     if num_splits > 1:
         partial_out = q.new_empty(
-            num_decodes, num_heads, num_splits, head_dim_pad, dtype=torch.float32
+            num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32
         )
-        partial_lse = q.new_empty(num_decodes, num_heads, num_splits, dtype=torch.float32)
+        partial_lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
     group = num_heads // num_kv_heads
     paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, seq_lens,
         scale * LOG2E, partition_len, config.min_partition_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
-        SINGLE_SPLIT=num_splits == 1, NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1, NUM_QUERIES_PER_KV=group, QUERY_LEN=query_len,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_G=max(16, triton.next_power_of_2(query_len * group)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.options(num_decodes),
+        num_stages=config.num_stages, **pdl.options(num_tokens),
     )  # fmt: skip
     if num_splits > 1:
-        paged_decode_reduce_kernel[(num_decodes, num_heads)](
+        paged_decode_reduce_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, seq_lens, partition_len, config.min_partition_len,
-            out.stride(0), out.stride(1), num_splits,
+            out.stride(0), out.stride(1), num_splits, QUERY_LEN=query_len,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, num_warps=4,
-            **pdl.options(num_decodes),
+            **pdl.options(num_tokens),
         )  # fmt: skip
 
 

@@ -6,7 +6,9 @@ block table, so any block size works. Softmax is online (flash-attention style) 
 
 ```
 decode   grid (num_decodes, num_kv_heads, num_splits): one program = one request, one kv head,
-         one slice of the context; all q heads of the group share each K/V tile load.
+         one slice of the context; all q heads of the group, and all QUERY_LEN query tokens of
+         the request (K + 1 in a speculative verify batch, causal among themselves), share
+         each K/V tile load: the verify step reads the context once, as a decode does.
          num_splits > 1: partial (out, lse) per slice, then paged_decode_reduce_kernel merges them.
          partition_len 0: each request cuts its own context into min(num_splits,
          cdiv(seq_len, min_partition_len)) slices, computed in the kernel from seq_lens, so
@@ -15,28 +17,8 @@ prefill  grid (num_heads, num_q_tiles, num_prefills): one program = BLOCK_M quer
          request and head; keys up to the tile's last position, causal mask on the diagonal.
 ```
 
-Decode split policy (`decode_splits` in kernels/attention/decode_launch_config.py). Decode
-reads each key once, so it runs at HBM bandwidth only while enough programs are in flight. A
-small batch has few (request, kv head) pairs, 8 at batch 1 for llama3-8b, so the slices are all
-the parallelism there is: a 1K context in 256-key slices gives 32 programs on a 132-SM H200,
-each waiting on a few serial tile loads. The host picks `min_partition_len` and `max_splits`
-(the grid's third dimension) from the batch size, the kv head count and the SM count alone,
-never from a context length (a decode graph is captured per batch size and replayed with any
-lengths):
-
-```
-max_splits         cdiv(2 * num_sms, num_decodes * num_kv_heads), at most 64: slices per
-                   request that give two programs per SM (1 once the pairs alone do)
-min_partition_len  64 keys (at least BLOCK_N): no slice shorter
-```
-
-Measured (`python3 -m benchmarks.kernels.attention_split_sweep`, one H200, llama3-8b layer, bf16,
-benchmarks/results/2026-12-02-h200-attention-split-sweep.txt): the fastest setting at batch 1
-is 16-32 slices of 64-128 keys; at batch 8 4-8 slices; at batch 32 one or two; at batch 128
-no split at all (one program per (request, kv head) already makes 1024 programs: splitting
-only adds partial writes and the merge). The former policy (256-key slices, up to 16 per
-request, whatever the batch) cost 1.34x at batch 1 (11.7 vs 8.7 us) and 1.24x at batch 128
-(161.9 vs 130.1 us), context 1K.
+Decode split policy: `decode_splits` in kernels/attention/decode_launch_config.py (the
+policy, its reasons and its measurements).
 
 A request's result depends on its own context and the batch's launch config only: within one
 batch size (one graph) it is independent of the other requests, but the same request at two
@@ -119,10 +101,14 @@ def _online_softmax_step(
     s,  # [M, BLOCK_N] scores (log2 domain), -inf where hidden
     v,  # [BLOCK_N, HEAD_DIM_PAD]
     DOT_PRECISION: tl.constexpr,
+    EMPTY_ROWS: tl.constexpr = False,  # a row may have seen no visible key yet: -inf max as 0
 ):
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = m_new
+    if EMPTY_ROWS:  # (a verify query whose causal limit lies before this split): no NaN
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -131,9 +117,9 @@ def _online_softmax_step(
 @triton.jit
 def paged_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; used when SINGLE_SPLIT
-    partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
-    partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32, log2 domain
-    q_ptr,  # [num_tokens, num_heads, head_dim]; decode d owns row d
+    partial_out_ptr,  # [num_decode_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decode_tokens, num_heads, num_splits] fp32, log2 domain
+    q_ptr,  # [num_tokens, num_heads, head_dim]; decode d owns rows [d * QUERY_LEN, + QUERY_LEN)
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,  # [num_reqs, max_blocks_per_req]
@@ -151,10 +137,11 @@ def paged_decode_kernel(
     stride_block_table,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
     NUM_QUERIES_PER_KV: tl.constexpr,
+    QUERY_LEN: tl.constexpr,  # query tokens per request (1; K + 1 in a verify batch)
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # q heads of a group, padded to >= 16 for tl.dot
+    BLOCK_G: tl.constexpr,  # QUERY_LEN x q heads of a group, padded to >= 16 for tl.dot
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (kernels/pdl.py): wait for the kernel before
@@ -172,19 +159,26 @@ def paged_decode_kernel(
         return  # the reduce kernel skips splits past the context
     end_n = tl.minimum(seq_len, start_n + partition_len)
 
+    # Row r of the tile: query token r // group of the request, q head r % group of kv_head.
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    heads = kv_head * NUM_QUERIES_PER_KV + offs_g
-    g_mask = offs_g < NUM_QUERIES_PER_KV
+    query = offs_g // NUM_QUERIES_PER_KV  # [BLOCK_G] query token within the request
+    heads = kv_head * NUM_QUERIES_PER_KV + offs_g % NUM_QUERIES_PER_KV
+    g_mask = offs_g < QUERY_LEN * NUM_QUERIES_PER_KV
     qo_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q_ptrs = q_ptr + req.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    tokens = req.to(tl.int64) * QUERY_LEN + query
+    q_ptrs = q_ptr + tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head
     q = tl.load(q_ptrs + offs_d[None, :], mask=qo_mask, other=0.0)  # [BLOCK_G, HEAD_DIM_PAD]
+    # Causal among the request's new tokens: query i sees keys <= seq_len - QUERY_LEN + i;
+    # keys < causal_end are visible to every query (all of them when QUERY_LEN == 1).
+    limits = seq_len - QUERY_LEN + query  # [BLOCK_G] last visible key of each row
+    causal_end = tl.minimum(end_n, seq_len - QUERY_LEN + 1)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], tl.float32)
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_table
-    full_end = start_n + (end_n - start_n) // BLOCK_N * BLOCK_N
+    full_end = start_n + tl.maximum(causal_end - start_n, 0) // BLOCK_N * BLOCK_N
     for tile_n in range(start_n, full_end, BLOCK_N):
         offs_n = tile_n + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
@@ -195,8 +189,8 @@ def paged_decode_kernel(
                           BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, False)  # fmt: skip
         s = _scores(q, k, scale_log2, DOT_PRECISION)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
-    if full_end < end_n:
-        offs_n = full_end + tl.arange(0, BLOCK_N)
+    for tile_n in range(full_end, end_n, BLOCK_N):  # the context's tail: length and causal mask
+        offs_n = tile_n + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(k_cache_ptr, block_table_ptr, offs_n, offs_d, kv_head,
                           stride_cache_block, stride_cache_token, stride_cache_head,
                           BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
@@ -204,43 +198,49 @@ def paged_decode_kernel(
                           stride_cache_block, stride_cache_token, stride_cache_head,
                           BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, end_n, True)  # fmt: skip
         s = _scores(q, k, scale_log2, DOT_PRECISION)
-        s = tl.where((offs_n < end_n)[None, :], s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+        visible = (offs_n < end_n)[None, :] & (offs_n[None, :] <= limits[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION, True)
 
     if SINGLE_SPLIT:
-        out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+        out_ptrs = out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
         out = acc / l_i[:, None]
         tl.store(out_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
+        # A row that sees no key of this slice (a verify query before its start): lse -inf,
+        # output 0, so the merge gives the slice no weight.
         num_heads = tl.num_programs(1) * NUM_QUERIES_PER_KV
-        row = (req * num_heads + heads) * tl.num_programs(2) + split
-        tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=g_mask)
-        partial_ptrs = partial_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM_PAD + offs_d[None, :]
-        tl.store(partial_ptrs, acc / l_i[:, None], mask=g_mask[:, None])
+        row = (tokens * num_heads + heads) * tl.num_programs(2) + split
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # m_i is -inf where l_i is 0
+        tl.store(partial_lse_ptr + row, m_i + tl.log2(l_safe), mask=g_mask)
+        partial = acc / l_safe[:, None]
+        partial_ptrs = partial_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+        tl.store(partial_ptrs, partial, mask=g_mask[:, None])
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
     out_ptr,
-    partial_out_ptr,  # [num_decodes, num_heads, num_splits, HEAD_DIM_PAD] fp32
-    partial_lse_ptr,  # [num_decodes, num_heads, num_splits] fp32
+    partial_out_ptr,  # [num_decode_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32
+    partial_lse_ptr,  # [num_decode_tokens, num_heads, num_splits] fp32
     seq_lens_ptr,
     partition_len,
     min_partition_len,
     stride_out_token,
     stride_out_head,
     num_splits,
+    QUERY_LEN: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the decode kernel's
     USE_PDL: tl.constexpr,
 ):
-    """Merge the splits of one (request, head): softmax-weighted by each split's lse."""
+    """Merge the splits of one (query token, head): softmax-weighted by each split's lse."""
     pdl.wait_then_release(USE_PDL)
-    req = tl.program_id(0)
+    token = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + token // QUERY_LEN)
     partition_len = _request_partition_len(
         seq_len, partition_len, num_splits, min_partition_len, BLOCK_N
     )
@@ -248,14 +248,14 @@ def paged_decode_reduce_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_valid
-    row0 = (req * tl.num_programs(1) + head) * num_splits
+    row0 = (token * tl.num_programs(1) + head) * num_splits
     lse = tl.load(partial_lse_ptr + row0 + offs_s, mask=s_mask, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)  # [SPLITS_PAD]
     partial_ptrs = partial_out_ptr + (row0 + offs_s)[:, None].to(tl.int64) * HEAD_DIM_PAD
     partial = tl.load(partial_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(partial * weights[:, None], 0)  # [HEAD_DIM_PAD]
-    out_ptrs = out_ptr + req.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\xdc\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x37\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"a\n\x10StructuredOutput\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .pdserve.v1.StructuredOutputKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\x97\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x34\n\x10\x64\x65\x66\x61ult_sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x1a\n\x18GetModelTokenizerRequest\"^\n\x0eModelTokenizer\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*\xf7\x01\n\x14StructuredOutputKind\x12&\n\"STRUCTURED_OUTPUT_KIND_UNSPECIFIED\x10\x00\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_SCHEMA\x10\x01\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_OBJECT\x10\x02\x12 \n\x1cSTRUCTURED_OUTPUT_KIND_REGEX\x10\x03\x12\"\n\x1eSTRUCTURED_OUTPUT_KIND_GRAMMAR\x10\x04\x12!\n\x1dSTRUCTURED_OUTPUT_KIND_CHOICE\x10\x05\x32\xef\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12P\n\x0cGetTokenizer\x12$.pdserve.v1.GetModelTokenizerRequest\x1a\x1a.pdserve.v1.ModelTokenizerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xe2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\"\x86\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x37\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x0bspeculative\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"a\n\x10StructuredOutput\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .pdserve.v1.StructuredOutputKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\x97\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x34\n\x10\x64\x65\x66\x61ult_sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x1a\n\x18GetModelTokenizerRequest\"^\n\x0eModelTokenizer\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\x0c\x12\x15\n\rchat_template\x18\x03 \x01(\t*\xf7\x01\n\x14StructuredOutputKind\x12&\n\"STRUCTURED_OUTPUT_KIND_UNSPECIFIED\x10\x00\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_SCHEMA\x10\x01\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_OBJECT\x10\x02\x12 \n\x1cSTRUCTURED_OUTPUT_KIND_REGEX\x10\x03\x12\"\n\x1eSTRUCTURED_OUTPUT_KIND_GRAMMAR\x10\x04\x12!\n\x1dSTRUCTURED_OUTPUT_KIND_CHOICE\x10\x05\x32\xef\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12P\n\x0cGetTokenizer\x12$.pdserve.v1.GetModelTokenizerRequest\x1a\x1a.pdserve.v1.ModelTokenizerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STRUCTUREDOUTPUTKIND']._serialized_start=2228
-  _globals['_STRUCTUREDOUTPUTKIND']._serialized_end=2475
+  _globals['_STRUCTUREDOUTPUTKIND']._serialized_start=2270
+  _globals['_STRUCTUREDOUTPUTKIND']._serialized_end=2517
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=270
   _globals['_TOKENIDS']._serialized_start=272
@@ -48,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=541
   _globals['_CHATMESSAGES']._serialized_end=631
   _globals['_SAMPLINGPARAMS']._serialized_start=634
-  _globals['_SAMPLINGPARAMS']._serialized_end=1366
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1134
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1182
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1368
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1465
-  _globals['_GENERATERESPONSE']._serialized_start=1468
-  _globals['_GENERATERESPONSE']._serialized_end=1691
-  _globals['_USAGE']._serialized_start=1693
-  _globals['_USAGE']._serialized_end=1773
-  _globals['_TOKENLOGPROB']._serialized_start=1775
-  _globals['_TOKENLOGPROB']._serialized_end=1875
-  _globals['_TOPLOGPROB']._serialized_start=1877
-  _globals['_TOPLOGPROB']._serialized_end=1924
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1926
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1947
-  _globals['_MODELINFO']._serialized_start=1950
-  _globals['_MODELINFO']._serialized_end=2101
-  _globals['_GETMODELTOKENIZERREQUEST']._serialized_start=2103
-  _globals['_GETMODELTOKENIZERREQUEST']._serialized_end=2129
-  _globals['_MODELTOKENIZER']._serialized_start=2131
-  _globals['_MODELTOKENIZER']._serialized_end=2225
-  _globals['_GENERATION']._serialized_start=2478
-  _globals['_GENERATION']._serialized_end=2717
+  _globals['_SAMPLINGPARAMS']._serialized_end=1408
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1160
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1208
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1410
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1507
+  _globals['_GENERATERESPONSE']._serialized_start=1510
+  _globals['_GENERATERESPONSE']._serialized_end=1733
+  _globals['_USAGE']._serialized_start=1735
+  _globals['_USAGE']._serialized_end=1815
+  _globals['_TOKENLOGPROB']._serialized_start=1817
+  _globals['_TOKENLOGPROB']._serialized_end=1917
+  _globals['_TOPLOGPROB']._serialized_start=1919
+  _globals['_TOPLOGPROB']._serialized_end=1966
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1968
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1989
+  _globals['_MODELINFO']._serialized_start=1992
+  _globals['_MODELINFO']._serialized_end=2143
+  _globals['_GETMODELTOKENIZERREQUEST']._serialized_start=2145
+  _globals['_GETMODELTOKENIZERREQUEST']._serialized_end=2171
+  _globals['_MODELTOKENIZER']._serialized_start=2173
+  _globals['_MODELTOKENIZER']._serialized_end=2267
+  _globals['_GENERATION']._serialized_start=2520
+  _globals['_GENERATION']._serialized_end=2759
 # @@protoc_insertion_point(module_scope)

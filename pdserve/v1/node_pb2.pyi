@@ -27,7 +27,7 @@ DECODE_MODE_DISAGGREGATED: DecodeMode
 DECODE_MODE_LOCAL_PREFILL: DecodeMode
 
 class NodeSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "structured_output", "prompt_logprobs", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "structured_output", "prompt_logprobs", "logit_bias", "speculative")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class NodeSamplingParams(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -67,7 +68,8 @@ class NodeSamplingParams(_message.Message):
     structured_output: _generation_pb2.StructuredOutput
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device", "kv_cache_dtype", "num_cached_blocks", "tp_size", "ranks")
@@ -206,18 +208,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_result: _Optional[_Union[PrefillTransferResult, _Mapping]] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("token_id", "logprob", "finish_reason", "num_cached_tokens", "prompt_logprobs", "draft_token_ids")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generation_pb2.TokenLogprob
     finish_reason: str
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillTransferResult(_message.Message):
     __slots__ = ("ok", "error", "num_bytes", "elapsed_s")
@@ -296,7 +300,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_prefilled_tokens", "num_kv_transfers", "num_kv_transfer_bytes", "num_kv_skipped_bytes")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_prefilled_tokens", "num_kv_transfers", "num_kv_transfer_bytes", "num_kv_skipped_bytes", "num_spec_verifies", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_emitted_tokens")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +322,10 @@ class NodeStats(_message.Message):
     NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_running_requests: int
@@ -339,7 +347,11 @@ class NodeStats(_message.Message):
     num_kv_transfers: int
     num_kv_transfer_bytes: int
     num_kv_skipped_bytes: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_prefilled_tokens: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_bytes: _Optional[int] = ..., num_kv_skipped_bytes: _Optional[int] = ...) -> None: ...
+    num_spec_verifies: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    num_spec_emitted_tokens: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_prefilled_tokens: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_bytes: _Optional[int] = ..., num_kv_skipped_bytes: _Optional[int] = ..., num_spec_verifies: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_emitted_tokens: _Optional[int] = ...) -> None: ...
 
 class LayerTimeline(_message.Message):
     __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s", "marks_s")

@@ -164,16 +164,18 @@ class LayerManifest(_message.Message):
     def __init__(self, layer_idx: _Optional[int] = ..., block_offset: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token_end: _Optional[int] = ..., written_in_place: _Optional[bool] = ..., more_layer_ids: _Optional[_Iterable[int]] = ..., payload_digest: _Optional[bool] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "finish_reason", "sealed")
+    __slots__ = ("token_id", "logprob", "finish_reason", "draft_token_ids", "sealed")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _generation_pb2.TokenLogprob
     finish_reason: str
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sealed: bytes
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., sealed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sealed: _Optional[bytes] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "writes_drained")

@@ -56,3 +56,23 @@ def test_deploy_refers_only_to_registered_metrics():
     }
     assert mentioned, "deploy/ names no metric: the HPA should"
     assert {(path, name) for path, name in mentioned if name not in names} == set()
+
+
+def test_speculative_decoding_ratios() -> None:
+    """Acceptance ratio and mean accepted length from the node's counters; absent before the
+    first verify (no division by zero, no made-up 0)."""
+
+    def gauges(stats: dict[str, int]) -> dict[str, float]:
+        node = NodeMetrics("decode", "m", lambda: stats)
+        return {
+            family.name: family.samples[0].value
+            for family in node.registry.collect()
+            if family.name.startswith("pdserve_node_spec_decode") and family.type == "gauge"
+        }
+
+    spec = dict(num_spec_verifies=4, num_spec_draft_tokens=16, num_spec_accepted_tokens=6)
+    assert gauges(spec) == {
+        "pdserve_node_spec_decode_acceptance_ratio": 6 / 16,
+        "pdserve_node_spec_decode_mean_accepted_tokens": 6 / 4,
+    }
+    assert gauges({"num_spec_verifies": 0, "num_spec_draft_tokens": 0}) == {}

@@ -20,6 +20,7 @@ OPTIONAL_SAMPLING_FIELDS = {
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "speculative",  # unset: true
 }
 
 

@@ -69,3 +69,16 @@ def test_engine_bench_help_documents_every_option(capsys) -> None:
         "--devices",
     ):
         assert flag in text  # fmt: skip
+
+
+def test_engine_bench_puts_verify_steps_beside_decode_steps(tmp_path, capsys) -> None:
+    """--num-speculative-tokens K: a K + 1-token verify step per batch and context, its
+    ceiling column the plain decode step of the same engine."""
+    argv = [*SMALL, "--prefill-lens", "", "--floor-model", "", "--num-speculative-tokens", "2"]
+    table, result = run_with_json("engine", argv, tmp_path, capsys)
+    rows = {r["case"]: r for r in result["rows"]}
+    for batch in (1, 3):
+        decode = rows[f"tiny-llama decode batch {batch} ctx 40"]
+        verify = rows[f"tiny-llama verify K=2 batch {batch} ctx 40"]
+        assert verify["bound"] == decode["value"] and verify["value"] > 0
+    assert "verify K=2 batch 3 ctx 40" in table and len(rows) == 4

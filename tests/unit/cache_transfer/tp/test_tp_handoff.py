@@ -1,7 +1,7 @@
 """A KV hand-off between tensor-parallel sizes, in process: every prefill rank sends its own
 heads straight to the decode rank(s) holding them; each decode rank's pool holds exactly its
 heads of the prefill node's KV, in the ticket's blocks, and nothing else; rank 0 gets the
-first token; one route failing fails the whole hand-off on every rank."""
+first token (and its drafts); one route failing fails the whole hand-off on every rank."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ def test_every_rank_gets_exactly_its_heads(num_kv_heads, src_tp, dst_tp):
         try:
             receiver = pair.open_receiver()
             sending = pair.open_senders(receiver.ticket())
-            await pair.send_all(sending, first_token=42)
+            await pair.send_all(sending, first_token=42, drafts=[7, 8, 9])
             assert await asyncio.wait_for(receiver.wait(), 10) == TransferState.SUCCESS
             assert receiver.first_token.token_id == 42
+            assert list(receiver.first_token.draft_token_ids) == [7, 8, 9]  # on rank 0's route
             assert await pair.prefill[0].fan_out.wait() == TransferState.SUCCESS
             await asyncio.wait_for(receiver.writes_settled.wait(), 5)
             assert pair.landed_as_sent()

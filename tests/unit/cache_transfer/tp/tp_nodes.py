@@ -6,6 +6,7 @@ decode ranks' fan-ins and hears their outcome, and the other prefill ranks' outc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -127,9 +128,11 @@ class TPPair:
         head.seal()
         return sending
 
-    async def send_all(self, sending: list[Rank], first_token: int = 42, held: int = 0) -> None:
+    async def send_all(
+        self, sending: list[Rank], first_token: int = 42, held: int = 0, drafts: Sequence[int] = ()
+    ) -> None:
         """Each sending rank packs and sends every layer (past the `held` blocks); rank 0 then
-        the first token."""
+        the first token (with `drafts`: speculative decoding's)."""
         for layer in range(self.layout.num_layers):
             for rank in sending:
                 k, v = rank.caches[layer]
@@ -141,7 +144,7 @@ class TPPair:
                 assert n_heads == k.shape[2]
                 pack_layer(k, v, SRC_IDS[held:], packed)
                 await rank.fan_out.send_packed_layers([(layer, packed)])
-        await self.prefill[0].fan_out.send_first_token(first_token)
+        await self.prefill[0].fan_out.send_first_token(first_token, None, "", drafts)
 
     def landed_as_sent(self, held: int = 0) -> bool:
         """Every decode rank holds, at DST_IDS, its heads of the model's KV at SRC_IDS (past

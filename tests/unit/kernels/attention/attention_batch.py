@@ -5,6 +5,7 @@ Shared by the CPU unit tests and tests/gpu/test_attention_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,12 +41,16 @@ def make_batch(
     device: str | torch.device = "cpu",
     seed: int = 0,
     num_spare_blocks: int = 3,
+    decode_query_len: int = 1,
 ) -> AttentionBatch:
-    """A batch whose request i has context_lens[i] cached tokens and query_lens[i] new ones.
+    """A batch whose request i has context_lens[i] cached tokens and query_lens[i] new ones;
+    the first `num_decodes` have `decode_query_len` each (> 1: a speculative verify batch).
 
     Block ids are a random permutation of the pool (non-contiguous, unsorted); the whole
     cache, spare blocks included, holds random values.
     """
+    if any(n != decode_query_len for n in query_lens[:num_decodes]):
+        raise ValueError(f"the first {num_decodes} query_lens must be {decode_query_len}")
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
@@ -61,6 +66,7 @@ def make_batch(
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     meta = _metadata(block_ids, query_lens, context_lens, block_size, num_decodes, device)
+    meta = dataclasses.replace(meta, decode_query_len=decode_query_len)
     return AttentionBatch(
         q=randn(num_tokens, num_heads, head_dim),
         k=randn(num_tokens, num_kv_heads, head_dim),

@@ -15,6 +15,8 @@ from kernels.attention import TorchAttentionBackend
 MIXED = ([1, 1, 1, 5, 1, 9, 17], [0, 7, 33, 12, 20, 0, 3], 3)
 DECODE_ONLY = ([1, 1, 1, 1], [4, 0, 40, 17], 4)
 PREFILL_ONLY = ([6, 13, 2], [0, 21, 9], 0)
+# A speculative verify batch: 5 queries per decode (last token + 4 drafts), then prefills.
+VERIFY = ([5, 5, 5, 9, 1], [0, 30, 61, 12, 20], 3)
 
 
 def run_and_check(batch, atol: float, rtol: float) -> None:
@@ -43,6 +45,24 @@ def test_matches_reference_fp32(block_size: int, group: int, case) -> None:
         block_size=block_size,
         seed=block_size * 10 + group,
     )
+    run_and_check(batch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_verify_batch_matches_reference_fp32(block_size: int, group: int) -> None:
+    """K + 1 queries per decode, causal among themselves, over the paged context."""
+    query_lens, context_lens, num_decodes = VERIFY
+    batch = make_batch(
+        query_lens, context_lens, num_decodes, num_heads=2 * group, num_kv_heads=2,
+        head_dim=16, block_size=block_size, seed=group, decode_query_len=5,
+    )  # fmt: skip
+    run_and_check(batch, atol=1e-5, rtol=1e-5)
+    lengths = [5, 5, 5, 5]  # spread contexts: several length groups
+    batch = make_batch(
+        lengths, [0, 200, 9, 90], 4, num_heads=4, num_kv_heads=2, head_dim=16,
+        block_size=block_size, seed=7, decode_query_len=5,
+    )  # fmt: skip
     run_and_check(batch, atol=1e-5, rtol=1e-5)
 
 
@@ -129,7 +149,7 @@ def test_rejects_heads_not_multiple_of_kv_heads() -> None:
 
 
 def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
-    from kernels.attention.torch_backend import MAX_DECODE_GROUPS, length_groups
+    from kernels.attention.torch_step_plan import MAX_DECODE_GROUPS, length_groups
 
     gen = torch.Generator().manual_seed(0)
     seq_lens = tuple(torch.randint(1, 500, (64,), generator=gen).tolist())
@@ -147,7 +167,7 @@ def test_length_groups_cover_every_row_once_and_bound_padding() -> None:
 def test_lone_request_with_consecutive_blocks_reads_a_view(query_len: int) -> None:
     """One request whose blocks are consecutive attends over a view of the cache (no gather):
     exactly what the gather gives, and the reference's values."""
-    from kernels.attention.torch_backend import step_plan
+    from kernels.attention.torch_step_plan import step_plan
 
     batch = make_batch(
         [query_len], [37], int(query_len == 1), num_heads=6, num_kv_heads=2, head_dim=16,

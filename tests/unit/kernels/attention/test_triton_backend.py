@@ -142,3 +142,28 @@ def test_batch_1_default_launch_cuts_small_slices_fp32() -> None:
         device=DEVICE, seed=3,
     )  # fmt: skip
     compare(batch, TritonAttentionBackend(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("partition_len", [32, None, 4096], ids=["split", "auto", "one-split"])
+def test_verify_batch_fp32(group: int, partition_len: int | None) -> None:
+    """Speculative verify rows (5 queries per decode, causal among themselves) through the
+    decode kernel, contexts around tile and slice edges (a query may see nothing of the last
+    slice), then prefills; equal to the torch reference."""
+    query_lens = [5, 5, 5, 5, 5, 9, 1]
+    context_lens = [0, 27, 28, 60, 300, 12, 20]
+    batch = make_batch(
+        query_lens, context_lens, 5, num_heads=2 * group, num_kv_heads=2, head_dim=16,
+        block_size=16, device=DEVICE, seed=group, decode_query_len=5,
+    )  # fmt: skip
+    compare(batch, TritonAttentionBackend(partition_len), atol=1e-5, rtol=1e-5)
+
+
+def test_verify_batch_small_slices_fp32() -> None:
+    """Slices of one tile: the causal tail spans two slices."""
+    batch = make_batch(
+        [4, 4, 4], [29, 30, 95], 3, num_heads=3, num_kv_heads=1, head_dim=16, block_size=1,
+        device=DEVICE, seed=2, decode_query_len=4,
+    )  # fmt: skip
+    config = DecodeLaunchConfig(32, 8, 32, 4, 2)
+    compare(batch, TritonAttentionBackend(decode_config=config), atol=1e-5, rtol=1e-5)

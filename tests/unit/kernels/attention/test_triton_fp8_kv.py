@@ -35,7 +35,9 @@ from kernels.attention import TorchAttentionBackend, kv_quant  # noqa: E402
 from kernels.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MIXED = ([1, 1, 1, 70, 1, 9], [0, 45, 100, 30, 64, 0], 3)  # decodes first, then prefills
+MIXED = ([1, 1, 1, 70, 1, 9], [0, 45, 100, 30, 64, 0], 3, 1)  # decodes first, then prefills
+# a speculative verify batch: 5 queries per decode (K = 4 drafts), causal among them, then prefills
+VERIFY = ([5, 5, 5, 9, 1], [0, 28, 300, 12, 20], 3, 5)
 
 
 def fp8_caches(batch, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,11 +52,12 @@ def fp8_caches(batch, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     "dtype", [torch.float32, torch.float16] + [torch.bfloat16] * (not INTERPRETING)
 )
 @pytest.mark.parametrize("partition_len", [64, 4096], ids=["split", "one-split"])
-def test_triton_reads_fp8_blocks_like_the_torch_backend(dtype, partition_len) -> None:
-    query_lens, context_lens, num_decodes = MIXED
+@pytest.mark.parametrize("shape", [MIXED, VERIFY], ids=["mixed", "verify"])
+def test_triton_reads_fp8_blocks_like_the_torch_backend(dtype, partition_len, shape) -> None:
+    query_lens, context_lens, num_decodes, decode_query_len = shape
     batch = make_batch(
         query_lens, context_lens, num_decodes, num_heads=8, num_kv_heads=2, head_dim=32,
-        block_size=16, dtype=dtype, device=DEVICE, seed=9,
+        block_size=16, dtype=dtype, device=DEVICE, seed=9, decode_query_len=decode_query_len,
     )  # fmt: skip
     scales = torch.tensor([[0.5, 2.0], [1.0, 0.25]], device=DEVICE)
     k_cache, v_cache = fp8_caches(batch, scales)
@@ -116,8 +119,10 @@ ints = {n: "i32" for n in ("partition_len", "min_partition_len", "stride_q_token
 sig = {"out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
        "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "scale_log2": "fp32", **ints}
-compile(ASTSource(fn=t.paged_decode_kernel, signature=sig, constexprs={**consts,
-        "SINGLE_SPLIT": False, "BLOCK_G": 16, "USE_PDL": True}), target=GPUTarget("cuda", 90, 32))
+for query_len, block_g in ((1, 16), (5, 32)):  # a plain decode, a verify of 4 drafts
+    compile(ASTSource(fn=t.paged_decode_kernel, signature=sig, constexprs={**consts,
+            "SINGLE_SPLIT": False, "QUERY_LEN": query_len, "BLOCK_G": block_g, "USE_PDL": True}),
+            target=GPUTarget("cuda", 90, 32))
 print("ok")
 """
 
@@ -125,7 +130,7 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs the compiled kernels")
 def test_the_decode_kernel_compiles_over_fp8_blocks_for_hopper() -> None:
     """The interpreter runs Python semantics; the compiler is stricter. The decode kernel over
-    FP8 caches compiled to an sm_90 cubin (Triton's bundled ptxas), no GPU needed."""
+    FP8 caches (one query per request, and a verify's five) compiled to an sm_90 cubin (Triton's bundled ptxas), no GPU needed."""
     import subprocess
     import sys
 
