@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import NoFreeBlocksError
-from engine.kv_cache_manager import PrefixReservation
+from engine.kv_reservations import PrefixReservation
 from engine.request import Request
 
 T = TypeVar("T")

@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 from engine.block_hash import request_block_hashes
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
-from engine.kv_cache_manager import PrefixReservation
 from engine.kv_events import KVEventBatch
+from engine.kv_reservations import PrefixReservation
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from engine.request_streams import RequestStreams, log_error, log_failure, settle

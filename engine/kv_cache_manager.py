@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from engine.block_hash import request_block_hashes
 from engine.kv_events import KVEventBatch, KVEventLog
@@ -34,14 +34,6 @@ from pdserve.block_hash import BlockHash, root_hash
 
 if TYPE_CHECKING:
     from engine.kv_offload.host_block_manager import HostBlockManager
-
-
-class PrefixReservation(NamedTuple):
-    """Blocks reserved for a request's incoming KV (`KVCacheManager.reserve_prefix`)."""
-
-    block_ids: list[int]  # every block, the cached ones first; each referenced once
-    num_cached_blocks: int  # leading blocks that hold the prompt's KV already (prefix hits)
-    num_promoted_blocks: int  # of those, found in the host tier (promoted)
 
 
 @dataclass
@@ -240,38 +232,27 @@ class KVCacheManager:
             return None
         return [self._allocate_block() for _ in range(num_blocks)]
 
-    def reserve_prefix(self, request: Request, num_tokens: int) -> PrefixReservation | None:
-        """Blocks for `num_tokens` tokens of `request`'s KV, led by the longest prefix of its
-        prompt this cache holds (either tier; at least one prompt token is left out, so the
-        sender always sends some), or None when the pool cannot supply the rest. Every block
-        is referenced, the hits before the rest is allocated: no allocation, now or later, can
-        evict a hit before its use (`admit_reserved`, or `free_blocks`)."""
+    def hold_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The longest prefix of `request`'s prompt this cache holds (either tier; the host's
+        promoted), each block referenced until `free_blocks` or `admit_prefix` hands it to the
+        request: nothing evicts it before its use; and how many of them the host tier gave."""
         hit_ids, _ = self.get_computed_blocks(request)
-        num_promoted = self._num_promoted.pop(request.request_id, 0)
         for block_id in hit_ids:
             self._take_ref(block_id)
-        num_new_blocks = -(-num_tokens // self.block_size) - len(hit_ids)
-        if num_new_blocks < 1 or num_new_blocks > self.num_free_blocks:
-            self.free_blocks(hit_ids)
-            if num_new_blocks < 1:
-                raise ValueError(f"{num_tokens} tokens are fewer than the prompt's cached ones")
-            return None
-        new_ids = [self._allocate_block() for _ in range(num_new_blocks)]
-        return PrefixReservation(hit_ids + new_ids, len(hit_ids), min(num_promoted, len(hit_ids)))
+        return hit_ids, min(self._num_promoted.pop(request.request_id, 0), len(hit_ids))
 
-    def admit_reserved(self, request: Request, reserved: PrefixReservation) -> None:
-        """`request` (its `block_ids` those of `reserved`) is admitted with its leading
-        `reserved.num_cached_blocks` from the cache: counted as a prefix lookup, and those
-        blocks are hashed already."""
+    def admit_prefix(self, request: Request, num_cached_blocks: int, num_promoted: int) -> None:
+        """`request` (its `block_ids` reserved, led by `hold_prefix`'s) is admitted with its
+        first `num_cached_blocks` from the cache: a prefix lookup, those blocks hashed."""
         if self.enable_prefix_caching:
             stats = self.prefix_cache_stats
             stats.num_queries += 1
             stats.query_tokens += request.prompt_len
-            stats.hit_tokens += reserved.num_cached_blocks * self.block_size
-            stats.host_hit_tokens += reserved.num_promoted_blocks * self.block_size
-        request.num_cached_tokens = reserved.num_cached_blocks * self.block_size
-        if reserved.num_cached_blocks:
-            self._num_hashed_blocks[request.request_id] = reserved.num_cached_blocks
+            stats.hit_tokens += num_cached_blocks * self.block_size
+            stats.host_hit_tokens += num_promoted * self.block_size
+        request.num_cached_tokens = num_cached_blocks * self.block_size
+        if num_cached_blocks:
+            self._num_hashed_blocks[request.request_id] = num_cached_blocks
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop one ref on each block, last block first."""

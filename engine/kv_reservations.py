@@ -19,10 +19,19 @@ are done before a KV transfer writes it, on no stream of ours).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from engine.kv_cache_manager import KVCacheManager, PrefixReservation
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from pdserve.sampling_params import InvalidRequestError
+
+
+class PrefixReservation(NamedTuple):
+    """Blocks reserved for a request's incoming KV."""
+
+    block_ids: list[int]  # every block, the cached ones first; each referenced once
+    num_cached_blocks: int  # leading blocks that hold the prompt's KV already (prefix hits)
+    num_promoted_blocks: int  # of those, found in the host tier (promoted)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -53,9 +62,15 @@ class KVReservations:
 
     def reserve_prefix(self, request: Request, num_tokens: int) -> PrefixReservation:
         """Blocks for `num_tokens` tokens of `request`, its cached prefix first."""
-        reserved = self._kv.reserve_prefix(request, num_tokens)
-        if reserved is None:
+        hit_ids, num_promoted = self._kv.hold_prefix(request)  # held first: never evicted
+        num_new_tokens = num_tokens - len(hit_ids) * self._kv.block_size
+        new_ids = self._kv.reserve(num_new_tokens) if num_new_tokens > 0 else None
+        if new_ids is None:
+            self._kv.free_blocks(hit_ids)
+            if num_new_tokens <= 0:  # the sender must send some: a hit leaves a token out
+                raise ValueError(f"{num_tokens} tokens are fewer than the prompt's cached ones")
             raise self._short(num_tokens)
+        reserved = PrefixReservation(hit_ids + new_ids, len(hit_ids), num_promoted)
         return self._keep(request.request_id, reserved)
 
     def admit(self, request: Request, block_ids: Sequence[int]) -> None:
@@ -68,7 +83,7 @@ class KVReservations:
             )
         del self._reserved[request.request_id]
         request.block_ids = list(block_ids)
-        self._kv.admit_reserved(request, reserved)
+        self._kv.admit_prefix(request, reserved.num_cached_blocks, reserved.num_promoted_blocks)
 
     def release(self, request_id: str) -> bool:
         """Free the request's reserved blocks; False when it has none."""
