@@ -7,6 +7,7 @@ against.
     pd-bench transfer [...]    one request's KV, prefill process -> decode process (ucx, tcp)
     pd-bench mac [...]         the KV hand-off's frame MACs (host, GPU digest) vs the copy rate
     pd-bench ttft [...]        time to first token, 1P1D against colocated (starts pd-serve)
+    pd-bench turn-ttft [...]   a conversation's next turn against a fresh prompt (KV reuse)
     pd-bench attention [...]   paged attention kernels (GPU)
     pd-bench offline [...]     offline engine throughput
     pd-bench engine [...]      decode step, prefill rate, step floor vs roofline and GEMM
@@ -28,6 +29,7 @@ COMMANDS = {
     "transfer": "benchmarks.transfer.bench_transfer",
     "mac": "benchmarks.transfer.bench_mac",
     "ttft": "benchmarks.serve.bench_ttft",
+    "turn-ttft": "benchmarks.serve.bench_turn_ttft",
     "attention": "benchmarks.kernels.bench_attention",
     "offline": "benchmarks.engine.bench_offline",
     "serve": "benchmarks.serve.bench_serve",
@@ -42,8 +44,8 @@ COMMANDS = {
 }
 # These take main(argv); the others parse sys.argv themselves.
 ARGV_COMMANDS = (
-    "transfer", "mac", "ttft", "serve", "compare", "dataset", "engine", "profile", "kv-offload",
-    "spec", "router", "fp8-kv",
+    "transfer", "mac", "ttft", "turn-ttft", "serve", "compare", "dataset", "engine", "profile",
+    "kv-offload", "spec", "router", "fp8-kv",
 )  # fmt: skip
 
 

@@ -1,12 +1,10 @@
 """`KVTransferManager`: one per node; one transport, every live KV hand-off keyed by transfer_id.
 
-    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s,
-                                                     max_ceiling_s=...)
+    decode node:  receiver = manager.create_receiver(dst_block_ids, num_tokens, timeout_s, ...)
                   send receiver.ticket() to the router; await receiver.wait(); free on FAILED
     prefill node: sender = manager.create_sender(ticket, timeout_s, ceiling_s=...)
-                  sender.beat(n) while the engine progresses; await sender.send_layer(...)
-                  per layer; await sender.send_first_token(...); await sender.wait();
-                  release the blocks either way
+                  sender.beat(n) as the engine progresses; await sender.send_layer(...) per
+                  layer, send_first_token(...), wait(); release the blocks either way
 
 Incoming messages are decoded once and routed to their session by transfer id and kind
 (with their bytes: a MAC covers them). Headers that do not decode, or name no live session,
@@ -128,6 +126,16 @@ class KVTransferManager:
         """Of num_succeeded: written in place."""
         return self._sessions.num_in_place
 
+    @property
+    def num_bytes_moved(self) -> int:
+        """KV bytes the successful hand-offs moved (sent here, or received)."""
+        return self._sessions.num_bytes_moved
+
+    @property
+    def num_bytes_skipped(self) -> int:
+        """KV bytes the successful hand-offs did not move: the decode node held them."""
+        return self._sessions.num_bytes_skipped
+
     def create_receiver(
         self,
         dst_block_ids: Sequence[int],
@@ -136,12 +144,13 @@ class KVTransferManager:
         transfer_id: str | None = None,
         max_ceiling_s: float | None = None,
         log_id: str = "",
+        num_cached_blocks: int = 0,
         route: RouteSlice | None = None,
     ) -> KVReceiver:
-        """A session receiving `num_tokens` tokens of KV into blocks reserved for it: it fails
-        after `timeout_s` without progress, or at the sender's ceiling (at most
-        `max_ceiling_s`, default `timeout_s`). `log_id`: the request id its log lines carry.
-        `route`: a TP hand-off's (tp/fan_in.py): into a head slice, never in place."""
+        """A session receiving `num_tokens` tokens of KV (after the prompt's `num_cached_blocks`
+        held here: `KVSuffix`) into blocks reserved for it: it fails after `timeout_s` without
+        progress, or at the sender's ceiling (at most `max_ceiling_s`, default `timeout_s`);
+        `log_id`: its log lines'; `route`: a TP hand-off's (tp/fan_in.py), a head slice."""
         if self._kv_caches is None:
             raise ValueError("this manager has no kv_caches to receive into; pass them at init")
         transfer_id = transfer_id or uuid.uuid4().hex
@@ -152,7 +161,8 @@ class KVTransferManager:
             self._transport, self._staging, layout, kv_caches, transfer_id, dst_block_ids,
             num_tokens, timeout_s, auth=self.auth, max_ceiling_s=max_ceiling_s,
             pool_export=None if route else self._pool_export, kv_device=self._kv_device_name,
-            require_encryption=self.encrypt, log_id=log_id, route=route.receiver if route else None,
+            require_encryption=self.encrypt, log_id=log_id, num_cached_blocks=num_cached_blocks,
+            route=route.receiver if route else None,
         )  # fmt: skip
         return self._sessions.add_receiver(receiver)
 

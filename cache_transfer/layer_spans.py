@@ -3,7 +3,8 @@
 A layer goes in token order, once per prefill chunk: its next span covers its tokens after
 those sent, up to `token_end`, as whole blocks `[sent // block_size, ceil(token_end /
 block_size))` (a block a chunk left partial goes again, whole); the layer is complete at
-`num_tokens`. Each call turns a caller's layers into one manifest per layer and what fills its
+`num_tokens`. A receiver that holds the prompt's first blocks already (`KVSuffix`) gets the
+rest: every layer starts at `cached_tokens`, and spans index the ticket's blocks from there. Each call turns a caller's layers into one manifest per layer and what fills its
 payload, or raises ValueError (a caller's bug) and records nothing.
 
     from_caches(layers, src_block_ids, token_end)   (layer, k, v): its blocks (LayerBlocks)
@@ -23,6 +24,7 @@ from cache_transfer.packing.block_copy import LayerBlocks
 from cache_transfer.packing.block_ids import CheckedIds, check_block_ids
 from cache_transfer.packing.checked_caches import derived
 from cache_transfer.packing.packed_layer import LayerSource, check_kv_cache
+from cache_transfer.suffix import KVSuffix
 from cache_transfer.transports.base import check_payload
 from pdserve.v1 import transfer_pb2
 
@@ -31,10 +33,12 @@ Manifests = list[transfer_pb2.LayerManifest]
 
 
 class LayerSpans:
-    def __init__(self, layout: KVLayout, num_tokens: int) -> None:
+    def __init__(self, layout: KVLayout, suffix: KVSuffix) -> None:
         self.layout = layout
-        self.num_tokens = num_tokens
-        self._token_end = [0] * layout.num_layers  # tokens of each layer handed over
+        self.suffix = suffix
+        self.num_tokens = suffix.num_tokens
+        # tokens of each layer handed over (or held by the receiver already)
+        self._token_end = [suffix.cached_tokens] * layout.num_layers
 
     def from_caches(
         self, layers: CacheLayers, src_block_ids: Sequence[int], token_end: int
@@ -48,16 +52,17 @@ class LayerSpans:
             self._check_caches(layers)  # checked against another layout before
         manifests, sources = [], []
         span_ids: dict[tuple[int, int, int, torch.device], CheckedIds] = {}
+        base = self.suffix.num_cached_blocks  # src_block_ids is the whole prompt's table
         for layer_idx, k_cache, v_cache in layers:
             span = self._span(layer_idx, token_end)
-            if len(src_block_ids) < span[1]:
+            if len(src_block_ids) < base + span[1]:
                 raise ValueError(
-                    f"{token_end} tokens span {span[1]} blocks; src_block_ids has "
+                    f"{token_end} tokens span {base + span[1]} blocks; src_block_ids has "
                     f"{len(src_block_ids)}"
                 )
             key = (*span, k_cache.shape[0], k_cache.device)
             if key not in span_ids:
-                ids = src_block_ids[span[0] : span[1]]
+                ids = src_block_ids[base + span[0] : base + span[1]]
                 span_ids[key] = check_block_ids(ids, k_cache.shape[0], k_cache.device)
             manifests.append(self.manifest(layer_idx, *span, token_end))
             sources.append(LayerBlocks(k_cache, v_cache, span_ids[key]))
@@ -127,7 +132,8 @@ class LayerSpans:
         )
 
     def _span(self, layer_idx: int, token_end: int) -> tuple[int, int]:
-        """The (first, end) block indices of a layer's tokens [previous end, token_end)."""
+        """The (first, end) indices into the ticket's blocks of a layer's tokens [previous
+        end, token_end)."""
         if not 0 <= layer_idx < self.layout.num_layers:
             raise ValueError(f"layer_idx {layer_idx} outside [0, {self.layout.num_layers})")
         prev_end = self._token_end[layer_idx]
@@ -136,7 +142,7 @@ class LayerSpans:
                 f"layer {layer_idx}: token_end must be in ({prev_end}, {self.num_tokens}] "
                 f"(tokens already sent, prompt length), got {token_end}"
             )
-        return prev_end // self.layout.block_size, self.layout.num_blocks_for(token_end)
+        return self.suffix.span(prev_end, token_end)
 
     def _advance(self, layer_ids: Sequence[int], token_end: int) -> None:
         for layer_idx in layer_ids:

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cache_transfer.suffix import KVSuffix
+
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
 _DTYPES = {
@@ -65,6 +67,10 @@ class KVLayout:
     def layer_bytes(self, num_blocks: int) -> int:
         """Bytes of one packed layer of a request holding `num_blocks` blocks."""
         return num_blocks * self.bytes_per_block
+
+    def kv_bytes(self, num_blocks: int) -> int:
+        """Bytes of `num_blocks` blocks in every layer."""
+        return self.layer_bytes(num_blocks) * self.num_layers
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -126,18 +132,15 @@ def kv_device_id(device: torch.device) -> str:
     return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
 
 
-def check_reservation(
-    layout: KVLayout, pool_size: int, dst_block_ids: Sequence[int], num_tokens: int
-) -> None:
-    """ValueError unless `dst_block_ids` (distinct, in a pool of `pool_size` blocks) hold
-    `num_tokens` tokens of `layout`."""
-    if num_tokens <= 0:
-        raise ValueError(f"num_tokens must be > 0 (the prompt length), got {num_tokens}")
-    needed = layout.num_blocks_for(num_tokens)
+def check_reservation(pool_size: int, dst_block_ids: Sequence[int], suffix: KVSuffix) -> None:
+    """ValueError unless `dst_block_ids` (distinct, in a pool of `pool_size` blocks) hold the
+    KV `suffix` says a hand-off carries."""
+    needed = suffix.num_blocks
     if len(dst_block_ids) < needed:
         raise ValueError(
-            f"{num_tokens} tokens need {needed} blocks of {layout.block_size}; "
-            f"only {len(dst_block_ids)} dst_block_ids were reserved"
+            f"{suffix.num_tokens} tokens ({suffix.num_cached_blocks} blocks held) need "
+            f"{needed} blocks of {suffix.block_size}; only {len(dst_block_ids)} dst_block_ids "
+            "were reserved"
         )
     if len(set(dst_block_ids)) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids must be distinct, got {list(dst_block_ids)}")

@@ -4,7 +4,8 @@ the manager owns one.
     check_new(id), add_receiver / add_sender(session)
                                   a new session joins its table (receivers, senders) until it
                                   finishes (one that failed at creation is only counted)
-    its end                       counted: num_succeeded (num_in_place of them) or num_failed,
+    its end                       counted: num_succeeded (num_in_place of them; bytes moved and
+                                  skipped) or num_failed,
                                   unless `retire` ended it unused; a receiver's end is
                                   remembered (FinishedReceivers: late hellos refused), and one
                                   whose writes in place are not settled stays `quarantined`
@@ -34,6 +35,7 @@ class LiveSessions:
         self.quarantined: dict[str, KVReceiver] = {}
         self.num_succeeded = self.num_failed = 0
         self.num_in_place = 0  # of num_succeeded: written in place
+        self.num_bytes_moved = self.num_bytes_skipped = 0  # successful hand-offs': moved, held
         self._finished = finished
         self._retired: set[str] = set()  # receivers ended unused (not counted)
         self._background: set[asyncio.Task[None]] = set()
@@ -99,5 +101,8 @@ class LiveSessions:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
             self.num_in_place += session.in_place
+            moved = session.num_bytes_received if isinstance(session, KVReceiver) else None
+            self.num_bytes_moved += session.num_bytes_sent if moved is None else moved
+            self.num_bytes_skipped += session.num_bytes_skipped
         else:
             self.num_failed += 1

@@ -42,6 +42,7 @@ from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.route_slice import ReceiverRoute
 from cache_transfer.session import TransferSession
 from cache_transfer.state import TransferState
+from cache_transfer.suffix import KVSuffix
 from cache_transfer.tickets import issue_ticket
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
@@ -72,35 +73,36 @@ class KVReceiver(TransferSession):
         kv_device: str | None = None,
         require_encryption: bool = False,
         log_id: str = "",
+        num_cached_blocks: int = 0,
         route: ReceiverRoute | None = None,
     ) -> None:
-        """`dst_block_ids`: every block reserved for the request (the first ceil(num_tokens /
-        block_size) receive the KV). `timeout_s`: the no-progress timeout; the ceiling: the
-        sender's, at most `max_ceiling_s` (default `timeout_s`). `pool_export`: grant writes
-        in place to a sender on `kv_device` (default: the caches'). With `auth` the ticket is
-        signed and only a handshake proving the secret (`require_encryption`: and asking for
-        encrypted frames) is heard. `route`: a TP hand-off's (tp/; its head slice, its ticket)."""
-        check_reservation(layout, kv_caches[0][0].shape[0], dst_block_ids, num_tokens)
+        """`dst_block_ids`: after the prompt's `num_cached_blocks` held (`KVSuffix`; a `route`'s:
+        its ticket's, tp/); `pool_export`: in place on `kv_device`; `auth`: signed, proven."""
+        num_cached_blocks = route.ticket.num_cached_blocks if route else num_cached_blocks
+        self.suffix = KVSuffix(layout.block_size, num_tokens, num_cached_blocks)
+        check_reservation(kv_caches[0][0].shape[0], dst_block_ids, self.suffix)
         self.max_ceiling_s = timeout_s if max_ceiling_s is None else max_ceiling_s
         super().__init__(transport, transfer_id, timeout_s, self.max_ceiling_s, log_id)
         self.layout, self.dst_block_ids, self.num_tokens = layout, list(dst_block_ids), num_tokens
-        self.num_blocks = layout.num_blocks_for(num_tokens)
+        self.num_blocks = self.suffix.num_blocks  # blocks per layer the KV fills
         self.first_token: transfer_pb2.FirstToken | None = None
         self.num_computed_tokens = self.num_bytes_received = 0  # computed: as P last said
-        self.layer_token_end = [0] * layout.num_layers  # tokens of each layer accepted so far
+        self.num_bytes_skipped = layout.kv_bytes(num_cached_blocks)  # the prompt's, held here
+        self.layer_token_end = [self.suffix.cached_tokens] * layout.num_layers  # accepted so far
         self.sender_id: str | None = None  # the peer that handshook
         self.superseded: set[str] = set()  # senders a takeover replaced: heard no more
+        self._auth = auth
         buffers = transport.buffer_device(kv_caches[0][0].device)  # where payloads land
         self._landing = LayerLanding(self, self.frames, staging, kv_caches, dst_block_ids, buffers)
         self._layer_callbacks: list[LayerCallback] = []
-        self._auth, self.authenticated = auth, auth is not None
-        self.requires_encryption = require_encryption
+        self.authenticated, self.requires_encryption = auth is not None, require_encryption
         self.challenges = Challenges()  # the nonce of each connection that said hello
         self._proven_key: FrameKey | None = None  # that of the handshake being heard
         kv_device = kv_device_id(kv_caches[0][0].device) if kv_device is None else kv_device
         self.route, self._ticket = route, route.ticket if route else issue_ticket(
             auth, timeout_s, transfer_id, transport.address, self.dst_block_ids,
-            layout.layout_hash(), num_tokens, kv_device, layout.dtype)  # fmt: skip
+            layout.layout_hash(), num_tokens, kv_device, num_cached_blocks,
+            layout.dtype)  # fmt: skip
         self._in_place = InPlaceGrant(transfer_id, pool_export, kv_device, log_id)
         self.writes_settled = self._in_place.writes_settled  # no write can land: blocks free
         self.add_finish_callback(lambda _: self._in_place.on_finished(self.state))
@@ -253,7 +255,7 @@ class KVReceiver(TransferSession):
         assert self.sender_id is not None
         self.superseded.add(self.sender_id)
         self.sender_id = None
-        self.layer_token_end = [0] * self.layout.num_layers
+        self.layer_token_end = [self.suffix.cached_tokens] * self.layout.num_layers
         self.num_computed_tokens = 0
         self._send_seq = self._recv_seq = 0
 

@@ -18,8 +18,8 @@ here) or `KVReceiver.complete` (header only; a payload that landed is not checke
        sender_refusal       the session is live, the handshake comes first and then everything
                             from the peer that sent it, each with the next sequence number
        by kind:
-       handshake            handshake_refusal: version, layout, layers, tokens, blocks, kv
-                            heads and rank, address, encryption
+       handshake            handshake_refusal: version, layout, layers, tokens, blocks (and
+                            those held here: the suffix), kv heads and rank, address, encryption
        progress             progress_refusal: computed tokens never shrink nor exceed the prompt
        layer_manifest       with a payload: payload_refusal ─► layer_refusal
                             written in place: written_layers_refusal ─► layer_refusal per layer
@@ -40,6 +40,7 @@ from typing import Protocol
 from cache_transfer.layout import HeadSlice, KVLayout, dtype_mismatch
 from cache_transfer.protocol import PROTOCOL_VERSION, TransferMessage, kind_of
 from cache_transfer.state import TransferState
+from cache_transfer.suffix import KVSuffix
 from cache_transfer.tickets import check_handshake
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
@@ -52,6 +53,8 @@ class ReceiverView(Protocol):
     def layout(self) -> KVLayout: ...
     @property
     def num_tokens(self) -> int: ...
+    @property
+    def suffix(self) -> KVSuffix: ...  # what the hand-off carries (the rest is held here)
     @property
     def state(self) -> TransferState: ...
     @property
@@ -178,7 +181,8 @@ def handshake_refusal(r: ReceiverView, handshake: transfer_pb2.TransferHandshake
         "layout_hash": r.layout.layout_hash(),
         "num_layers": r.layout.num_layers,
         "num_tokens": r.num_tokens,
-        "num_blocks": r.layout.num_blocks_for(r.num_tokens),
+        "num_blocks": r.suffix.num_blocks,
+        "num_cached_blocks": r.suffix.num_cached_blocks,
     }
     for field, want in expected.items():
         got = getattr(handshake, field)
@@ -261,8 +265,8 @@ def layer_refusal(
             f"layer {layer_idx}: token_end {token_end} must exceed {prev_end} (already "
             f"received) and not exceed {r.num_tokens}"
         )
-    block_offset = prev_end // layout.block_size
-    num_blocks = layout.num_blocks_for(token_end) - block_offset
+    block_offset, block_end = r.suffix.span(prev_end, token_end)
+    num_blocks = block_end - block_offset
     if (manifest.block_offset, manifest.num_blocks) != (block_offset, num_blocks):
         return (
             f"layer {layer_idx}: blocks [{manifest.block_offset}, +{manifest.num_blocks}) "

@@ -42,7 +42,7 @@ from cache_transfer.send_order import SendOrder
 from cache_transfer.sender_beats import SenderBeats
 from cache_transfer.session import Outgoing, TransferSession
 from cache_transfer.state import TransferState
-from cache_transfer.tickets import check_ticket, ticket_misfit
+from cache_transfer.tickets import check_ticket, ticket_misfit, ticket_suffix
 from cache_transfer.transports.base import KVTransport
 from pdserve.security import ClusterAuth
 from pdserve.v1 import generation_pb2, node_pb2, transfer_pb2
@@ -67,27 +67,25 @@ class KVSender(TransferSession):
         log_id: str = "",
         route: RouteSlice | None = None,
     ) -> None:
-        """`timeout_s`, `ceiling_s`, `log_id`: as any TransferSession (the handshake tells the
-        receiver the ceiling). `sharing`, `kv_device`, `device`: write in place (see above)
-        into a receiver on `kv_device` (our cache's), mapping its pool on `device`. With `auth`
-        a forged ticket fails the session at once, nobody contacted (its dst_address may be
-        anyone's), and the handshake proves the secret; `encrypt`: --kv-encrypt. `route`: one
-        route of a TP hand-off (cache_transfer/tp/): the heads it carries, maybe no first token."""
+        """`timeout_s`, `ceiling_s`, `log_id`: a TransferSession's. `sharing`, `kv_device`,
+        `device`: write in place (see above). `auth`: a forged ticket fails at once, nobody
+        contacted; the handshake proves the secret (`encrypt`: --kv-encrypt). `route`: one
+        route of a TP hand-off (cache_transfer/tp/): its heads, maybe no first token."""
         super().__init__(transport, ticket.transfer_id, timeout_s, ceiling_s, log_id)
         self._hello = SenderHello(transport, auth, ticket, self.frames, encrypt)
         self.add_finish_callback(lambda _: self._hello.session_ended())
         self.frames.required = auth is not None
         self._ticket, self.layout, self.num_tokens = ticket, layout, ticket.num_tokens
+        self.suffix = ticket_suffix(layout, ticket)  # what the receiver lacks: KVSuffix
+        self.num_blocks = self.suffix.num_blocks  # per layer
+        self.num_bytes_skipped = layout.kv_bytes(self.suffix.num_cached_blocks)  # D holds them
         self.heads = route.heads if route else HeadSlice.whole(layout.num_kv_heads)
         self.sends_first_token = route is None or route.first_token  # else done with its layers
-        self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
-        self.num_bytes_sent = 0  # KV bytes handed to the transport (or written in place)
-        self._peer_address = ticket.dst_address or None
-        self._spans = LayerSpans(layout, ticket.num_tokens)
-        self._first_token_sent = False
+        self.num_bytes_sent, self._peer_address = 0, ticket.dst_address or None  # bytes handed on
+        self._spans = LayerSpans(layout, self.suffix)
+        self._first_token_sent, self._staging = False, staging
         self._beats = SenderBeats(self._loop, timeout_s)
         self._order = SendOrder(self._loop)  # the first token right behind the layers
-        self._staging = staging
         self._in_place = InPlaceWrites(sharing, kv_device, device, ticket, self.num_blocks)
         forged = check_ticket(auth, ticket) if auth is not None else None
         reason = ticket_misfit(layout, ticket)
@@ -120,8 +118,7 @@ class KVSender(TransferSession):
 
     def beat(self, num_computed_tokens: int) -> None:
         """This node's engine progressed (`num_computed_tokens` of this prompt computed; 0:
-        still queued): tell the receiver when due (SenderBeats); not before the ack nor from
-        the first token on."""
+        queued): tell the receiver when due (SenderBeats), from the ack to the first token."""
         busy = self.finished or self.state < TransferState.WAITING or self._first_token_sent
         if not busy and self._beats.due():
             self.spawn(self._send_progress(num_computed_tokens))

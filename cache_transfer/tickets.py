@@ -6,7 +6,8 @@ prefill node  ticket_misfit(layout, ticket) -> why    the ticket does not fit th
 with a cluster secret (pdserve.security):
 decode node   sign_ticket(auth, ticket, timeout_s)    HMAC over transfer id, dst address, block
                                                       ids, layout hash, token count, expiry,
-                                                      a TP node's ranks (addresses, kv heads)
+                                                      kv device, cached blocks, a TP node's
+                                                      ranks (addresses, kv heads)
 prefill node  check_ticket(auth, ticket) -> why not   before it connects anywhere
               handshake_for(ticket, ...)              the handshake, with its proof:
               handshake_proof(auth, ticket, src,      TransferHandshake.proof: bound to the
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 
 from cache_transfer.layout import HeadSlice, KVLayout, dtype_mismatch
 from cache_transfer.protocol import PROTOCOL_VERSION
+from cache_transfer.suffix import KVSuffix
 from pdserve.security import ClusterAuth
 from pdserve.v1 import node_pb2, transfer_pb2
 
@@ -40,6 +42,7 @@ def _ticket_parts(ticket: node_pb2.TransferTicket) -> tuple[str | int, ...]:
         ticket.num_tokens,
         repr(ticket.expires_at_unix_s),
         ticket.kv_device,
+        ticket.num_cached_blocks,
         *_rank_parts(ticket),
     )
 
@@ -65,11 +68,13 @@ def issue_ticket(
     layout_hash: str,
     num_tokens: int,
     kv_device: str,
+    num_cached_blocks: int = 0,
     kv_cache_dtype: str = "",
     ranks: Sequence[node_pb2.RankEndpoint] = (),
 ) -> node_pb2.TransferTicket:
     """What a receiver hands the prefill node (through the router): where and into which
-    blocks to send its KV (a tensor-parallel node: each of its `ranks`' endpoint and kv
+    blocks to send its KV (the prompt's after its first `num_cached_blocks`, which the
+    receiver holds: `KVSuffix`; a tensor-parallel node: each of its `ranks`' endpoint and kv
     heads); signed (valid `timeout_s`) when there is a cluster secret (`kv_cache_dtype` only
     names a mismatch: the signed layout_hash covers it)."""
     ticket = node_pb2.TransferTicket(
@@ -79,6 +84,7 @@ def issue_ticket(
         layout_hash=layout_hash,
         num_tokens=num_tokens,
         kv_device=kv_device,
+        num_cached_blocks=num_cached_blocks,
         kv_cache_dtype=kv_cache_dtype,
         tp_size=len(ranks) if ranks else 0,
         ranks=ranks,
@@ -90,7 +96,6 @@ def issue_ticket(
 
 def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | None:
     """Why a sender of `layout` cannot send what `ticket` asks for, or None."""
-    num_blocks = layout.num_blocks_for(ticket.num_tokens)
     if not ticket.dst_address:
         return "no dst_address"
     if ticket.layout_hash != layout.layout_hash():
@@ -98,9 +103,23 @@ def ticket_misfit(layout: KVLayout, ticket: node_pb2.TransferTicket) -> str | No
         return dtypes or f"layout_hash {ticket.layout_hash!r} differs from this node's {layout}"
     if ticket.num_tokens <= 0:
         return f"num_tokens is {ticket.num_tokens}; a transfer needs at least one token"
+    try:
+        suffix = KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
+    except ValueError as error:
+        return str(error)
+    num_blocks = suffix.num_blocks
     if len(ticket.dst_block_ids) < num_blocks:
         return f"{len(ticket.dst_block_ids)} dst blocks for {num_blocks} blocks of KV"
     return None
+
+
+def ticket_suffix(layout: KVLayout, ticket: node_pb2.TransferTicket) -> KVSuffix:
+    """The part of the prompt's KV `ticket` asks for. A ticket whose held blocks make no
+    sense is refused (`ticket_misfit` says why): for it, the whole prompt."""
+    try:
+        return KVSuffix(layout.block_size, ticket.num_tokens, ticket.num_cached_blocks)
+    except ValueError:
+        return KVSuffix(layout.block_size, max(1, ticket.num_tokens))
 
 
 def sign_ticket(auth: ClusterAuth, ticket: node_pb2.TransferTicket, timeout_s: float) -> None:
@@ -151,7 +170,8 @@ def handshake_for(
         src_address=src_address,
         num_layers=layout.num_layers,
         num_tokens=ticket.num_tokens,
-        num_blocks=layout.num_blocks_for(ticket.num_tokens),
+        num_blocks=layout.num_blocks_for(ticket.num_tokens) - ticket.num_cached_blocks,
+        num_cached_blocks=ticket.num_cached_blocks,
         kv_device=kv_device,
         write_in_place=write_in_place,
         timeout_s=timeout_s,

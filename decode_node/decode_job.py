@@ -3,7 +3,7 @@ call is refused for lack of KV room (RESOURCE_EXHAUSTED with a retry hint)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
@@ -31,6 +31,7 @@ class DecodeJob:
     request_id: str
     trace: DecodeTrace
     receiver: TPReceiver | None = None  # DISAGGREGATED, while the KV is awaited
+    block_ids: list[int] = field(default_factory=list)  # reserved: held prefix, then received
     hold: PendingHold | None = None  # its blocks, counted against its caller meanwhile
     aborted: bool = False
     finished: bool = False  # the stream delivered its finish_reason

@@ -6,8 +6,10 @@ Decode(LOCAL_PREFILL) ──► grammar ──► AsyncEngine.generate ──►
     0 with prompt logprobs if asked; a migration's from len(output_token_ids), matcher rebuilt)
 Decode(DISAGGREGATED) ──► TransferCaps (timeout clamped; the caller's share of the pool, unless
     it proved the cluster secret: the router's requests wait for free blocks alone)
-    ──► reserve ceil((prompt + 1) / block) blocks (while the grammar compiles) ──► HandOffs.open:
-        a TPReceiver (a KVReceiver; with tensor parallelism every rank's routes)
+    ──► reserve ceil((prompt + 1) / block) blocks (while the grammar compiles), the prompt's
+        cached prefix first at TP 1 (held, not sent: the ticket's num_cached_blocks, KVSuffix)
+        ──► HandOffs.open: a TPReceiver (a KVReceiver; with tensor parallelism every rank's
+        routes, each skipping the held blocks)
     ──► TransferTicket ──► the grammar (refused: the reservation freed)
     ──► await the receiver (every layer + the first token, or FAILED):
         it fails after transfer_timeout_s without progress (the prefill node handshakes once
@@ -35,6 +37,7 @@ from cache_transfer import TransferState
 from cache_transfer.tp import TPReceiver
 from decode_node.decode_checks import check_decode_request
 from decode_node.decode_job import DecodeCounters, DecodeJob, Refused, refuse
+from decode_node.decode_request import prefix_lookup
 from decode_node.decode_trace import DecodeTraces
 from decode_node.hand_offs import HandOffs
 from decode_node.kv_admission import AdmissionRefused, KVAdmission
@@ -45,6 +48,7 @@ from node_common.node_base import NodeBase
 from node_common.node_messages import GrammarPrep, prompt_logprobs, token_logprob
 from node_common.role_servicer import RoleServicer, abort_call, ends_with_status
 from pdserve.logs import set_request_id
+from pdserve.sampling_params import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc, transfer_pb2
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,10 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self._block_size = node.layout.block_size
         self._max_handoff_s = config.max_handoff_s
         self._kv_authenticated = node.auth is not None  # KV handshakes prove the secret
+        # reserve (and receive) only what the prefix cache lacks (KVSuffix); at TP 1 only: the
+        # other ranks' host tiers are not looked up (a TP prefill node's routes skip it too)
+        self._suffix = config.suffix_handoff and node.core.config.cache.enable_prefix_caching
+        self._suffix = self._suffix and node.tp_ranks is None
         self.caps = TransferCaps(
             node.core.pool.num_blocks, config.max_transfer_timeout_s,
             config.max_pending_kv_share, config.max_pending_transfers, config.max_queued_requests,
@@ -90,7 +98,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         grammar = GrammarPrep.start(self._engine, params, context)  # compiles meanwhile
         try:
             if request.mode == node_pb2.DECODE_MODE_DISAGGREGATED:
-                receiver = await self._reserve(job, request, context)
+                receiver = await self._reserve(job, request, params, context)
                 job.trace.mark("ticket")
                 yield node_pb2.DecodeResponse(ticket=receiver.ticket())
                 engine_request = await grammar.request(request)  # (refused: _close frees)
@@ -138,6 +146,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         self,
         job: DecodeJob,
         request: node_pb2.DecodeRequest,
+        params: SamplingParams,
         context: grpc.aio.ServicerContext,
     ) -> TPReceiver:
         """Blocks for the prompt's KV and the first token's, and a receiver for them."""
@@ -147,20 +156,23 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
         num_blocks = -(-num_tokens // self._block_size)
         queue_timeout_s = self.admission.queue_timeout_s
         deadline = time.monotonic() + queue_timeout_s  # one wait for the cap and the blocks
+        lookup = prefix_lookup(self._engine, request, params) if self._suffix else None
         try:
             # with a secret every caller proved it (the guard refuses others): the router
             job.hold = await self.caps.acquire(
                 context.peer(), num_blocks, queue_timeout_s, trusted=self._kv_authenticated
             )
             wait_s = max(0.0, deadline - time.monotonic())
-            block_ids = await self.admission.reserve(request_id, num_tokens, wait_s)
+            reserved = await self.admission.reserve(request_id, num_tokens, wait_s, lookup)
         except (AdmissionRefused, TransferCapExceeded) as error:
             await refuse(context, error)
         except ValueError as error:  # the request id is in use in the engine
             await abort_call(context, grpc.StatusCode.ALREADY_EXISTS, str(error))
+        job.block_ids, num_cached = reserved.block_ids, reserved.num_cached_blocks
         receiver = await self._hand_offs.open(
-            block_ids, prompt_len, (timeout_s, self._max_handoff_s), request_id
-        )
+            job.block_ids[num_cached:], prompt_len, (timeout_s, self._max_handoff_s), request_id,
+            num_cached,
+        )  # fmt: skip
         job.receiver = receiver
         if job.aborted:  # while it waited for blocks: it falls back, to an abort
             receiver.cancel("the request was aborted")
@@ -180,7 +192,7 @@ class DecodeServicer(RoleServicer, node_pb2_grpc.DecodeNodeServicer):
             job.hold.release()  # the blocks are no longer awaiting KV
         first_token = receiver.first_token
         if state == TransferState.SUCCESS and first_token is not None and not job.aborted:
-            return self._resume(job, request, receiver.dst_block_ids, first_token)
+            return self._resume(job, request, job.block_ids, first_token)
         request_id = request.request_id
         self._release_reservation(request_id, receiver)
         if not job.aborted:

@@ -41,8 +41,10 @@ class HandOffs:
         num_tokens: int,
         timeouts_s: tuple[float, float | None],
         request_id: str = "",
+        num_cached_blocks: int = 0,
     ) -> TPReceiver:
-        """A hand-off into `block_ids` on every rank (see the module doc)."""
+        """A hand-off into `block_ids` on every rank (see the module doc), after the prompt's
+        first `num_cached_blocks` (held: KVSuffix; TP 1 only, DecodeServicer)."""
         tp_ranks = self._node.tp_ranks
         address = self._manager.address
         ranks = (
@@ -51,7 +53,7 @@ class HandOffs:
         )  # fmt: skip
         receiver = TPReceiver(
             self._manager, self._layout, ranks, self._node.core.pool.kv_caches, block_ids,
-            num_tokens, timeouts_s, request_id,
+            num_tokens, timeouts_s, request_id, num_cached_blocks,
         )  # fmt: skip
         self._open[receiver.transfer_id] = receiver
         receiver.add_finish_callback(lambda r: self._forget(r.transfer_id))

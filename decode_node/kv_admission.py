@@ -1,7 +1,7 @@
 """`KVAdmission`: a decode node's bounded FIFO of requests waiting for KV blocks.
 
 ```
-Decode(DISAGGREGATED) ──► reserve(request_id, num_tokens) ──► AsyncEngine.reserve
+Decode(DISAGGREGATED) ──► reserve(request, num_tokens)    ──► AsyncEngine.reserve[_prefix]
 Decode(LOCAL_PREFILL) ──► admit_local(num_tokens)          ──► room for the prompt's blocks
                                                                (free - promised to admitted
                                                                local prefills) and a seat
@@ -28,6 +28,8 @@ from typing import TypeVar
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_core import NoFreeBlocksError
+from engine.kv_reservations import PrefixReservation
+from engine.request import Request
 
 T = TypeVar("T")
 
@@ -90,16 +92,25 @@ class KVAdmission:
         self._changed = asyncio.Event()
 
     async def reserve(
-        self, request_id: str, num_tokens: int, wait_s: float | None = None
-    ) -> list[int]:
-        """Blocks for `num_tokens` tokens of incoming KV, once there is room (waiting at most
-        `wait_s`, by default the queue timeout)."""
+        self,
+        request_id: str,
+        num_tokens: int,
+        wait_s: float | None = None,
+        lookup: Request | None = None,
+    ) -> PrefixReservation:
+        """Blocks for `num_tokens` tokens of the request's incoming KV, once there is room
+        (waiting at most `wait_s`, by default the queue timeout); with `lookup` (the request's
+        prompt, hashed), led by its cached prefix (`AsyncEngine.reserve_prefix`: the sender
+        skips it)."""
 
-        async def try_reserve() -> list[int] | None:
+        async def try_reserve() -> PrefixReservation | None:
             try:
-                return await self._engine.reserve(request_id, num_tokens)
+                if lookup is not None:
+                    return await self._engine.reserve_prefix(lookup, num_tokens)
+                block_ids = await self._engine.reserve(request_id, num_tokens)
             except NoFreeBlocksError:
                 return None
+            return PrefixReservation(block_ids, 0, 0)
 
         return await self._admit(try_reserve, wait_s)
 

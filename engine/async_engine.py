@@ -2,6 +2,7 @@
 
     asyncio callers ──command──> EngineThread (engine/engine_thread.py): commands, step()
     engine thread ──result, StepOutput──> loop.call_soon_threadsafe ──> future, request stream
+                                          (RequestStreams, engine/request_streams.py)
 
 What the nodes call (the engine thread is the only one that touches the EngineCore):
 
@@ -12,7 +13,9 @@ What the nodes call (the engine thread is the only one that touches the EngineCo
                                              ends after the engine's abort, not before)
     release_nowait(request_id)               prefill-only: free a finished prefill's blocks
     reserve(request_id, num_tokens)          blocks for incoming KV (NoFreeBlocksError: none)
+    reserve_prefix(request, num_tokens)      ... led by its prompt's cached prefix (held)
     detach_reservation(request_id)           a reservation's blocks, out of the engine's hands
+    kv_events([snapshot])                    block hashes the prefix cache stored / removed
     free_blocks_nowait(block_ids)            ... given back once no KV writer can touch them
     stats() / last_stats                     after the current step / as of the last step
     prepare_structured(params)               a request's grammar, compiled off the loop (cached)
@@ -35,25 +38,24 @@ command and stream fails with EngineDeadError: nothing waits forever.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from engine.block_hash import request_block_hashes
 from engine.engine_core import EngineCore, EngineStats
 from engine.engine_thread import EngineDeadError, EngineThread
+from engine.kv_events import KVEventBatch
+from engine.kv_reservations import PrefixReservation
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from engine.request_streams import RequestStreams, log_error, log_failure, settle
 from engine.spec_decode.handoff_drafts import first_drafts
 from engine.structured import CompiledGrammar
+from pdserve.block_hash import BlockHash
 from pdserve.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
-Stream = asyncio.Queue[StepOutput | BaseException]
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -61,10 +63,8 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._thread = EngineThread(core, self._deliver, self._fail_streams)
-        self._streams: dict[str, Stream] = {}
-        # Request ids whose engine-side abort is queued: their outputs until it ran are stale.
-        self._ending: collections.Counter[str] = collections.Counter()
+        self._thread = EngineThread(core, self._deliver, self._engine_ended)
+        self._streams = RequestStreams(core, self._thread)  # each request's outputs, aborts
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         # How the prefix cache hashes blocks (fixed at start), for hash_prompt_ahead.
         kv = core.kv_cache_manager
@@ -123,8 +123,8 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Add a request for local prefill and stream its outputs (an add the engine refuses
         raises from the stream)."""
-        stream = self._open(request, lambda: self.core.add_request(request))
-        async for out in self._drain(request, stream):
+        stream = self._streams.open(request, lambda: self.core.add_request(request))
+        async for out in self._streams.drain(request, stream):
             yield out
 
     async def resume(
@@ -136,10 +136,10 @@ class AsyncEngine:
     ) -> AsyncIterator[StepOutput]:
         """Admit a request whose prompt KV is in its reserved blocks (with the `drafts` its
         prefill node proposed after the first token); stream its outputs."""
-        stream = self._open(
+        stream = self._streams.open(
             request, lambda: self.core.add_prefilled(request, block_ids, first_token, drafts)
         )
-        async for out in self._drain(request, stream):
+        async for out in self._streams.drain(request, stream):
             yield out
 
     def first_drafts(self, request: Request, first_token: int) -> list[int]:
@@ -151,13 +151,13 @@ class AsyncEngine:
         """Abort wherever the request is. Its stream, if any, ends at once with finish_reason
         abort, and the answer is True without waiting for the engine; otherwise (a reservation,
         or nothing) the engine's own answer, once it gets to it: whether it knew the id."""
-        streaming = self._end_stream(request_id)
+        streaming = self._streams.end(request_id)
         try:
-            known = self._queue_abort(request_id, lambda: self.core.abort(request_id))
+            known = self._streams.queue_abort(request_id, lambda: self.core.abort(request_id))
         except EngineDeadError:  # the engine holds nothing any more
             return streaming
         if streaming:
-            known.add_done_callback(_log_failure)
+            known.add_done_callback(log_failure)
             return True
         return await known
 
@@ -167,15 +167,15 @@ class AsyncEngine:
         stream ends only once the engine's own abort has run, so what the engine publishes
         before that (the first token of a prefill in the step under way) still arrives."""
         if at_once:
-            self._end_stream(request_id)
-            self._abort_unawaited(request_id, lambda: self.core.abort(request_id))
+            self._streams.end(request_id)
+            self._streams.abort_unawaited(request_id, lambda: self.core.abort(request_id))
             return
         stream = self._streams.get(request_id)
 
         def done(result: Any, error: BaseException | None) -> None:
             if stream is not None:  # (no longer read if its request finished meanwhile)
                 stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
-            _log_error(result, error)
+            log_error(result, error)
 
         with contextlib.suppress(EngineDeadError):  # (dead: the engine holds nothing any more)
             self._thread.submit(lambda: self.core.abort(request_id), done)
@@ -189,6 +189,22 @@ class AsyncEngine:
         """Blocks for `num_tokens` tokens of incoming KV (decode role). NoFreeBlocksError: not
         now; InvalidRequestError: the id is in use."""
         return await self._ask(lambda: self.core.reserve(request_id, num_tokens))
+
+    async def reserve_prefix(self, request: Request, num_tokens: int) -> PrefixReservation:
+        """Blocks for `num_tokens` tokens of `request`'s incoming KV, led by its prompt's
+        longest cached prefix (either tier), which the peer need not send; the hits are held
+        from now on (freed with the reservation). Hash the prompt first (`hash_prompt_ahead`)
+        to spare the engine thread. NoFreeBlocksError: not now; InvalidRequestError: the id
+        is in use."""
+        return await self._ask(lambda: self.core.reserve_prefix(request, num_tokens))
+
+    async def kv_events(
+        self, snapshot: bool = False
+    ) -> tuple[KVEventBatch, list[BlockHash] | None]:
+        """The block hashes the prefix cache (both tiers) stored and removed since the last
+        call, and with `snapshot` every hash it holds after them (the first call starts the
+        log and answers with a snapshot: engine/kv_events.py)."""
+        return await self._ask(lambda: self.core.kv_cache_manager.read_kv_events(snapshot))
 
     async def detach_reservation(self, request_id: str) -> list[int]:
         """Take `request_id`'s reserved blocks from it without freeing them (a KV writer may
@@ -231,120 +247,26 @@ class AsyncEngine:
         """Run `fn` on the engine thread; its result (or its error). Cancelling the wait does
         not stop the command."""
         future: asyncio.Future[T] = self._thread.loop().create_future()
-        self._thread.submit(fn, lambda result, error: _settle(future, result, error))
+        self._thread.submit(fn, lambda result, error: settle(future, result, error))
         return await future
 
     def _post(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the engine thread, not waiting; an error is logged. Nothing when the
         engine is gone (what `fn` would free went with it)."""
         with contextlib.suppress(EngineDeadError):
-            self._thread.submit(fn, _log_error)
+            self._thread.submit(fn, log_error)
 
-    def _queue_abort(self, request_id: str, abort: Callable[[], bool]) -> asyncio.Future[bool]:
-        """Queue the engine-side abort. Until it has run, the engine's outputs for the id are
-        stale (those of the aborted request, published before it): dropped, even if a new
-        request of the same id opens a stream meanwhile (its add runs after the abort)."""
-        known: asyncio.Future[bool] = self._thread.loop().create_future()
-
-        def done(result: Any, error: BaseException | None) -> None:
-            self._ending[request_id] -= 1
-            if self._ending[request_id] <= 0:
-                del self._ending[request_id]
-            _settle(known, result, error)
-
-        self._thread.submit(abort, done)
-        self._ending[request_id] += 1
-        return known
-
-    def _abort_unawaited(self, request_id: str, abort: Callable[[], bool]) -> None:
-        with contextlib.suppress(EngineDeadError):  # (dead: the engine holds nothing any more)
-            self._queue_abort(request_id, abort).add_done_callback(_log_failure)
-
-    # ---- streams --------------------------------------------------------------------------
-
-    def _open(self, request: Request, add: Callable[[], None]) -> Stream:
-        """The request's stream, with its add queued: an error from the add ends the stream."""
-        request_id = request.request_id
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already streaming")
-        stream: Stream = asyncio.Queue()
-
-        def added(result: Any, error: BaseException | None) -> None:
-            if error is not None:
-                stream.put_nowait(error)
-
-        self._thread.submit(add, added)
-        self._streams[request_id] = stream
-        return stream
-
-    def _end_stream(self, request_id: str) -> bool:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return False
-        stream.put_nowait(StepOutput(request_id, [], finish_reason=FinishReason.ABORT))
-        return True
-
-    async def _drain(self, request: Request, stream: Stream) -> AsyncIterator[StepOutput]:
-        done = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished or item.prefill_done
-                yield item
-                if done:
-                    return
-        finally:
-            if self._streams.get(request.request_id) is stream:
-                del self._streams[request.request_id]
-            if not done:  # the consumer went away (cancelled, or stopped reading): free it
-                self._abort_unawaited(
-                    request.request_id, lambda: _abort_if_added(self.core, request)
-                )
-
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None and out.request_id not in self._ending:
-                stream.put_nowait(out)
+    # ---- the engine thread's callbacks ---------------------------------------------------
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` on the event loop when the engine thread ends (stopped, or a
         step raised: e.g. a tensor-parallel rank died or hung)."""
         self._dead_callbacks.append(callback)
 
-    def _fail_streams(self, error: EngineDeadError) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(error)
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        self._streams.deliver(outputs)
+
+    def _engine_ended(self, error: EngineDeadError) -> None:
+        self._streams.fail(error)
         for callback in self._dead_callbacks:
             callback(error)
-
-
-def _abort_if_added(core: EngineCore, request: Request) -> bool:
-    """Abort `request` if this very request is the one the engine holds under its id (not
-    another call's that reuses the id)."""
-    if core.get_request(request.request_id) is request:
-        return core.abort(request.request_id)
-    return False
-
-
-def _settle(future: asyncio.Future[T], result: T, error: BaseException | None) -> None:
-    if future.done():  # its waiter was cancelled
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _log_error(result: object, error: BaseException | None) -> None:
-    if error is not None and not isinstance(error, EngineDeadError):
-        logger.error("an engine command failed: %r", error, exc_info=error)
-
-
-def _log_failure(future: asyncio.Future[Any]) -> None:
-    """Done-callback of a command nobody awaits: its error is logged, not lost."""
-    if not future.cancelled() and future.exception() is not None:
-        _log_error(None, future.exception())

@@ -2,6 +2,7 @@
 
 add_request(req) ─────────────┐                    (local prefill)
 reserve(id, n) -> block_ids   │                    (decode role: blocks for incoming KV)
+reserve_prefix(req, n)        │                    (... led by the prompt's cached prefix)
 add_prefilled(req, ids, tok) ─┤                    (decode role: prompt KV in place)
                               v
 step():  Scheduler.schedule() -> ModelRunner.launch() -> Scheduler.on_launched()
@@ -28,6 +29,7 @@ from engine.engine_stats import EngineStats
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_cache_pool import KVCachePool
 from engine.kv_offload import KVOffload, KVOffloadStats
+from engine.kv_reservations import KVReservations, NoFreeBlocksError, PrefixReservation
 from engine.model import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model.sources import resolve_model_source
 from engine.model_runner import LaunchedStep, LayerHook, ModelRunner
@@ -47,10 +49,6 @@ from pdserve.config import EngineConfig
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The KV pool cannot hold the tokens asked for right now (retry later or elsewhere)."""
 
 
 class EngineCore:
@@ -94,7 +92,9 @@ class EngineCore:
         # Structured outputs (engine/structured/README.md): grammars and the sampler's masks
         self.structured = StructuredOutputManager.for_model(self.loaded.tokenizer_dir, self.arch)
         self.runner.token_bitmask = self.structured.token_bitmask(self.device)
-        self._reservations: dict[str, list[int]] = {}
+        self._reservations = KVReservations(
+            self.kv_cache_manager, self.kv_offload.settle if self.kv_offload else None
+        )
         self.async_scheduling = async_scheduling_on(config, self.device)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self.num_steps_ahead = 0  # steps launched before the previous one was waited for
@@ -187,16 +187,13 @@ class EngineCore:
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Take blocks for `num_tokens` tokens of incoming KV (decode role)."""
         self._check_new_id(request_id)
-        block_ids = self.kv_cache_manager.reserve(num_tokens)
-        if block_ids is None:
-            raise NoFreeBlocksError(
-                f"no room for {num_tokens} tokens of KV "
-                f"({self.kv_cache_manager.num_free_blocks} free blocks)"
-            )
-        if self.kv_offload is not None:
-            self.kv_offload.settle()  # no host-tier copy still touches these blocks
-        self._reservations[request_id] = block_ids
-        return block_ids
+        return self._reservations.reserve(request_id, num_tokens).block_ids
+
+    def reserve_prefix(self, request: Request, num_tokens: int) -> PrefixReservation:
+        """Blocks for `num_tokens` tokens of `request`'s incoming KV, led by its prompt's
+        longest cached prefix (held from now on): the peer sends only the rest."""
+        self._check_new_id(request.request_id)
+        return self._reservations.reserve_prefix(request, num_tokens)
 
     def add_prefilled(
         self,
@@ -209,14 +206,7 @@ class EngineCore:
         the first token sampled elsewhere; it continues decoding from position prompt_len.
         `draft_token_ids`: drafts proposed after the first token (the first step verifies them;
         spec_decode/handoff_drafts.py)."""
-        reserved = self._reservations.pop(request.request_id, None)
-        if reserved is None or list(block_ids) != reserved:
-            if reserved is not None:
-                self._reservations[request.request_id] = reserved
-            raise InvalidRequestError(
-                f"request {request.request_id!r}: block ids were not reserved for it"
-            )
-        request.block_ids = list(block_ids)
+        self._reservations.admit(request, block_ids)
         request.num_computed_tokens = request.prompt_len
         request.output_token_ids = [first_token]
         if self.spec is not None and self.spec.speculates(request):
@@ -226,22 +216,19 @@ class EngineCore:
             self.scheduler.add_prefilled(request)
         except BaseException:
             # The reservation is spent either way: free it rather than leak it.
-            self.kv_cache_manager.free_blocks(reserved)
-            request.block_ids = []
+            self.kv_cache_manager.free(request)
             raise
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. True if it was known."""
-        reserved = self._reservations.pop(request_id, None)
-        if reserved is not None:
-            self.kv_cache_manager.free_blocks(reserved)
+        if self._reservations.release(request_id):
             return True
         return self.scheduler.abort(request_id) is not None
 
     def detach_reservation(self, request_id: str) -> list[int]:
         """Take `request_id`'s reserved blocks away from it without freeing them (a KV writer
         may still land in them); give them back with `free_blocks`. [] if it has none."""
-        return self._reservations.pop(request_id, [])
+        return self._reservations.detach(request_id)
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Free blocks `detach_reservation` handed out."""
@@ -322,7 +309,7 @@ class EngineCore:
 
     def check_no_leaks(self) -> None:
         """Assert every KV block is free (or evictable prefix cache) once nothing runs."""
-        assert not self._reservations, f"reservations still held: {sorted(self._reservations)}"
+        assert not self._reservations, f"reservations still held: {self._reservations.ids()}"
         assert self._in_flight is None, "a launched step was never waited for"
         self.kv_cache_manager.check_no_leaks()
 

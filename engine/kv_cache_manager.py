@@ -28,6 +28,7 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from engine.block_hash import request_block_hashes
+from engine.kv_events import KVEventBatch, KVEventLog
 from engine.request import Request
 from pdserve.block_hash import BlockHash, root_hash
 
@@ -71,6 +72,9 @@ class KVCacheManager:
         self._cached: dict[BlockHash, int] = {}  # the prefix cache: block hash -> block id
         self._num_hashed_blocks: dict[str, int] = {}  # request_id -> its leading hashed blocks
         self.host_tier = host_tier if enable_prefix_caching else None
+        self.kv_events = KVEventLog()  # the hashes held, for a router's index (off until asked)
+        if self.host_tier is not None:
+            self.host_tier.kv_events = self.kv_events
         self._num_promoted: dict[str, int] = {}  # request_id -> blocks its lookups promoted
 
     def root_for(self, request: Request) -> BlockHash:
@@ -127,6 +131,7 @@ class KVCacheManager:
             block_id = self._allocate_block()
             self._block_hashes[block_id] = block_hash
             self._cached[block_hash] = block_id
+            self.kv_events.add(block_hash)
             tier.promote(host_id, block_id)
             num_promoted += 1
             block_ids.append(block_id)
@@ -192,7 +197,7 @@ class KVCacheManager:
         ):
             self._block_hashes[block_id] = block_hash
             # An equal block computed concurrently by another request keeps the entry.
-            self._cached.setdefault(block_hash, block_id)
+            self._cache(block_hash, block_id)
         self._num_hashed_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
@@ -227,6 +232,28 @@ class KVCacheManager:
             return None
         return [self._allocate_block() for _ in range(num_blocks)]
 
+    def hold_prefix(self, request: Request) -> tuple[list[int], int]:
+        """The longest prefix of `request`'s prompt this cache holds (either tier; the host's
+        promoted), each block referenced until `free_blocks` or `admit_prefix` hands it to the
+        request: nothing evicts it before its use; and how many of them the host tier gave."""
+        hit_ids, _ = self.get_computed_blocks(request)
+        for block_id in hit_ids:
+            self._take_ref(block_id)
+        return hit_ids, min(self._num_promoted.pop(request.request_id, 0), len(hit_ids))
+
+    def admit_prefix(self, request: Request, num_cached_blocks: int, num_promoted: int) -> None:
+        """`request` (its `block_ids` reserved, led by `hold_prefix`'s) is admitted with its
+        first `num_cached_blocks` from the cache: a prefix lookup, those blocks hashed."""
+        if self.enable_prefix_caching:
+            stats = self.prefix_cache_stats
+            stats.num_queries += 1
+            stats.query_tokens += request.prompt_len
+            stats.hit_tokens += num_cached_blocks * self.block_size
+            stats.host_hit_tokens += num_promoted * self.block_size
+        request.num_cached_tokens = num_cached_blocks * self.block_size
+        if num_cached_blocks:
+            self._num_hashed_blocks[request.request_id] = num_cached_blocks
+
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop one ref on each block, last block first."""
         for block_id in reversed(block_ids):
@@ -240,6 +267,8 @@ class KVCacheManager:
             self._block_hashes[block_id] = None
             self._free.append(block_id)
         self._evictable.clear()
+        for block_hash in self._cached:
+            self.kv_events.discard(block_hash)
         self._cached.clear()
         if self.host_tier is not None:
             self.host_tier.reset()
@@ -266,11 +295,33 @@ class KVCacheManager:
             block_hash = self._block_hashes[block_id]
             assert block_hash is not None, "an evictable block is a cached (hashed) one"
             del self._cached[block_hash]
+            self.kv_events.discard(block_hash)
             self._block_hashes[block_id] = None
         if self.host_tier is not None:
             self.host_tier.reused(block_id)  # copies of it finish before it is written
         self._ref_counts[block_id] = 1
         return block_id
+
+    def watch_kv_events(self) -> None:
+        """Start logging the hashes held (`kv_events`), from every one cached now."""
+        host = self.host_tier.cached_hashes() if self.host_tier is not None else []
+        self.kv_events.enable([*self._cached, *host])
+
+    def read_kv_events(self, snapshot: bool) -> tuple[KVEventBatch, list[BlockHash] | None]:
+        """The changes since the last read; every hash held with `snapshot` or at the first."""
+        if not self.kv_events.enabled:
+            self.watch_kv_events()
+            return KVEventBatch(), self.kv_events.held()
+        return self.kv_events.take(), self.kv_events.held() if snapshot else None
+
+    def _cache(self, block_hash: BlockHash, block_id: int) -> int:
+        """The block the prefix cache keeps for `block_hash`: `block_id` unless it has one."""
+        cached = self._cached.get(block_hash)
+        if cached is None:
+            self._cached[block_hash] = block_id
+            self.kv_events.add(block_hash)
+            return block_id
+        return cached
 
     def _take_ref(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
@@ -285,7 +336,7 @@ class KVCacheManager:
         if ref_count > 1:
             return
         block_hash = self._block_hashes[block_id]
-        if block_hash is not None and self._cached.setdefault(block_hash, block_id) == block_id:
+        if block_hash is not None and self._cache(block_hash, block_id) == block_id:
             self._evictable[block_id] = None  # most recently used: evicted last
             if self.host_tier is not None:
                 self.host_tier.demote(block_id, block_hash)  # (its eviction then loses nothing)

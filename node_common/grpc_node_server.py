@@ -16,6 +16,7 @@ the `Node` service (NodeService), over the node's NodeBackend:
     GetStats     ──► await backend.stats()
     GetTokenizer ──► backend.tokenizer_files
     Abort        ──► await backend.abort(request_id)
+    WatchKVEvents ──► backend.watch_kv_events()     (a stream: snapshot, then changes)
 ```
 
 Torch- and engine-free: the node (`NodeBase`) is the backend; tests serve fakes.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -69,6 +70,10 @@ class NodeBackend(Protocol):
         request."""
         ...
 
+    def watch_kv_events(self) -> AsyncIterator[node_pb2.KVEvents]:
+        """The prefix cache's block hashes: a snapshot, then the changes (KVEventHub)."""
+        ...
+
 
 class NodeService(node_pb2_grpc.NodeServicer):
     """The `Node` service every node serves, answered by its backend."""
@@ -99,6 +104,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "Abort needs the request_id to end"
             )
         return node_pb2.AbortResponse(found=await self._backend.abort(request.request_id))
+
+    async def WatchKVEvents(
+        self, request: node_pb2.WatchKVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.KVEvents]:
+        async for message in self._backend.watch_kv_events():
+            yield message
 
 
 class GrpcNodeServer:

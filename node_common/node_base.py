@@ -6,10 +6,11 @@ NodeBase(core, config)     inside the event loop: AsyncEngine around the EngineC
                            tokenizer files, GrpcNodeServer (Node + the role's service + health)
 start()                    engine thread, then serve (and register, with a registry); /metrics
                            on config.metrics_port unless 0 (NodeMetrics)
-stop()                     stop serving (in-flight calls get grace_s, then are cancelled and
-                           free what they hold), the other TP ranks' hand-offs, the engine
-                           thread, the engine (its TP ranks exit), the transport (live
-                           transfers fail, peers are told). Idempotent.
+stop()                     end the KV-event watches (KVEventHub), stop serving (in-flight
+                           calls get grace_s, then are cancelled and free what they hold),
+                           the other TP ranks' hand-offs, the engine thread, the engine (its
+                           TP ranks exit), the transport (live transfers fail, peers are
+                           told). Idempotent.
 failed                     set when the node cannot go on (a TP rank died or hung): the
                            launcher stops it
 ```
@@ -24,6 +25,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import grpc
@@ -35,6 +37,7 @@ from engine.engine_core import EngineCore, EngineStats
 from engine.kv_offload import KVOffloadStats
 from engine.spec_decode import SpecDecodeStats
 from node_common.grpc_node_server import GrpcNodeServer
+from node_common.kv_event_hub import KVEventHub
 from node_common.node_messages import read_tokenizer_files
 from node_common.node_metrics import NodeMetrics, loop_stats_reader, stats_fields
 from node_common.role_servicer import RoleServicer
@@ -95,6 +98,7 @@ class NodeBase(abc.ABC):
             registry=config.registry, advertise_host=config.advertise_host,
             security=config.security, auth=self.auth,
         )  # fmt: skip
+        self.kv_events = KVEventHub(self.engine)  # for routers that watch (kv_events policy)
         self._engine_started = False
         self._stopped = False
 
@@ -175,6 +179,9 @@ class NodeBase(abc.ABC):
     def tokenizer_files(self) -> node_pb2.TokenizerFiles:
         return self._tokenizer_files
 
+    def watch_kv_events(self) -> AsyncIterator[node_pb2.KVEvents]:
+        return self.kv_events.watch()
+
     async def stats(self, fresh: bool = True) -> node_pb2.NodeStats:
         """The node's stats; `fresh=False`: as of the engine's last step, without waiting for
         the engine thread (a long prefill step must not delay a registry heartbeat)."""
@@ -192,6 +199,9 @@ class NodeBase(abc.ABC):
             "num_finished_requests": counters.num_finished_requests,
             "num_failed_transfers": self.manager.num_failed,
             "num_in_place_transfers": self.manager.num_in_place,
+            "num_kv_transfers": self.manager.num_succeeded,
+            "num_kv_transfer_bytes": self.manager.num_bytes_moved,
+            "num_kv_skipped_bytes": self.manager.num_bytes_skipped,
             "num_prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "num_prefilled_tokens": stats.prompt_tokens_computed,
             "num_queued_prefill_tokens": counters.num_queued_prefill_tokens,
@@ -239,6 +249,7 @@ class NodeBase(abc.ABC):
         if self._stopped:
             return
         self._stopped = True
+        self.kv_events.close()  # watches end now: the server's grace is for requests
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         self.metrics.stop()
         if self.tp_ranks is not None:

@@ -8,9 +8,11 @@ scrape ──► NodeStatsCollector: the node's NodeStats read on its event loop
            local prefills, prefilled tokens, fallbacks, speculative decoding's verifies, drafts,
            accepted and emitted tokens; gauges since the start: its acceptance ratio and mean
            accepted tokens per verify)
-transfer session finished ──► transfer_finished: bytes, duration histogram, result ok | failed
-                              (by direction: sent on the prefill node, received on the decode
-                              node; every series of the node's direction exists from the start)
+transfer session finished ──► transfer_finished: bytes moved and skipped (the decode node held
+                              them: a suffix-only hand-off), per successful hand-off both as a
+                              histogram, duration histogram, result ok | failed (by direction:
+                              sent on the prefill node, received on the decode node; every
+                              series of the node's direction exists from the start)
 ```
 """
 
@@ -30,6 +32,8 @@ from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
+# bytes of one hand-off: 64 KiB .. 64 GiB, x4 per bucket
+HANDOFF_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(16, 37, 2))
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                       10.0, 30.0)  # fmt: skip
 _SCRAPE_TIMEOUT_S = 5.0
@@ -141,6 +145,17 @@ class NodeMetrics:
             "pdserve_node_kv_transfer_bytes", "KV cache bytes moved, by direction",
             ["direction"], registry=r,
         )  # fmt: skip
+        self.skipped_bytes = Counter(
+            "pdserve_node_kv_transfer_skipped_bytes",
+            "KV bytes of hand-offs' prompts not moved: the decode node held them already",
+            ["direction"], registry=r,
+        )  # fmt: skip
+        self.handoff_bytes = Histogram(
+            "pdserve_node_kv_handoff_bytes",
+            "per successful KV hand-off: bytes moved (part=transferred) and not moved because "
+            "the decode node held them (part=skipped)",
+            ["direction", "part"], buckets=HANDOFF_BYTES_BUCKETS, registry=r,
+        )  # fmt: skip
         self.transfers = Counter(
             "pdserve_node_kv_transfers", "KV hand-offs ended, by direction and result",
             ["direction", "result"], registry=r,
@@ -153,6 +168,9 @@ class NodeMetrics:
         # A node moves KV one way: its series exist (at 0) from the start, failures included.
         direction = "sent" if role == "prefill" else "received"
         self.transfer_bytes.labels(direction)
+        self.skipped_bytes.labels(direction)
+        for part in ("transferred", "skipped"):
+            self.handoff_bytes.labels(direction, part)
         for result in ("ok", "failed"):
             self.transfers.labels(direction, result)
         r.register(NodeStatsCollector(read_stats))
@@ -166,10 +184,14 @@ class NodeMetrics:
         direction = "sent" if sent else "received"
         num_bytes = session.num_bytes_sent if sent else session.num_bytes_received
         ok = session.state.name == "SUCCESS"
+        num_skipped = session.num_bytes_skipped
         self.transfer_bytes.labels(direction).inc(num_bytes)
+        self.skipped_bytes.labels(direction).inc(num_skipped)
         self.transfers.labels(direction, "ok" if ok else "failed").inc()
         if ok:
             self.transfer_duration.labels(direction).observe(session.elapsed_s)
+            self.handoff_bytes.labels(direction, "transferred").observe(num_bytes)
+            self.handoff_bytes.labels(direction, "skipped").observe(num_skipped)
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics on HOST:PORT in a thread. Raises OSError when it cannot bind."""

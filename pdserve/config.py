@@ -59,7 +59,8 @@ DEFAULT_HTTP_PORT = 8000  # the router's OpenAI-compatible API (and /metrics)
 # event loop longer than 50 ms to read and decode (router/http/json_body.py).
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 KV_TRANSPORTS = ("auto", "ucx", "tcp", "local")
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")  # router.policies.POLICIES
+# router.policies.POLICIES
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware", "kv_events")
 
 
 REGISTRY_URL_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -150,35 +151,29 @@ class NodeConfig:
     ticket_timeout_s: float = ticket_timeout_knob()
     min_prefill_tokens_per_s: float = prefill_rate_knob()
     kv_write_in_place: bool = knob(
-        True,
-        "turn writes in place off: on one GPU the prefill node then sends the KV instead of "
-        "writing it into the decode node's blocks itself over CUDA IPC (default: on)",
-    )
+        True, "turn writes in place off: on one GPU the prefill node then sends the KV instead "
+        "of writing it into the decode node's blocks itself over CUDA IPC (default: on)",
+    )  # fmt: skip
     kv_encrypt: bool = knob(
-        False,
-        "encrypt the KV payloads and first tokens this node sends, and take only encrypted "
+        False, "encrypt the KV payloads and first tokens this node sends, take only encrypted "
         "hand-offs (AES-256-CTR under a per-transfer key; host payloads: --kv-transport tcp on "
         "GPU nodes; needs --cluster-secret-file; default: off, they are MACed, not encrypted)",
-    )
+    )  # fmt: skip
     grace_s: float = knob(5.0, "on stop, how long in-flight calls may take before cancellation")
-    metrics_port: int = knob(
-        0, "Prometheus /metrics HTTP port (0: off; pd-serve gives node i the port N + i)"
-    )
+    metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0: off; pd-serve: node i at N + i)")
     registry: RegistryConfig | None = knob(None, "from the registry flags", cli=False)
     security: SecurityConfig = knob(SecurityConfig(), "from the security flags", cli=False)
     max_queued_requests: int = knob(
-        64,
-        "decode: requests that may wait for free KV blocks at once; more are refused "
+        64, "decode: requests that may wait for free KV blocks at once; more are refused "
         "RESOURCE_EXHAUSTED at once",
-    )
+    )  # fmt: skip
     queue_timeout_s: float = knob(
         10.0, "decode: the longest a request waits for free KV blocks before RESOURCE_EXHAUSTED"
     )
     bind_retry_s: float = knob(
-        10.0,
-        "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a killed "
-        "node) before exiting with an error",
-    )
+        10.0, "how long to retry a gRPC or KV port that cannot be bound (e.g. still held by a "
+        "killed node) before exiting with an error",
+    )  # fmt: skip
     max_transfer_timeout_s: float = knob(
         120.0, "decode: a Decode's transfer_timeout_s (its no-progress timeout) is clamped to this"
     )
@@ -195,6 +190,9 @@ class NodeConfig:
     )
     max_pending_transfers: int = knob(
         256, "decode: hand-offs awaited at once, all callers; more: RESOURCE_EXHAUSTED at once"
+    )
+    suffix_handoff: bool = knob(
+        True, "decode: get only KV its prefix cache lacks (default: on)", flag="--no-suffix-handoff"
     )
 
     def __post_init__(self) -> None:
@@ -244,7 +242,9 @@ class RouterConfig:
     policy: str = knob(
         "round_robin",
         "round_robin: each node in turn; least_loaded: fewest outstanding tokens, free KV "
-        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it",
+        "blocks; prefix_aware: a shared prompt prefix goes to the prefill node that holds it; "
+        "kv_events: the prefill and decode nodes whose prefix caches hold the prompt's longest "
+        "prefix, as they report it (WatchKVEvents), weighed against their load",
         choices=POLICY_NAMES,
     )
     local_prefill_max_tokens: int = knob(

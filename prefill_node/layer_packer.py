@@ -53,38 +53,41 @@ class LayerPacker:
 
     def pack(self, outgoing: Outgoing, block_ids: Sequence[int], layer_idx: int) -> PackedLayer:
         """The request's blocks of one layer packed into a new buffer on the cache's device
-        (`block_ids`: its block table; the first `outgoing.num_blocks` hold the prompt); on
-        CUDA queued on the pack stream behind the compute stream's KV write, with the event
-        that marks it packed."""
+        (`block_ids`: its block table; the first `outgoing.num_blocks` hold the prompt, of
+        which those after the receiver's `num_cached_blocks` are packed: all until the ticket
+        says otherwise); on CUDA queued on the pack stream behind the compute stream's KV
+        write, with the event that marks it packed."""
         k_cache, v_cache = self._kv_caches[layer_idx]
-        if outgoing.src_ids is None:
-            prompt_blocks = block_ids[: outgoing.num_blocks]
+        sender = outgoing.sender  # (read before the count: attach sets the count first)
+        num_cached = outgoing.num_cached_blocks
+        if outgoing.src_ids is None or outgoing.src_ids_from != num_cached:
+            prompt_blocks = block_ids[num_cached : outgoing.num_blocks]
             outgoing.src_ids = check_block_ids(prompt_blocks, k_cache.shape[0], k_cache.device)
-        num_bytes = self._layout.layer_bytes(outgoing.num_blocks)
+            outgoing.src_ids_from = num_cached
+        num_blocks = outgoing.num_blocks - num_cached
+        num_bytes = self._layout.layer_bytes(num_blocks)
         if self._pack_stream is None:
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
-            return PackedLayer(
-                layer_idx, pack_layer(k_cache, v_cache, outgoing.src_ids, packed), None
-            )
+            packed = pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
+            return PackedLayer(layer_idx, packed, None, num_cached_blocks=num_cached)
         computed = torch.cuda.Event()
         computed.record(torch.cuda.current_stream(k_cache.device))  # after the layer's KV write
-        sender = outgoing.sender
         writer = sender.in_place_writer if sender is not None else None
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(computed)
             if writer is not None:  # block to block into the receiver's blocks: nothing packed
                 manifest = LayerManifest(
-                    layer_idx=layer_idx, num_blocks=outgoing.num_blocks, num_bytes=num_bytes
+                    layer_idx=layer_idx, num_blocks=num_blocks, num_bytes=num_bytes
                 )
                 blocks = LayerBlocks(k_cache, v_cache, outgoing.src_ids)
                 with contextlib.suppress(ClosedError):  # failed: packed below, sent nowhere
                     written = writer.write([manifest], [blocks])
-                    return PackedLayer(layer_idx, None, written, written=True)
+                    return PackedLayer(layer_idx, None, written, True, num_cached)
             packed = torch.empty(num_bytes, dtype=torch.uint8, device=k_cache.device)
             pack_layer(k_cache, v_cache, outgoing.src_ids, packed)
             ready = torch.cuda.Event()
             ready.record(self._pack_stream)
-        return PackedLayer(layer_idx, packed, ready)
+        return PackedLayer(layer_idx, packed, ready, num_cached_blocks=num_cached)
 
     def layer_done(self, layer_idx: int, packed: torch.cuda.Event | None) -> None:
         """Every request's pack of layer `layer_idx` is queued; `packed`: the event of the

@@ -16,13 +16,13 @@
                        place, on the pack stream behind the KV write; the forward never waits
                        loop.call_soon_threadsafe(queue it)      the next layers compute meanwhile
                      LayerPacker.layer_done: (CUDA) the host's run-ahead bounded
-    event loop     the request's drain task: await the first queued layer's `packed` event
-                   (GIL-free, cuda_waits), take it and every queued layer packed by then, and
-                   send them as one message (KVSender.send_packed_layers: fewer, larger
-                   messages; the decode node still lands and reports each layer); any number
-                   in flight. On the receiver's own GPU (the ticket's kv_device) the drain
-                   starts with the layer before the last and hands over every layer but the
-                   last at once (written in place as computed: one manifest message), then
+    event loop     the request's drain task (LayerDrain, prefill_node/layer_drain.py): await
+                   the first queued layer's `packed` event (GIL-free, cuda_waits), take it and
+                   every queued layer packed by then, and send them as one message
+                   (KVSender.send_packed_layers: fewer, larger messages; the decode node still
+                   lands and reports each layer); any number in flight. On the receiver's
+                   own GPU (the ticket's kv_device) the drain starts with the layer before the
+                   last and hands over every layer but the last at once (written in place as computed: one manifest message), then
                    the last: during the forward the decode process puts no work on the GPU,
                    nor our event loop per-layer GIL time
                    attach: the layers queued so far go out as above (the drain starts)
@@ -40,18 +40,17 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from cache_transfer import KVLayout, TransferState
+from cache_transfer import KVLayout
 from cache_transfer.layout import kv_device_id
-from cache_transfer.transports.cuda_waits import wait_event
 from engine.outputs import PrefillLayerChunk
 from pdserve.v1 import generation_pb2
+from prefill_node.layer_drain import LayerDrain
 from prefill_node.layer_packer import LayerPacker
-from prefill_node.outgoing import KVSink, Outgoing, PackedLayer
+from prefill_node.outgoing import KVSink, Outgoing
 from prefill_node.transfer_trace import TransferTrace
 
 logger = logging.getLogger(__name__)
@@ -90,11 +89,7 @@ class LayerStreamer:
         device = kv_caches[0][0].device
         self._kv_device = kv_device_id(device) if kv_device is None else kv_device
         self._packer = LayerPacker(kv_caches, layout)  # the engine thread's
-        # the event loop's current stream: nothing is queued on it but what the transport
-        # itself does (staging copies), so a transport's wait for it never waits for a pack of
-        # a later layer (that waits for the compute of that layer)
-        self._send_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._loop_stream_bound = False
+        self._drain = LayerDrain(loop, device)  # the event loop's: packed layers -> sender
 
     def open(self, request_id: str, num_tokens: int) -> TransferTrace:
         """Pack `request_id`'s KV (`num_tokens` prompt tokens) as the engine computes it; it
@@ -124,11 +119,13 @@ class LayerStreamer:
             raise ValueError(f"request {request_id!r} is not open")
         if outgoing.sender is not None:
             raise ValueError(f"request {request_id!r} already has a sender")
-        if sender.num_blocks != outgoing.num_blocks:
+        num_cached = outgoing.num_blocks - sender.num_blocks  # the receiver holds (KVSuffix)
+        if num_cached != sender.suffix.num_cached_blocks:
             raise ValueError(
                 f"request {request_id!r}: a sender of {sender.num_blocks} blocks for a prompt "
                 f"of {outgoing.num_blocks}"
             )
+        outgoing.num_cached_blocks = num_cached  # before `sender`: the packer reads it after
         trace = outgoing.trace
         trace.transfer_id = sender.transfer_id
         self.traces[sender.transfer_id] = trace
@@ -146,7 +143,7 @@ class LayerStreamer:
             sender.start()
         queued = outgoing.queued
         if queued and not outgoing.draining and queued[-1].layer_idx >= outgoing.hold_until:
-            self._start_drain(outgoing, sender)
+            self._drain.start(outgoing, sender)
 
     def on_layer_done(self, layer_idx: int, chunks: Sequence[PrefillLayerChunk]) -> None:
         """The engine's hook (engine thread): start layer `layer_idx`'s send for every request
@@ -178,7 +175,7 @@ class LayerStreamer:
                 continue
             if layer.ready is None:
                 outgoing.trace.layer_computed_s[layer_idx] = time.monotonic()
-            self._loop.call_soon_threadsafe(self._queue, outgoing, layer)
+            self._loop.call_soon_threadsafe(self._drain.queue, outgoing, layer)
             if not outgoing.same_gpu:  # bound the run-ahead only where sends are heavy
                 packed = layer.ready
         self._packer.layer_done(layer_idx, packed)
@@ -242,109 +239,8 @@ class LayerStreamer:
         if outgoing is not None and outgoing.sender is not None and not outgoing.sender.finished:
             outgoing.sender.cancel(reason)
 
-    def _queue(self, outgoing: Outgoing, layer: PackedLayer) -> None:
-        """(event loop) Queue a packed layer; start the request's drain task if none runs."""
-        if self._send_stream is not None and not self._loop_stream_bound:
-            # the transport orders its reads after this thread's current stream: make that the
-            # send stream, never the compute or pack stream (a send would wait for later
-            # layers); a layer is handed over only once its `packed` event is seen done
-            torch.cuda.set_stream(self._send_stream)
-            self._loop_stream_bound = True
-        outgoing.queued.append(layer)
-        sender = outgoing.sender
-        if sender is None:
-            return  # attach drains the queue
-        if layer.layer_idx < outgoing.hold_until:
-            return  # goes with a later layer
-        if not outgoing.draining:
-            self._start_drain(outgoing, sender)
-
     def _start(self, outgoing: Outgoing) -> None:
         """(event loop) The request's prefill started: so does its transfer, once attached."""
         outgoing.started = True
         if outgoing.sender is not None:
             outgoing.sender.start()
-
-    def _track(self, outgoing: Outgoing, coro: Coroutine[Any, Any, None]) -> None:
-        task = self._loop.create_task(coro)
-        outgoing.tasks.add(task)
-        task.add_done_callback(outgoing.tasks.discard)
-
-    def _handing(self, outgoing: Outgoing) -> asyncio.Future[None]:  # `finish` waits for it
-        handed = self._loop.create_future()
-        outgoing.handing.add(handed)
-        handed.add_done_callback(outgoing.handing.discard)
-        return handed
-
-    def _start_drain(self, outgoing: Outgoing, sender: KVSink) -> None:
-        outgoing.draining = True
-        self._track(outgoing, self._drain(outgoing, sender, self._handing(outgoing)))
-
-    async def _drain(
-        self, outgoing: Outgoing, sender: KVSink, handed: asyncio.Future[None]
-    ) -> None:
-        """Hand queued layers to the sender: whatever is packed when the first one is (one
-        GPU: when the layer held until is), as one message (layers in the order they were
-        computed); each send runs on its own."""
-        try:
-            while outgoing.queued:
-                await asyncio.sleep(0)  # layers the engine thread queued meanwhile join in
-                # packs finish in queue order (one pack stream)
-                upto = max(outgoing.hold_until, outgoing.queued[0].layer_idx)
-                awaited = [layer for layer in outgoing.queued if layer.layer_idx <= upto][-1]
-                if awaited.ready is not None:
-                    try:
-                        await wait_event(awaited.ready, sender.remaining_s)
-                    except Exception as error:  # the deadline, or a CUDA error
-                        sender.abort(f"layer {awaited.layer_idx} was not packed: {error!r}")
-                        outgoing.queued.clear()
-                        return
-                batch = [outgoing.queued.popleft()]
-                while outgoing.queued and outgoing.queued[0].is_packed:
-                    batch.append(outgoing.queued.popleft())
-                now = time.monotonic()
-                for layer in batch:
-                    if layer.ready is not None:  # CUDA: computed when seen packed
-                        outgoing.trace.layer_computed_s[layer.layer_idx] = now
-                sending = self._send(outgoing, sender, batch, self._handing(outgoing))
-                self._track(outgoing, sending)
-        finally:
-            outgoing.draining = False
-            handed.set_result(None)
-
-    async def _send(
-        self,
-        outgoing: Outgoing,
-        sender: KVSink,
-        batch: list[PackedLayer],
-        handed: asyncio.Future[None],
-    ) -> None:
-        layers = [layer.layer_idx for layer in batch]
-        try:
-            written = [layer for layer in batch if layer.written]  # by the engine thread
-            writer = sender.in_place_writer
-            for layer in written:
-                assert writer is not None and layer.ready is not None  # written in place
-                writer.written(layer.ready)
-            sends = []  # both messages in flight at once
-            if written:
-                sends.append(sender.send_written_layers([layer.layer_idx for layer in written]))
-            packed = [(ly.layer_idx, ly.packed) for ly in batch if ly.packed is not None]
-            if packed:
-                sends.append(sender.send_packed_layers(packed))
-            sending = asyncio.gather(*sends)
-            await asyncio.sleep(0)  # its tasks ran first (FIFO): the sender holds the layers
-            handed.set_result(None)
-            await sending
-        except Exception as error:  # a bug, not the peer: fail this transfer only
-            logger.exception("transfer %s: sending layers %s failed", sender.transfer_id, layers,
-                             extra={"request_id": sender.log_id})  # fmt: skip
-            sender.abort(f"sending layers {layers} failed: {error!r}")
-            return
-        finally:
-            if not handed.done():
-                handed.set_result(None)
-        if sender.state != TransferState.FAILED:
-            now = time.monotonic()
-            for layer_idx in layers:
-                outgoing.trace.layer_sent_s[layer_idx] = now

@@ -27,6 +27,7 @@ class PackedLayer:
     packed: torch.Tensor | None  # flat uint8 `[2, num_blocks, block_size, kv_heads, head_dim]`
     ready: torch.cuda.Event | None  # CUDA: recorded once packed; None: packed already
     written: bool = False  # CUDA, in place: copied (`packed` None), `ready` marks it written
+    num_cached_blocks: int = 0  # the prompt's leading blocks left out (`Outgoing`'s, when packed)
 
     @property
     def is_packed(self) -> bool:
@@ -35,8 +36,9 @@ class PackedLayer:
 
 @dataclass
 class Outgoing:
-    """One request's sends. `broken`, `computing`, `num_computed_tokens` and `src_ids` are the
-    engine thread's, the rest the event loop's (the engine thread reads `sender`)."""
+    """One request's sends. `broken`, `computing`, `num_computed_tokens` and `src_ids*` are
+    the engine thread's, the rest the event loop's (the engine thread reads `sender` and
+    `num_cached_blocks`)."""
 
     trace: TransferTrace
     num_blocks: int  # the prompt's blocks, each layer's packed size
@@ -52,4 +54,8 @@ class Outgoing:
     started: bool = False  # (event loop) ... and the loop heard: the sender starts (on attach)
     same_gpu: bool = False  # the receiver shares our GPU (known at attach)
     hold_until: int = 0  # (same_gpu) earlier layers wait, queued, until this one is queued
-    src_ids: CheckedIds | None = None  # the request's block ids on the cache's device
+    # the receiver holds the prompt's first blocks (KVSuffix): set at attach, before `sender`
+    num_cached_blocks: int = 0
+    # the request's block ids on the cache's device, from block src_ids_from on
+    src_ids: CheckedIds | None = None
+    src_ids_from: int = 0

@@ -39,6 +39,7 @@ from typing import NoReturn
 import grpc
 
 from cache_transfer import TransferState, dtype_mismatch
+from cache_transfer.tickets import ticket_misfit
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from node_common.node_base import NodeBase
@@ -223,11 +224,8 @@ class PrefillServicer(RoleServicer, node_pb2_grpc.PrefillNodeServicer):
                 f"the ticket is for {ticket.num_tokens} tokens but the prompt has "
                 f"{len(request.prompt_token_ids)}"
             )
-        elif len(ticket.dst_block_ids) < self._layout.num_blocks_for(ticket.num_tokens):
-            problem = (
-                f"the ticket reserves {len(ticket.dst_block_ids)} blocks; "
-                f"{ticket.num_tokens} tokens need {self._layout.num_blocks_for(ticket.num_tokens)}"
-            )
+        else:
+            problem = ticket_misfit(self._layout, ticket)  # blocks for what it asks for
         if problem is not None:
             raise TicketError(grpc.StatusCode.INVALID_ARGUMENT, f"bad PrefillRequest: {problem}")
 

@@ -67,6 +67,9 @@ class Dispatcher:
         `timeout_s` (the client's deadline) bounds the node calls. Use it inside
         `contextlib.aclosing` so that stopping early aborts the request on its nodes at once.
         `record` (if given) gets the route taken (the last attempt's)."""
+        info = self._registry.model_info
+        if info is not None:
+            await self._policy.prepare(request, max(info.block_size, 1))
         route = self._route(request, record=record)
         if route is None:
             raise RouterError(

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.block_hash import BlockHash, block_hashes
 from pdserve.chat_tools import chat_inputs
 from pdserve.sampling_defaults import defaults_from_proto
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
@@ -36,6 +37,10 @@ class ProcessedRequest:
     node_sampling: node_pb2.NodeSamplingParams  # the same values, as the nodes receive them
     client_request_id: str = ""  # the client's (echoed in responses); "" -> request_id
     cache_salt: str = ""  # its prefix-cache namespace, as the nodes get it (router.tenancy)
+    # the prompt's block hashes by (block size, root): hashed once, whoever asks
+    _block_hashes: dict[tuple[int, BlockHash], list[BlockHash]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.client_request_id:
@@ -44,6 +49,14 @@ class ProcessedRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    def block_hashes(self, block_size: int, root: BlockHash) -> list[BlockHash]:
+        """The prompt's full blocks' digests (pdserve.block_hash), computed once per request."""
+        key = (block_size, root)
+        hashes = self._block_hashes.get(key)
+        if hashes is None:
+            hashes = self._block_hashes[key] = block_hashes(self.prompt_token_ids, block_size, root)
+        return hashes
 
 
 class InputProcessor:

@@ -77,6 +77,11 @@ class NodeRegistry:
     def ready_addresses(self) -> list[str]:
         return list(self._ready)
 
+    @property
+    def ready_nodes(self) -> list[NodeClient]:
+        """Every admitted node, both roles (unreachable ones too)."""
+        return list(self._ready.values())
+
     def serving(self) -> bool:
         """At least one admitted decode node whose connection looks alive (`NodeClient.up`):
         what the router's health reports. A static node list never shrinks, so without this

@@ -134,6 +134,7 @@ class RouterServer:
         if self.http is not None:
             await self.http.stop()
         await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await self.policy.close()
         await self.registry.close()
         if self.registry_source is not None:
             await self.registry_source.close()
@@ -153,6 +154,7 @@ class RouterServer:
         self._watch_task.add_done_callback(_log_failure)
 
     async def _update_health(self) -> None:
+        self.policy.follow(self.registry.ready_nodes)  # (the kv_events policy's streams)
         status = health_pb2.HealthCheckResponse.SERVING
         if not self.registry.serving():
             status = health_pb2.HealthCheckResponse.NOT_SERVING

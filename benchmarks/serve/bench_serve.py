@@ -11,7 +11,8 @@ router answers (printing pd-serve's own start-up lines), runs each request rate 
 stops it. Its files (--json, --plot, pd-serve's log) go to a new folder under --results-dir
 (pd-bench-results/, git-ignored). Each rate sends the same requests
 (same dataset sample, fresh arrival times from --seed) after --num-warmups warm-up requests.
-Metrics and their definitions: benchmarks/serve/metrics.py. Torch-free.
+Metrics and their definitions: benchmarks/serve/metrics.py. `--multi-turn` replays ShareGPT
+conversations turn by turn (benchmarks/serve/bench_multi_turn.py). Torch-free.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from typing import Any
 
 import grpc
 
+from benchmarks.serve import bench_multi_turn, spec_stats
 from benchmarks.serve import report as serve_report
-from benchmarks.serve import spec_stats
-from benchmarks.serve.cluster import BenchCluster, ClusterSpec
+from benchmarks.serve.cluster import BenchCluster, ClusterSpec, kv_counters
 from benchmarks.serve.datasets import DATASETS, DatasetSpec, SampleRequest, load_requests
 from benchmarks.serve.load import arrival_offsets_s, parse_rates, rate_label
 from benchmarks.serve.metrics import Slo, summarize
 from benchmarks.serve.runner import SendOptions, run_requests
+from pdserve.config import SecurityConfig
 from pdserve.tokenizer import Tokenizer
 from router.client import GenerationClient
 
@@ -150,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--decode", type=int, default=1, help="decode nodes to start (>= 1)")
     add_dataset_flags(parser)
     add_run_flags(parser)
+    bench_multi_turn.add_multi_turn_flags(parser)
     return parser
 
 
@@ -223,15 +226,40 @@ def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(args.slo_ttft_ms, args.slo_tpot_ms)
 
 
+def multi_turn(
+    addr: str, config: str, args: argparse.Namespace, cluster: BenchCluster | None
+) -> tuple[list[dict], dict]:
+    """`--multi-turn`: the conversations' runs, and the dataset's description."""
+    info, server_tokenizer = asyncio.run(_model(addr))
+    tokenizer = Tokenizer.from_dir(args.tokenizer) if args.tokenizer else server_tokenizer
+    spec = dataset_spec(args)
+    conversations = bench_multi_turn.load_conversations(args, spec, tokenizer)
+    assert tokenizer is not None  # (load_conversations needs one)
+    options = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos,
+                          timeout_s=args.request_timeout_s)  # fmt: skip
+    warm = SampleRequest(8, 8, prompt="Say hello in one short sentence.")
+    _warm_up(addr, [warm], options, args.num_warmups)
+    if cluster is not None:
+        nodes, security = cluster.decode_addresses(), cluster.security()
+    else:
+        nodes = args.decode_nodes.split(",") if args.decode_nodes else []
+        security = SecurityConfig()  # PDSERVE_CLUSTER_SECRET_FILE, if set
+    counters = (lambda: kv_counters(nodes, security)) if nodes else None
+    runs = bench_multi_turn.run_multi_turn(
+        addr, config, conversations, tokenizer, options, info.max_model_len, counters, args
+    )
+    return runs, bench_multi_turn.dataset_description(conversations, spec, args)
+
+
 def report(runs: list[dict], args: argparse.Namespace, payload: dict) -> None:
     """Tables to stdout; --json and --plot files."""
     slo = slo_of(args)
-    print(f"\nSLO: {serve_report.slo_text(slo)}")
-    print(serve_report.throughput_table(runs))
-    print()
-    print(serve_report.latency_table(runs))
+    bench_multi_turn.print_run_tables(runs, slo)
     if spec := spec_stats.text(runs):
         print(f"\n{spec}")
+    if args.multi_turn:
+        exact = args.max_concurrency == 1 and (args.addr is None or args.decode_nodes)
+        bench_multi_turn.print_turns(runs, bool(exact))
     if failures := serve_report.failures_text(runs):
         print(f"\nfailed requests:\n{failures}")
     if args.json:
@@ -254,6 +282,7 @@ def check_flags(
         parser.error("need --decode >= 1 and --prefill >= 0")
     if args.burstiness <= 0:
         parser.error("--burstiness must be > 0")
+    bench_multi_turn.check_multi_turn_flags(parser, args)
     if args.addr is not None and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)} (pd-serve flags need no --addr)")
     if extra:
@@ -280,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             payload["configs"] = [{**asdict(spec), "serve_argv": cluster.argv()[1:]}]
         else:
             addr = config = args.addr
-        requests, options, payload["dataset"] = prepare(addr, args)
-        runs = run_sweep(addr, config, requests, options, args, cluster)
+        if args.multi_turn:
+            runs, payload["dataset"] = multi_turn(addr, config, args, cluster)
+        else:
+            requests, options, payload["dataset"] = prepare(addr, args)
+            runs = run_sweep(addr, config, requests, options, args, cluster)
     except grpc.aio.AioRpcError as error:
         print(f"pd-bench serve: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

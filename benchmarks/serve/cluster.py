@@ -8,6 +8,7 @@ start: pd-serve [--prefill P --decode D] --port 0 --http-port 0 FLAGS  (own sess
        -> "pd-serve: router listening on ADDR"          -> `address`
        -> GetModelInfo answers -> ready (or RuntimeError with the log's last lines)
 node_stats("prefill-0"): a node's NodeStats over gRPC
+kv_counters(decode_addresses(), security()): the hand-offs' KV bytes moved and skipped
 stop:  SIGINT to pd-serve, as Ctrl-C (it stops its nodes), SIGKILL to its session after a grace period;
        returns the pids pd-serve had started that outlived it
 ```
@@ -35,7 +36,9 @@ from typing import IO
 import grpc
 
 from pdserve import envs
-from pdserve.security import AUTH_METADATA_KEY, ClusterAuth, read_secret
+from pdserve.config import SecurityConfig
+from pdserve.grpc_security import open_channel
+from pdserve.security import AUTH_METADATA_KEY, ClusterAuth, load_cluster_auth, read_secret
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from router.client import GenerationClient
 
@@ -235,6 +238,13 @@ class BenchCluster:
                 return self.serve_flags[i + 1]
         return envs.cluster_secret_file()
 
+    def decode_addresses(self) -> list[str]:
+        return [address for name, address in self.nodes.items() if name.startswith("decode")]
+
+    def security(self) -> SecurityConfig:
+        """The cluster secret pd-serve was given (--cluster-secret-file), to call its nodes."""
+        return SecurityConfig(cluster_secret_file=self._secret_file())
+
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = STOP_GRACE_S) -> list[int]:
         """Stop pd-serve with `sig` (it stops its nodes); return the pids it had started that
         outlived it (then killed with the rest of its session)."""
@@ -269,3 +279,21 @@ class BenchCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+async def kv_counters(addresses: list[str], security: SecurityConfig) -> tuple[int, int]:
+    """(KV bytes moved, KV bytes skipped) by the successful hand-offs of the nodes at
+    `addresses` (NodeStats; with the cluster secret when there is one)."""
+    auth = load_cluster_auth(security)
+    moved = skipped = 0
+    for address in addresses:
+        channel = open_channel(address, security, auth)
+        try:
+            stats = await node_pb2_grpc.NodeStub(channel).GetStats(
+                node_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S
+            )
+        finally:
+            await channel.close()
+        moved += stats.num_kv_transfer_bytes
+        skipped += stats.num_kv_skipped_bytes
+    return moved, skipped

@@ -17,13 +17,13 @@ from benchmarks.serve.load import rate_label
 from benchmarks.serve.metrics import Slo
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     head = "  ".join(cell.rjust(width) for cell, width in zip(header, widths))
@@ -37,10 +37,10 @@ def throughput_table(runs: list[dict]) -> str:
     for run in runs:
         s = run["summary"]
         rows.append([run["config"], rate_label(run["request_rate"]), str(s["num_sent"]),
-                     str(s["num_completed"]), str(s["num_failed"]), _fmt(s["duration_s"]),
-                     _fmt(s["request_throughput"], 2), _fmt(s["output_throughput"]),
-                     _fmt(s["goodput"], 2), _fmt(100 * s["slo_attainment"])])  # fmt: skip
-    return _table(header, rows)
+                     str(s["num_completed"]), str(s["num_failed"]), fmt(s["duration_s"]),
+                     fmt(s["request_throughput"], 2), fmt(s["output_throughput"]),
+                     fmt(s["goodput"], 2), fmt(100 * s["slo_attainment"])])  # fmt: skip
+    return table(header, rows)
 
 
 def latency_table(runs: list[dict]) -> str:
@@ -50,8 +50,8 @@ def latency_table(runs: list[dict]) -> str:
         for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             d = run["summary"][metric]
             rows.append([run["config"], rate_label(run["request_rate"]), metric[:-3].upper(),
-                         *(_fmt(d[k]) for k in ("mean", "median", "p90", "p99"))])  # fmt: skip
-    return _table(header, rows)
+                         *(fmt(d[k]) for k in ("mean", "median", "p90", "p99"))])  # fmt: skip
+    return table(header, rows)
 
 
 def failures_text(runs: list[dict]) -> str:

@@ -46,10 +46,11 @@ def to_proto(request: SampleRequest, options: SendOptions, request_id: str) -> A
     )
 
 
-async def _send(
+async def send(
     client: GenerationClient, proto: Any, record: RequestRecord, timeout_s: float | None,
-    clock_start: float,
+    clock_start: float, text: list[str] | None = None,
 ) -> None:  # fmt: skip
+    """Send `proto`, filling `record`'s timeline (and `text` with the streamed text)."""
     record.send_s = time.perf_counter() - clock_start
     try:
         async for chunk in client.stream(proto, timeout_s):
@@ -57,6 +58,8 @@ async def _send(
             if chunk.token_ids:
                 record.chunk_times_s.append(now)
                 record.chunk_tokens.append(len(chunk.token_ids))
+            if text is not None:
+                text.append(chunk.text)
             if chunk.finish_reason:
                 record.finish_reason = chunk.finish_reason
         record.status = OK if record.finish_reason else NO_FINISH
@@ -88,7 +91,7 @@ async def run_requests(
                 await asyncio.sleep(delay_s)
             async with slots:
                 proto = to_proto(requests[index], options, f"{run_name}-{index}")
-                await _send(client, proto, records[index], options.timeout_s, clock_start)
+                await send(client, proto, records[index], options.timeout_s, clock_start)
             if progress is not None:
                 progress.update(1)
 

@@ -35,7 +35,7 @@ from cache_transfer.layout import KVLayout
 from cache_transfer.route_slice import RouteSlice
 from cache_transfer.sender import KVSender
 from cache_transfer.state import TransferState
-from cache_transfer.tickets import check_ticket, ticket_misfit
+from cache_transfer.tickets import check_ticket, ticket_misfit, ticket_suffix
 from cache_transfer.tp.head_routes import RankHeads, Route, plan_routes
 from cache_transfer.tp.head_slices import slice_packed
 from cache_transfer.tp.route_tickets import decode_ranks, route_ticket
@@ -65,7 +65,9 @@ class FanOutSender:
         self.log_id = log_id
         self.routes = routes
         self.num_tokens = ticket.num_tokens
-        self.num_blocks = layout.num_blocks_for(ticket.num_tokens)
+        self.suffix = ticket_suffix(layout, ticket)  # every route skips what D holds (KVSuffix)
+        self.num_blocks = self.suffix.num_blocks
+        self.num_bytes_skipped = layout.kv_bytes(self.suffix.num_cached_blocks)
         self.whole = WholeHandOff(self, ticket.transfer_id, group_timeout_s)  # + other ranks'
         self.group = self.whole.group  # this rank's routes
         self.plan: list[Route] = [route for route, _ in routes]  # every rank's (create)

@@ -6,9 +6,9 @@ decode_ranks(ticket, num_kv_heads)   the decode node's ranks: TP 1 (no `ranks`):
 route_ticket(auth, ticket, route, dst, layout)
                                      the ticket a route's session runs on: its own transfer id
                                      (route_id), the decode rank's address and device, the head
-                                     slice's layout hash; blocks, tokens, KV cache dtype and
-                                     expiry the whole's; with a cluster secret signed as it is
-                                     (seal_ticket)
+                                     slice's layout hash; blocks, tokens, held blocks (the
+                                     suffix), KV cache dtype and expiry the whole's; with a
+                                     cluster secret signed as it is (seal_ticket)
 ```
 
 Both ends derive a route's ticket the same way from the whole (the prefill rank after checking
@@ -85,6 +85,7 @@ def route_ticket(
         num_tokens=ticket.num_tokens,
         expires_at_unix_s=ticket.expires_at_unix_s,
         kv_device=dst.kv_device,
+        num_cached_blocks=ticket.num_cached_blocks,  # every route skips the blocks D holds
         kv_cache_dtype=ticket.kv_cache_dtype,
     )
     if auth is not None:

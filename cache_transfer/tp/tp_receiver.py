@@ -44,23 +44,28 @@ class TPReceiver:
         num_tokens: int,
         timeouts_s: tuple[float, float | None],  # (timeout_s, max_ceiling_s)
         log_id: str = "",
+        num_cached_blocks: int = 0,
     ) -> None:
         """`layout`: the model's (every kv head); `ranks`: this node's (one at TP 1);
         `kv_caches`: rank 0's pool; `timeouts_s`: as a KVReceiver's (no progress, at most
-        this ceiling); `log_id`: the request's id."""
+        this ceiling); `log_id`: the request's id; `num_cached_blocks`: the prompt's leading
+        blocks held (KVSuffix: the ticket says so, every route skips them)."""
         timeout_s, max_ceiling_s = timeouts_s
         self.dst_block_ids = list(dst_block_ids)
+        self.num_bytes_skipped = layout.kv_bytes(num_cached_blocks)  # held here, every head
         self.direct: KVReceiver | None = None
         self._manager = manager
         if len(ranks) == 1:
             self.direct = manager.create_receiver(
-                dst_block_ids, num_tokens, timeout_s, max_ceiling_s=max_ceiling_s, log_id=log_id
-            )
+                dst_block_ids, num_tokens, timeout_s, max_ceiling_s=max_ceiling_s, log_id=log_id,
+                num_cached_blocks=num_cached_blocks,
+            )  # fmt: skip
             self._ticket = self.direct.ticket()
         else:
             self._ticket = issue_ticket(
                 manager.auth, timeout_s, uuid.uuid4().hex, ranks[0].address, dst_block_ids,
-                layout.layout_hash(), num_tokens, ranks[0].kv_device, layout.dtype,
+                layout.layout_hash(), num_tokens, ranks[0].kv_device, num_cached_blocks,
+                layout.dtype,
                 rank_endpoints(list(ranks)),
             )  # fmt: skip
         self.transfer_id = self._ticket.transfer_id

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.kv_events import KVEventLog
 from engine.kv_offload.offload_commands import OffloadCommands
 from pdserve.block_hash import BlockHash
 
@@ -46,6 +47,7 @@ class HostBlockManager:
         self._copied: dict[int, int] = {}  # device block id -> round of its latest copy
         self._seq = 1  # the round being filled
         self._guard_seq = 0
+        self.kv_events: KVEventLog | None = None  # the owner's, told what the tier caches
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +57,10 @@ class HostBlockManager:
     @property
     def num_pending_copies(self) -> int:
         return len(self._demotions) + len(self._promotions)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the tier holds."""
+        return list(self._cached)
 
     def find(self, block_hash: BlockHash) -> int | None:
         """The host block holding `block_hash`, if any."""
@@ -73,6 +79,8 @@ class HostBlockManager:
             return
         self._hashes[host_id] = block_hash
         self._cached[block_hash] = host_id
+        if self.kv_events is not None:
+            self.kv_events.add(block_hash)
         self._pinned.add(host_id)
         self._demotions[host_id] = block_id
         self._copied[block_id] = self._seq
@@ -126,6 +134,9 @@ class HostBlockManager:
         self._lru.clear()
         for host_id in self._pinned:
             self._hashes[host_id] = None
+        if self.kv_events is not None:
+            for block_hash in self._cached:
+                self.kv_events.discard(block_hash)
         self._cached.clear()
 
     def check_no_leaks(self) -> None:
@@ -158,4 +169,6 @@ class HostBlockManager:
         block_hash = self._hashes[host_id]
         assert block_hash is not None, "a cached host block holds a hash"
         del self._cached[block_hash]
+        if self.kv_events is not None:
+            self.kv_events.discard(block_hash)
         return host_id

@@ -72,7 +72,7 @@ class NodeSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device", "kv_cache_dtype", "tp_size", "ranks")
+    __slots__ = ("transfer_id", "dst_address", "dst_block_ids", "layout_hash", "num_tokens", "expires_at_unix_s", "signature", "kv_device", "kv_cache_dtype", "num_cached_blocks", "tp_size", "ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class TransferTicket(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
@@ -93,9 +94,10 @@ class TransferTicket(_message.Message):
     signature: bytes
     kv_device: str
     kv_cache_dtype: str
+    num_cached_blocks: int
     tp_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankEndpoint]
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., signature: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., layout_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ..., signature: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ...) -> None: ...
 
 class RankEndpoint(_message.Message):
     __slots__ = ("rank", "address", "kv_head_start", "kv_head_end", "kv_device")
@@ -235,6 +237,24 @@ class PrefillTransferResult(_message.Message):
     elapsed_s: float
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
 
+class WatchKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "stored", "removed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -282,7 +302,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStats(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_prefilled_tokens", "num_spec_verifies", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_emitted_tokens")
+    __slots__ = ("num_kv_blocks", "num_free_kv_blocks", "num_running_requests", "num_waiting_requests", "num_pending_transfers", "num_finished_requests", "num_local_prefills", "num_failed_transfers", "num_prefix_cache_hit_tokens", "num_queued_prefill_tokens", "last_transfer", "num_in_place_transfers", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_prefix_cache_hit_tokens", "num_kv_offload_bytes", "num_kv_promotion_bytes", "num_prefilled_tokens", "num_kv_transfers", "num_kv_transfer_bytes", "num_kv_skipped_bytes", "num_spec_verifies", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_emitted_tokens")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +321,9 @@ class NodeStats(_message.Message):
     NUM_KV_OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_PROMOTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -323,11 +346,14 @@ class NodeStats(_message.Message):
     num_kv_offload_bytes: int
     num_kv_promotion_bytes: int
     num_prefilled_tokens: int
+    num_kv_transfers: int
+    num_kv_transfer_bytes: int
+    num_kv_skipped_bytes: int
     num_spec_verifies: int
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
     num_spec_emitted_tokens: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_prefilled_tokens: _Optional[int] = ..., num_spec_verifies: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_emitted_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_pending_transfers: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_local_prefills: _Optional[int] = ..., num_failed_transfers: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., last_transfer: _Optional[_Union[LayerTimeline, _Mapping]] = ..., num_in_place_transfers: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_prefix_cache_hit_tokens: _Optional[int] = ..., num_kv_offload_bytes: _Optional[int] = ..., num_kv_promotion_bytes: _Optional[int] = ..., num_prefilled_tokens: _Optional[int] = ..., num_kv_transfers: _Optional[int] = ..., num_kv_transfer_bytes: _Optional[int] = ..., num_kv_skipped_bytes: _Optional[int] = ..., num_spec_verifies: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_emitted_tokens: _Optional[int] = ...) -> None: ...
 
 class LayerTimeline(_message.Message):
     __slots__ = ("transfer_id", "request_id", "computed_s", "sent_s", "landed_s", "marks_s")

@@ -55,6 +55,11 @@ class NodeStub:
                 request_serializer=pdserve_dot_v1_dot_node__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_node__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.v1.Node/WatchKVEvents',
+                request_serializer=pdserve_dot_v1_dot_node__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_node__pb2.KVEvents.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -89,6 +94,16 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """The block hashes this node's prefix cache holds (device and host tiers together), as they
+        change: first a snapshot (reset, then every hash held, over as many messages as it takes),
+        then batches of hashes stored and removed. The router's kv_events policy keeps an exact
+        index of every node from it. Ends when the node stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_node__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_node__pb2.AbortResponse.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_node__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_node__pb2.KVEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class Node:
             '/pdserve.v1.Node/Abort',
             pdserve_dot_v1_dot_node__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_node__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Node/WatchKVEvents',
+            pdserve_dot_v1_dot_node__pb2.WatchKVEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_node__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/transfer.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xcc\x03\n\x0fTransferMessage\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x32\n\thandshake\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.TransferHandshakeH\x00\x12\x31\n\rhandshake_ack\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.HandshakeAckH\x00\x12\x33\n\x0elayer_manifest\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.LayerManifestH\x00\x12-\n\x0b\x66irst_token\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12,\n\x06result\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x12*\n\x05hello\x18\x08 \x01(\x0b\x32\x19.pdserve.v1.TransferHelloH\x00\x12\x33\n\tchallenge\x18\t \x01(\x0b\x32\x1e.pdserve.v1.HandshakeChallengeH\x00\x12(\n\x08progress\x18\n \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x12\x0b\n\x03mac\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"$\n\rTransferHello\x12\x13\n\x0bsrc_address\x18\x01 \x01(\t\"W\n\x12HandshakeChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x12\n\nconnection\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\t\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\xd6\x02\n\x11TransferHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x13\n\x0bsrc_address\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05proof\x18\x07 \x01(\x0c\x12\x11\n\tkv_device\x18\x08 \x01(\t\x12\x16\n\x0ewrite_in_place\x18\t \x01(\x08\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x11\n\tencrypted\x18\x0b \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x0f\n\x07tp_size\x18\x14 \x01(\r\x12\x0c\n\x04rank\x18\x15 \x01(\r\x12\x15\n\rkv_head_start\x18\x16 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x17 \x01(\r\"\'\n\x08Progress\x12\x1b\n\x13num_computed_tokens\x18\x01 \x01(\r\"\x9b\x02\n\x0cKVPoolExport\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\x04\x12\x0e\n\x06stride\x18\n \x03(\x04\x12\x11\n\tk_offsets\x18\x0b \x03(\x04\x12\x11\n\tv_offsets\x18\x0c \x03(\x04\"r\n\x0cHandshakeAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12&\n\x04pool\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.KVPoolExport\"\xbc\x01\n\rLayerManifest\x12\x11\n\tlayer_idx\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x18\n\x10written_in_place\x18\x06 \x01(\x08\x12\x16\n\x0emore_layer_ids\x18\x07 \x03(\r\x12\x16\n\x0epayload_digest\x18\x08 \x01(\x08\"\x89\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06sealed\x18\x04 \x01(\x0c\"C\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0ewrites_drained\x18\x03 \x01(\x08*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/transfer.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\xcc\x03\n\x0fTransferMessage\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x32\n\thandshake\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.TransferHandshakeH\x00\x12\x31\n\rhandshake_ack\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.HandshakeAckH\x00\x12\x33\n\x0elayer_manifest\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.LayerManifestH\x00\x12-\n\x0b\x66irst_token\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12,\n\x06result\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x12*\n\x05hello\x18\x08 \x01(\x0b\x32\x19.pdserve.v1.TransferHelloH\x00\x12\x33\n\tchallenge\x18\t \x01(\x0b\x32\x1e.pdserve.v1.HandshakeChallengeH\x00\x12(\n\x08progress\x18\n \x01(\x0b\x32\x14.pdserve.v1.ProgressH\x00\x12\x0b\n\x03mac\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"$\n\rTransferHello\x12\x13\n\x0bsrc_address\x18\x01 \x01(\t\"W\n\x12HandshakeChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x12\n\nconnection\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\t\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\xf1\x02\n\x11TransferHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x13\n\x0bsrc_address\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05proof\x18\x07 \x01(\x0c\x12\x11\n\tkv_device\x18\x08 \x01(\t\x12\x16\n\x0ewrite_in_place\x18\t \x01(\x08\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x11\n\tencrypted\x18\x0b \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x19\n\x11num_cached_blocks\x18\r \x01(\r\x12\x0f\n\x07tp_size\x18\x14 \x01(\r\x12\x0c\n\x04rank\x18\x15 \x01(\r\x12\x15\n\rkv_head_start\x18\x16 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x17 \x01(\r\"\'\n\x08Progress\x12\x1b\n\x13num_computed_tokens\x18\x01 \x01(\r\"\x9b\x02\n\x0cKVPoolExport\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\x04\x12\x0e\n\x06stride\x18\n \x03(\x04\x12\x11\n\tk_offsets\x18\x0b \x03(\x04\x12\x11\n\tv_offsets\x18\x0c \x03(\x04\"r\n\x0cHandshakeAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12&\n\x04pool\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.KVPoolExport\"\xbc\x01\n\rLayerManifest\x12\x11\n\tlayer_idx\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x18\n\x10written_in_place\x18\x06 \x01(\x08\x12\x16\n\x0emore_layer_ids\x18\x07 \x03(\r\x12\x16\n\x0epayload_digest\x18\x08 \x01(\x08\"\x89\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06sealed\x18\x04 \x01(\x0c\"C\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0ewrites_drained\x18\x03 \x01(\x08*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1848
-  _globals['_PROTOCOLVERSION']._serialized_end=1929
+  _globals['_PROTOCOLVERSION']._serialized_start=1875
+  _globals['_PROTOCOLVERSION']._serialized_end=1956
   _globals['_TRANSFERMESSAGE']._serialized_start=71
   _globals['_TRANSFERMESSAGE']._serialized_end=531
   _globals['_TRANSFERHELLO']._serialized_start=533
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKECHALLENGE']._serialized_start=571
   _globals['_HANDSHAKECHALLENGE']._serialized_end=658
   _globals['_TRANSFERHANDSHAKE']._serialized_start=661
-  _globals['_TRANSFERHANDSHAKE']._serialized_end=1003
-  _globals['_PROGRESS']._serialized_start=1005
-  _globals['_PROGRESS']._serialized_end=1044
-  _globals['_KVPOOLEXPORT']._serialized_start=1047
-  _globals['_KVPOOLEXPORT']._serialized_end=1330
-  _globals['_HANDSHAKEACK']._serialized_start=1332
-  _globals['_HANDSHAKEACK']._serialized_end=1446
-  _globals['_LAYERMANIFEST']._serialized_start=1449
-  _globals['_LAYERMANIFEST']._serialized_end=1637
-  _globals['_FIRSTTOKEN']._serialized_start=1640
-  _globals['_FIRSTTOKEN']._serialized_end=1777
-  _globals['_TRANSFERRESULT']._serialized_start=1779
-  _globals['_TRANSFERRESULT']._serialized_end=1846
+  _globals['_TRANSFERHANDSHAKE']._serialized_end=1030
+  _globals['_PROGRESS']._serialized_start=1032
+  _globals['_PROGRESS']._serialized_end=1071
+  _globals['_KVPOOLEXPORT']._serialized_start=1074
+  _globals['_KVPOOLEXPORT']._serialized_end=1357
+  _globals['_HANDSHAKEACK']._serialized_start=1359
+  _globals['_HANDSHAKEACK']._serialized_end=1473
+  _globals['_LAYERMANIFEST']._serialized_start=1476
+  _globals['_LAYERMANIFEST']._serialized_end=1664
+  _globals['_FIRSTTOKEN']._serialized_start=1667
+  _globals['_FIRSTTOKEN']._serialized_end=1804
+  _globals['_TRANSFERRESULT']._serialized_start=1806
+  _globals['_TRANSFERRESULT']._serialized_end=1873
 # @@protoc_insertion_point(module_scope)

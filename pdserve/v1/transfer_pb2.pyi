@@ -60,7 +60,7 @@ class HandshakeChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., connection: _Optional[str] = ..., refused: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class TransferHandshake(_message.Message):
-    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s", "encrypted", "kv_cache_dtype", "tp_size", "rank", "kv_head_start", "kv_head_end")
+    __slots__ = ("protocol_version", "layout_hash", "src_address", "num_layers", "num_tokens", "num_blocks", "proof", "kv_device", "write_in_place", "timeout_s", "encrypted", "kv_cache_dtype", "num_cached_blocks", "tp_size", "rank", "kv_head_start", "kv_head_end")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     SRC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class TransferHandshake(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
@@ -89,11 +90,12 @@ class TransferHandshake(_message.Message):
     timeout_s: float
     encrypted: bool
     kv_cache_dtype: str
+    num_cached_blocks: int
     tp_size: int
     rank: int
     kv_head_start: int
     kv_head_end: int
-    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., encrypted: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., src_address: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., proof: _Optional[bytes] = ..., kv_device: _Optional[str] = ..., write_in_place: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., encrypted: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., tp_size: _Optional[int] = ..., rank: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("num_computed_tokens",)

@@ -10,7 +10,8 @@ pick(request, prefill_nodes, decode_nodes)
 ```
 
 Subclasses choose the nodes (`pick_prefill`, `pick_decode`); the decision to disaggregate at
-all (conditional disaggregation) is shared.
+all (conditional disaggregation) is shared. A policy may follow the ready nodes (`follow`),
+prepare a request before its first pick (`prepare`) and end its background work (`close`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ class RoutingPolicy(ABC):
         prefill = self.pick_prefill(request, prefill_nodes)
         decode = self.pick_decode(request, decode_nodes, prefills_locally=False)
         return Route(prefill=prefill, decode=decode)
+
+    def follow(self, nodes: Sequence[NodeClient]) -> None:
+        """The ready nodes changed to `nodes` (every role): a policy that watches nodes
+        follows them (the kv_events policy's streams). Nothing by default."""
+        return None
+
+    async def prepare(self, request: ProcessedRequest, block_size: int) -> None:
+        """Before the request's first pick, off the pick's path: work a pick would do on the
+        event loop (hashing a long prompt). Nothing by default."""
+        return None
+
+    async def close(self) -> None:
+        """The router stops: end what the policy runs in the background."""
+        return None
 
     def local_prefill_reason(
         self, request: ProcessedRequest, prefill_nodes: Sequence[NodeClient]

@@ -71,7 +71,7 @@ def test_reserve_waits_no_longer_than_asked():
         admission = _admission(num_free_blocks=0, queue_timeout_s=600.0)
         async with asyncio.timeout(10):  # the queue timeout alone would wait 600 s
             with pytest.raises(AdmissionRefused, match="no KV blocks freed up"):
-                await admission.reserve("r1", 16, wait_s=0.05)
+                await admission.reserve(SimpleNamespace(request_id="r1"), 16, wait_s=0.05)
         assert admission.num_queued == 0 and admission.num_refused == 1
 
     asyncio.run(scenario())

@@ -44,7 +44,7 @@ def test_node_info_matches_between_roles(transport: str) -> None:
                 assert list(info.eos_token_ids) == [2]
                 assert info.block_size == BLOCK_SIZE
                 assert info.kv_transport == transport
-                assert info.protocol_version == 7  # PROTOCOL_VERSION_CURRENT (FirstToken drafts)
+                assert info.protocol_version == 8  # PROTOCOL_VERSION_CURRENT (suffix hand-offs)
             prefill_stats, decode_stats = await nodes.stats()
             for stats in (prefill_stats, decode_stats):
                 assert stats.num_kv_blocks == NUM_BLOCKS

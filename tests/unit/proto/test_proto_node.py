@@ -8,7 +8,7 @@ import pytest
 from pdserve.v1 import generation_pb2, node_pb2, node_pb2_grpc
 
 SERVER_STREAMING = {
-    "Node": set(),
+    "Node": {"WatchKVEvents"},
     "PrefillNode": {"Prefill"},
     "DecodeNode": {"Decode"},
 }
@@ -60,7 +60,7 @@ def test_stream_messages_say_which_kind_they_are(response, kind: str) -> None:
     assert parsed.WhichOneof("kind") == kind
 
 
-def test_only_prefill_and_decode_are_server_streams() -> None:
+def test_only_prefill_decode_and_kv_events_are_server_streams() -> None:
     services = node_pb2.DESCRIPTOR.services_by_name
     assert set(services) == set(SERVER_STREAMING)
     for name, streaming in SERVER_STREAMING.items():

@@ -15,7 +15,8 @@ from benchmarks.serve.cluster import BenchCluster, ClusterSpec
 def test_serve_client_imports_no_torch() -> None:
     code = (
         "import sys, benchmarks.cli, benchmarks.serve.bench_serve, benchmarks.serve.bench_compare, "
-        "benchmarks.serve.bench_dataset, benchmarks.serve.bench_ttft; "
+        "benchmarks.serve.bench_dataset, benchmarks.serve.bench_ttft, "
+        "benchmarks.serve.bench_turn_ttft; "
         "print(sorted(m for m in ('torch', 'numpy', 'engine', 'kernels', 'matplotlib') "
         "if m in sys.modules))"
     )

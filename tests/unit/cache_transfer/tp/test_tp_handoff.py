@@ -49,6 +49,38 @@ def test_every_rank_gets_exactly_its_heads(num_kv_heads, src_tp, dst_tp):
     run(main(), 60)
 
 
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (2, 2), (1, 2)])
+def test_a_suffix_hand_off_skips_the_held_blocks_on_every_route(src_tp, dst_tp):
+    """The decode node holds the prompt's first block (KVSuffix): every route's ticket says so
+    (signed), each route sends only the rest, into the ticket's blocks; the held block's
+    slot is untouched on every rank."""
+    held = 1
+
+    async def main():
+        pair = await TPPair.start(4, src_tp, dst_tp)
+        try:
+            receiver = pair.open_receiver(held)
+            ticket = receiver.ticket()
+            assert ticket.num_cached_blocks == held
+            sending = pair.open_senders(ticket)
+            for rank in sending:
+                assert all(s.suffix.num_cached_blocks == held for _, s in rank.fan_out.routes)
+            await pair.send_all(sending, first_token=42, held=held)
+            assert await asyncio.wait_for(receiver.wait(), 10) == TransferState.SUCCESS
+            assert await pair.prefill[0].fan_out.wait() == TransferState.SUCCESS
+            await asyncio.wait_for(receiver.writes_settled.wait(), 5)
+            assert pair.landed_as_sent(held)
+            for rank in pair.decode:  # the held block's slot: not written
+                for k, v in rank.caches:
+                    assert bool((k[DST_IDS[0]] == SENTINEL).all())
+                    assert bool((v[DST_IDS[0]] == SENTINEL).all())
+            assert receiver.num_bytes_skipped == pair.layout.kv_bytes(held)
+        finally:
+            await pair.close()
+
+    run(main(), 60)
+
+
 def test_tcp_two_to_one():
     async def main():
         pair = await TPPair.start(4, 2, 1, backend="tcp")

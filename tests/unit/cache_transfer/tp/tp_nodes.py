@@ -96,12 +96,13 @@ class TPPair:
     def decode_ranks(self) -> list[DecodeRank]:
         return [DecodeRank(r.heads, r.manager.address, "") for r in self.decode]
 
-    def open_receiver(self) -> TPReceiver:
+    def open_receiver(self, held: int = 0) -> TPReceiver:
         """Decode rank 0's whole hand-off, the other ranks' fan-ins opened (what the rank link
-        does)."""
+        does); `held`: the prompt's leading blocks the decode node holds (a suffix hand-off)."""
         rank0 = self.decode[0]
         receiver = TPReceiver(rank0.manager, self.layout, self.decode_ranks(), rank0.caches,
-                              DST_IDS, NUM_TOKENS, (TIMEOUT_S, None))  # fmt: skip
+                              DST_IDS[held:], NUM_TOKENS, (TIMEOUT_S, None),
+                              num_cached_blocks=held)  # fmt: skip
         ticket = receiver.ticket()
         for rank, dst in zip(self.decode[1:], self.decode_ranks()[1:], strict=True):
             rank.fan_in = FanIn(rank.manager, ticket, dst, rank.caches, self.layout,
@@ -130,27 +131,30 @@ class TPPair:
         return sending
 
     async def send_all(
-        self, sending: list[Rank], first_token: int = 42, drafts: Sequence[int] = ()
+        self, sending: list[Rank], first_token: int = 42, held: int = 0, drafts: Sequence[int] = ()
     ) -> None:
-        """Each sending rank packs and sends every layer; rank 0 then the first token (with
-        `drafts`: speculative decoding's)."""
+        """Each sending rank packs and sends every layer (past the `held` blocks); rank 0 then
+        the first token (with `drafts`: speculative decoding's)."""
         for layer in range(self.layout.num_layers):
             for rank in sending:
                 k, v = rank.caches[layer]
                 n_heads = rank.heads.kv_head_end - rank.heads.kv_head_start
-                packed = torch.empty(_rank(self.layout, rank.heads).layer_bytes(len(SRC_IDS)),
-                                     dtype=torch.uint8)  # fmt: skip
+                packed = torch.empty(
+                    _rank(self.layout, rank.heads).layer_bytes(len(SRC_IDS) - held),
+                    dtype=torch.uint8,
+                )  # fmt: skip
                 assert n_heads == k.shape[2]
-                pack_layer(k, v, SRC_IDS, packed)
+                pack_layer(k, v, SRC_IDS[held:], packed)
                 await rank.fan_out.send_packed_layers([(layer, packed)])
         await self.prefill[0].fan_out.send_first_token(first_token, None, "", drafts)
 
-    def landed_as_sent(self) -> bool:
-        """Every decode rank holds, at DST_IDS, its heads of the model's KV at SRC_IDS."""
+    def landed_as_sent(self, held: int = 0) -> bool:
+        """Every decode rank holds, at DST_IDS, its heads of the model's KV at SRC_IDS (past
+        the `held` blocks: DST_IDS[held:] hold SRC_IDS[held:])."""
         for rank in self.decode:
             h = rank.heads
             for (k, v), (fk, fv) in zip(rank.caches, self.full_src, strict=True):
-                for dst, src in zip(DST_IDS, SRC_IDS):
+                for dst, src in zip(DST_IDS[held:], SRC_IDS[held:]):
                     if not torch.equal(k[dst], fk[src][:, h.kv_head_start : h.kv_head_end]):
                         return False
                     if not torch.equal(v[dst], fv[src][:, h.kv_head_start : h.kv_head_end]):
