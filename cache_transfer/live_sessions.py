@@ -101,8 +101,10 @@ class LiveSessions:
         if session.state == TransferState.SUCCESS:
             self.num_succeeded += 1
             self.num_in_place += session.in_place
-            moved = session.num_bytes_received if isinstance(session, KVReceiver) else None
-            self.num_bytes_moved += session.num_bytes_sent if moved is None else moved
+            if isinstance(session, KVReceiver):
+                self.num_bytes_moved += session.num_bytes_received
+            else:
+                self.num_bytes_moved += session.num_bytes_sent
             self.num_bytes_skipped += session.num_bytes_skipped
         else:
             self.num_failed += 1
