@@ -256,3 +256,26 @@ async def run_local(
         timeout=timeout_s,
     )
     return tokens_of(await read_chunks(call, timeout_s))
+
+
+@dataclass
+class SecondTurn:
+    """A conversation's second turn opened on the decode node (`open_second_turn`)."""
+
+    answer: list[int]  # turn 1's output
+    prompt: list[int]  # turn 1 + its answer + the new tokens
+    call: grpc.aio.UnaryStreamCall  # turn 2's Decode, its ticket read
+    ticket: node_pb2.TransferTicket
+
+
+async def open_second_turn(
+    nodes: Nodes, turn_1: list[int], new_tokens: list[int], request_id: str = "turn-2"
+) -> SecondTurn:
+    """Turn 1 prefilled and decoded on the decode node, then turn 2's DISAGGREGATED Decode
+    opened there and its ticket read: the ticket says how many leading blocks D holds."""
+    answer = await run_local(nodes, "turn-1", turn_1)
+    turn_2 = turn_1 + answer + new_tokens
+    call = nodes.decode_stub.Decode(
+        decode_request(request_id, turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
+    )
+    return SecondTurn(answer, turn_2, call, await read_ticket(call))

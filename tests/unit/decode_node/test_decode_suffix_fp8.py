@@ -19,11 +19,10 @@ from tests.unit.decode_node.node_harness import (
     GREEDY,
     MODEL,
     RPC_TIMEOUT_S,
-    decode_request,
     engine_config,
+    open_second_turn,
     prompt,
     read_chunks,
-    read_ticket,
     run,
     run_disaggregated,
     run_local,
@@ -79,12 +78,8 @@ def test_an_fp8_suffix_ticket_at_a_float32_prefill_node_is_refused() -> None:
     async def main() -> None:
         async with running_nodes("tcp", decode_engine=fp8_engine(False)) as nodes:
             assert nodes.prefill.layout.dtype == "float32"
-            answer = await run_local(nodes, "turn-1", TURN_1)
-            turn_2 = TURN_1 + answer + NEW_TOKENS
-            call = nodes.decode_stub.Decode(
-                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
-            )
-            ticket = await read_ticket(call)
+            second = await open_second_turn(nodes, TURN_1, NEW_TOKENS)
+            turn_2, call, ticket = second.prompt, second.call, second.ticket
             assert ticket.num_cached_blocks > 0
             prefill = nodes.prefill_stub.Prefill(
                 node_pb2.PrefillRequest(request_id="turn-2", prompt_token_ids=turn_2,

@@ -25,6 +25,7 @@ from tests.unit.decode_node.node_harness import (
     Nodes,
     decode_request,
     engine_config,
+    open_second_turn,
     prompt,
     read_chunks,
     read_prefill,
@@ -141,12 +142,8 @@ def test_held_blocks_survive_a_squeezed_pool() -> None:
 
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
-            answer = await run_local(nodes, "turn-1", TURN_1)
-            turn_2 = TURN_1 + answer + NEW_TOKENS
-            call = nodes.decode_stub.Decode(
-                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
-            )
-            ticket = await read_ticket(call)
+            second = await open_second_turn(nodes, TURN_1, NEW_TOKENS)
+            answer, turn_2, call, ticket = second.answer, second.prompt, second.call, second.ticket
             assert ticket.num_cached_blocks == (len(TURN_1) + len(answer) - 1) // BLOCK_SIZE
             free = (await nodes.stats())[1].num_free_kv_blocks
             squeeze = prompt(free * BLOCK_SIZE - GREEDY.max_tokens - 1, seed=23)
@@ -191,12 +188,8 @@ def test_layers_packed_before_the_ticket_are_cut_to_the_suffix() -> None:
 
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
-            answer = await run_local(nodes, "turn-1", TURN_1)
-            turn_2 = TURN_1 + answer + NEW_TOKENS
-            decode = nodes.decode_stub.Decode(
-                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
-            )
-            ticket = await read_ticket(decode)
+            second = await open_second_turn(nodes, TURN_1, NEW_TOKENS)
+            turn_2, decode, ticket = second.prompt, second.call, second.ticket
             assert ticket.num_cached_blocks > 0
             prefill = nodes.prefill_stub.Prefill(
                 node_pb2.PrefillRequest(request_id="turn-2", prompt_token_ids=turn_2,
@@ -282,12 +275,8 @@ def test_a_failed_suffix_hand_off_falls_back_to_a_local_prefill() -> None:
 
     async def main() -> None:
         async with running_nodes("tcp") as nodes:
-            answer = await run_local(nodes, "turn-1", TURN_1)
-            turn_2 = TURN_1 + answer + NEW_TOKENS
-            call = nodes.decode_stub.Decode(
-                decode_request("turn-2", turn_2, transfer_timeout_s=60.0), timeout=RPC_TIMEOUT_S
-            )
-            ticket = await read_ticket(call)
+            second = await open_second_turn(nodes, TURN_1, NEW_TOKENS)
+            turn_2, call, ticket = second.prompt, second.call, second.ticket
             assert ticket.num_cached_blocks > 0
             cancel = node_pb2.CancelTransferRequest(transfer_id=ticket.transfer_id, reason="test")
             assert (await nodes.decode_stub.CancelTransfer(cancel, timeout=RPC_TIMEOUT_S)).found
