@@ -4,16 +4,19 @@ that record how every request ended (tokens, a clear status, or past its deadlin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 import psutil
 
+from pdserve.config import RouterConfig
 from router.client import GenerationClient, build_request
+from router.server import RouterServer
 from tests.e2e.cluster import Cluster
 from tests.e2e.registry_cluster import eventually
 
@@ -26,6 +29,28 @@ CLEAR_CODES = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
     }
 )
+
+
+@contextlib.asynccontextmanager
+async def router_over(
+    nodes, transfer_timeout_s: float
+) -> AsyncIterator[tuple[RouterServer, GenerationClient]]:
+    """A router in this process over one prefill and one decode node of node_harness's
+    `running_nodes`, and a client of it; both closed on exit."""
+    router = RouterServer(
+        RouterConfig(
+            port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
+            prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
+            transfer_timeout_s=transfer_timeout_s,
+        )
+    )  # fmt: skip
+    await router.start()
+    client = GenerationClient(router.address)
+    try:
+        yield router, client
+    finally:
+        await client.close()
+        await router.stop()
 
 
 async def wait_registered(router, num_prefill: int = 1, num_decode: int = 2) -> None:

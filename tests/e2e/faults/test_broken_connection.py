@@ -13,10 +13,7 @@ import pytest
 
 from cache_transfer import protocol
 from cache_transfer.transports.base import TransportError
-from pdserve.config import RouterConfig
-from router.client import GenerationClient
-from router.server import RouterServer
-from tests.e2e.faults.fault_tools import CLEAR_CODES, Outcome, run_one
+from tests.e2e.faults.fault_tools import CLEAR_CODES, Outcome, router_over, run_one
 from tests.e2e.faults.table import FaultRow, record
 from tests.unit.decode_node.node_harness import prompt, running_nodes
 
@@ -67,16 +64,7 @@ def record_cancels(server) -> list[tuple[str, str]]:
 
 
 async def through_router(nodes, num_requests: int) -> list[Outcome]:
-    router = RouterServer(
-        RouterConfig(
-            port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
-            prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
-            transfer_timeout_s=TRANSFER_TIMEOUT_S,
-        )
-    )  # fmt: skip
-    await router.start()
-    client = GenerationClient(router.address)
-    try:
+    async with router_over(nodes, TRANSFER_TIMEOUT_S) as (_, client):
         return [
             await run_one(
                 client,
@@ -88,9 +76,6 @@ async def through_router(nodes, num_requests: int) -> list[Outcome]:
             )  # fmt: skip
             for i in range(num_requests)
         ]
-    finally:
-        await client.close()
-        await router.stop()
 
 
 def test_a_broken_p_to_d_connection_cancels_the_reservation_at_once():

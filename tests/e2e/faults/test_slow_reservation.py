@@ -17,11 +17,8 @@ import asyncio
 
 import pytest
 
-from pdserve.config import RouterConfig
 from pdserve.v1 import node_pb2
-from router.client import GenerationClient
-from router.server import RouterServer
-from tests.e2e.faults.fault_tools import Outcome, run_one
+from tests.e2e.faults.fault_tools import Outcome, router_over, run_one
 from tests.e2e.faults.table import FaultRow, record
 from tests.unit.decode_node.node_harness import (
     BLOCK_SIZE,
@@ -61,38 +58,28 @@ async def hold_whole_pool(nodes):
 async def through_router(nodes) -> tuple[Outcome, int]:
     """The request, with D's pool held until P waited HELD_S for its ticket; its outcome and
     the router's prefill failures."""
-    router = RouterServer(
-        RouterConfig(
-            port=0, http_port=0, grace_s=0.0, node_wait_s=10.0,
-            prefill_addrs=(nodes.prefill.address,), decode_addrs=(nodes.decode.address,),
-            transfer_timeout_s=TRANSFER_TIMEOUT_S,
-        )
-    )  # fmt: skip
-    await router.start()
-    client = GenerationClient(router.address)
-    filler = await hold_whole_pool(nodes)
-    try:
-        request = asyncio.create_task(
-            run_one(
-                client,
-                DEADLINE_S,
-                prompt_token_ids=prompt(PROMPT_LEN, seed=2),
-                max_tokens=MAX_TOKENS,
-                temperature=0.0,
-                ignore_eos=True,
+    async with router_over(nodes, TRANSFER_TIMEOUT_S) as (router, client):
+        filler = await hold_whole_pool(nodes)
+        try:
+            request = asyncio.create_task(
+                run_one(
+                    client,
+                    DEADLINE_S,
+                    prompt_token_ids=prompt(PROMPT_LEN, seed=2),
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
             )
-        )
-        # P computes the prompt and waits for its ticket; D's reservation queues behind the pool
-        await wait_until(lambda: nodes.prefill.servicer.num_tickets_held == 1, RPC_TIMEOUT_S)
-        await wait_until(lambda: nodes.decode.servicer.admission.num_queued == 1, RPC_TIMEOUT_S)
-        await asyncio.sleep(HELD_S)
-        filler.cancel()  # the other request ends: its blocks free up, the reservation goes on
-        outcome = await request
-        return outcome, router.stats.num_prefill_failures
-    finally:
-        filler.cancel()
-        await client.close()
-        await router.stop()
+            # P computes the prompt and waits for its ticket; D's reservation queues behind the pool
+            await wait_until(lambda: nodes.prefill.servicer.num_tickets_held == 1, RPC_TIMEOUT_S)
+            await wait_until(lambda: nodes.decode.servicer.admission.num_queued == 1, RPC_TIMEOUT_S)
+            await asyncio.sleep(HELD_S)
+            filler.cancel()  # the other request ends: its blocks free up, the reservation goes on
+            outcome = await request
+            return outcome, router.stats.num_prefill_failures
+        finally:
+            filler.cancel()
 
 
 def test_a_reservation_longer_than_the_no_progress_timeout_still_hands_off():
