@@ -7,8 +7,9 @@ runs before every start) does not import the whole engine with it.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pdserve.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -24,8 +25,4 @@ _WHERE = {
     "InvalidRequestError": "pdserve.sampling_params",
 }
 
-
-def __getattr__(name: str) -> object:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

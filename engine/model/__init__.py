@@ -5,8 +5,9 @@ The names below load on first use (PEP 562): resolving a model (`engine.model.so
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pdserve.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from engine.model.arch_config import ModelArchConfig
@@ -22,8 +23,4 @@ _WHERE = {
     "resolve_dtype": "engine.model.loader",
 }
 
-
-def __getattr__(name: str) -> object:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'engine.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__getattr__ = lazy_exports(__name__, _WHERE)
